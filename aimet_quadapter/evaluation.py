@@ -1,0 +1,61 @@
+"""Perplexity: the exponential of the mean negative log-likelihood over every predicted token."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .data import Window
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    ppl: float
+    nll: float  # mean negative log-likelihood per predicted token, in nats
+    tokens: int  # number of predicted tokens
+
+    def __str__(self) -> str:
+        return f"{self.ppl:.3f}"
+
+
+def window_nll(logits: torch.Tensor, window: Window) -> torch.Tensor:
+    """Summed NLL (float64) of the tokens a window scores, from logits of shape (T, V) or (1, T, V)."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    # logits[t] predicts ids[t + 1]: the window scores ids[first_target:].
+    pred = logits[window.first_target - 1 : len(window.ids) - 1].float()
+    target = window.ids[window.first_target :].to(pred.device)
+    return F.cross_entropy(pred, target, reduction="sum").double()
+
+
+@torch.no_grad()
+def perplexity(
+    model: LogitsFn, windows: Sequence[Window], desc: str = "perplexity", progress: bool = True
+) -> Perplexity:
+    """Token-level perplexity of ``model`` (input ids (1, T) -> logits (1, T, V)) over ``windows``."""
+    if not windows:
+        raise ValueError("no evaluation windows: the text is shorter than two tokens")
+    device = _device_of(model)
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    bar = tqdm(windows, desc=desc, unit="win", disable=not progress, leave=False)
+    for window in bar:
+        logits = model(window.ids.unsqueeze(0).to(device))
+        total += window_nll(logits, window).cpu()
+        count += window.n_targets
+        bar.set_postfix(ppl=f"{math.exp(total.item() / count):.2f}")
+    nll = total.item() / count
+    return Perplexity(math.exp(nll), nll, count)
+
+
+def _device_of(model: LogitsFn) -> torch.device:
+    if isinstance(model, torch.nn.Module):
+        for p in model.parameters():
+            return p.device
+    return torch.device("cpu")

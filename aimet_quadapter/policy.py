@@ -1,0 +1,166 @@
+"""The quantization policy, and the ``QuantizationSimModel`` it makes.
+
+The paper's policy (Section 4, after Bondarenko et al. 2021): uniform asymmetric 8-bit per-tensor
+quantization of all weights and activations except biases, non-linear operations and additions.
+Here that means: every Linear and Embedding weight, optionally the norms' gamma (the paper quantizes
+the LayerNorm affine as a weight), and one activation quantizer at the input of every Linear and of
+both attention matmuls. Outputs of norms, activations, softmax and residual adds are not quantized
+on their own: each reaches the next quantizer as that layer's input, so no tensor is quantized twice.
+
+AIMET's JSON config cannot say "inputs of Linear and MatMul only" (its validator insists on output
+quantization), so the sim is built with AIMET's defaults and every quantizer is then set here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+from aimet_common.defs import QuantScheme
+from aimet_torch.nn.modules.custom import MatMul
+from aimet_torch.quantization.affine import QuantizeDequantize
+from aimet_torch.quantsim import QuantizationSimModel
+from torch import nn
+
+from .errors import QuadapterError
+from .models import PreparedLM
+from .quantizers import quantizers
+
+_SCHEMES = {
+    "min_max": QuantScheme.min_max,
+    "tf": QuantScheme.min_max,
+    "tf_enhanced": QuantScheme.post_training_tf_enhanced,
+}
+
+
+@dataclass(frozen=True)
+class QuantPolicy:
+    weight_bits: int = 8
+    activation_bits: int = 8
+    per_channel_weights: bool = False
+    symmetric_weights: bool = False
+    quantize_norm_weights: bool = True  # the norms' gamma, as the paper's W1 of the LayerNorm -> Linear block
+    quantize_logits: bool = False  # the lm_head output: a choice the paper leaves open
+    quant_scheme: str = "min_max"  # how compute_encodings sets initial ranges
+
+    def __post_init__(self):
+        for name in ("weight_bits", "activation_bits"):
+            bits = getattr(self, name)
+            if not isinstance(bits, int) or not 2 <= bits <= 16:
+                raise QuadapterError(f"policy field {name!r} must be an integer in 2..16, got {bits!r}")
+        if self.quant_scheme not in _SCHEMES:
+            raise QuadapterError(
+                f"policy field 'quant_scheme' must be one of {', '.join(_SCHEMES)}, got {self.quant_scheme!r}"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def label(self) -> str:
+        gran = "per-channel" if self.per_channel_weights else "per-tensor"
+        sym = "symmetric" if self.symmetric_weights else "asymmetric"
+        return f"W{self.weight_bits}A{self.activation_bits} ({sym} {gran} weights, asymmetric activations)"
+
+
+def _is_norm(module: nn.Module) -> bool:
+    # Norm modules are recognised by shape, not class: LayerNorm, RMSNorm and their quantized forms
+    # all carry a 1-D `weight` and are neither Linear nor Embedding.
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 1 and not isinstance(module, (nn.Linear, nn.Embedding))
+
+
+def _weight_quantizer(module: nn.Module, policy: QuantPolicy) -> QuantizeDequantize:
+    channels = module.weight.shape[0]
+    shape = (channels, 1) if policy.per_channel_weights else ()
+    return QuantizeDequantize(shape, bitwidth=policy.weight_bits, symmetric=policy.symmetric_weights)
+
+
+def _activation_quantizer(policy: QuantPolicy) -> QuantizeDequantize:
+    return QuantizeDequantize((), bitwidth=policy.activation_bits, symmetric=False)
+
+
+def apply_policy(sim_model: nn.Module, policy: QuantPolicy, logits_module: nn.Module | None = None) -> None:
+    """Set every quantizer of ``sim_model`` as ``policy`` says (in place)."""
+    for module in sim_model.modules():
+        if not hasattr(module, "param_quantizers"):
+            continue
+        is_linear = isinstance(module, nn.Linear)
+        takes_input = is_linear or isinstance(module, MatMul)
+        for i in range(len(module.input_quantizers)):
+            module.input_quantizers[i] = _activation_quantizer(policy) if takes_input else None
+        for i in range(len(module.output_quantizers)):
+            keep = policy.quantize_logits and module is logits_module
+            module.output_quantizers[i] = _activation_quantizer(policy) if keep else None
+        for name in list(module.param_quantizers.keys()):
+            quantize = name == "weight" and (
+                is_linear or isinstance(module, nn.Embedding) or (_is_norm(module) and policy.quantize_norm_weights)
+            )
+            if quantize and _is_norm(module):
+                # gamma is a vector: one range for all of it, whatever the weight granularity
+                module.param_quantizers[name] = QuantizeDequantize(
+                    (), bitwidth=policy.weight_bits, symmetric=policy.symmetric_weights
+                )
+            else:
+                module.param_quantizers[name] = _weight_quantizer(module, policy) if quantize else None
+
+
+def build_sim(model: PreparedLM, policy: QuantPolicy = QuantPolicy(), seq_len: int = 16) -> QuantizationSimModel:
+    """A ``QuantizationSimModel`` of ``model`` (deep-copied: the FP model stays as it is) under ``policy``."""
+    dummy = torch.zeros((1, seq_len), dtype=torch.long, device=next(model.parameters()).device)
+    sim = QuantizationSimModel(
+        model,
+        dummy,
+        quant_scheme=_SCHEMES[policy.quant_scheme],
+        default_output_bw=policy.activation_bits,
+        default_param_bw=policy.weight_bits,
+    )
+    logits = sim.model.get_submodule(f"lm.{model.arch.lm_head}")
+    apply_policy(sim.model, policy, logits_module=logits)
+    sim.model.eval()
+    return sim
+
+
+def run_batches(model: nn.Module, batches: Iterable[torch.Tensor]) -> None:
+    """AIMET's ``forward_pass_callback``: forward every batch, no gradients."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for batch in batches:
+            model(batch.to(device))
+
+
+def calibrate(sim: QuantizationSimModel, batches: Iterable[torch.Tensor]) -> None:
+    """Static calibration: AIMET's ``compute_encodings`` over the calibration batches."""
+    sim.compute_encodings(run_batches, list(batches))
+
+
+def describe(sim_model: nn.Module) -> list[dict]:
+    """One row per quantizer: tensor, bits, symmetric or not, granularity and range once calibrated."""
+    rows = []
+    for path, role, q in quantizers(sim_model):
+        row = {
+            "tensor": f"{path}.{role}",
+            "kind": "weight" if not role.startswith(("input", "output")) else "activation",
+            "bits": q.bitwidth,
+            "symmetric": bool(q.symmetric),
+            "granularity": "per-tensor"
+            if q.shape == () or all(s == 1 for s in q.shape)
+            else f"per-channel{tuple(q.shape)}",
+        }
+        if q.is_initialized():
+            row["min"] = float(q.get_min().min())
+            row["max"] = float(q.get_max().max())
+        rows.append(row)
+    return rows
+
+
+def format_description(rows: list[dict]) -> str:
+    width = max((len(r["tensor"]) for r in rows), default=10)
+    lines = [f"{'tensor':<{width}}  kind        bits  sym    granularity        range"]
+    for r in rows:
+        rng = f"[{r['min']:.4g}, {r['max']:.4g}]" if "min" in r else "(not calibrated)"
+        sym, gran = str(r["symmetric"]), r["granularity"]
+        lines.append(f"{r['tensor']:<{width}}  {r['kind']:<10}  {r['bits']:>4}  {sym:<5}  {gran:<17}  {rng}")
+    n_w = sum(r["kind"] == "weight" for r in rows)
+    lines.append(f"{len(rows)} quantizers: {n_w} weight, {len(rows) - n_w} activation")
+    return "\n".join(lines)

@@ -1,0 +1,195 @@
+"""The Quadapter: one learnable positive scale per channel at each site (Eq. 2 and 3 of the paper).
+
+At a site the producer's output channels are multiplied by alpha (a norm's gamma and beta, or a
+linear's rows and bias) and the consumers' input columns are divided by alpha. Without quantizers
+that is the identity for any alpha; with them, the producer's weight quantizer, the activation
+quantizer between the two and the consumers' weight quantizers all see the scaled tensors.
+
+As in peft, nothing in the model is replaced: :meth:`QuadapterSet.attach` hooks the producer and
+consumer modules so that, during their forward, their ``weight``/``bias`` are the scaled tensors
+(the same substitution AIMET uses for weight fake-quant), and the gradient reaches alpha through
+every quantizer. :meth:`QuadapterSet.fold` writes alpha into the weights for good (Eq. 3).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from .models import PreparedLM, Site
+
+
+def _key(site_name: str) -> str:
+    return re.sub(r"[^0-9A-Za-z_]", "_", site_name)
+
+
+class Quadapter(nn.Module):
+    """alpha = exp(theta), theta initialised to 0 (alpha = 1): positive by construction.
+
+    Learning rates (the paper's 0.1 in phase 1, 1e-3 in phase 2) act on theta, i.e. on relative
+    changes of alpha, which lets an outlier channel's alpha fall by decades without crossing zero.
+    """
+
+    def __init__(self, site: Site, channels: int):
+        super().__init__()
+        self.site = site
+        self.theta = nn.Parameter(torch.zeros(channels))
+        # Product of every alpha folded into the weights so far: what must be applied to the FP model
+        # to reproduce this sim's weights (export, fresh sims).
+        self.register_buffer("folded", torch.ones(channels))
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        return self.theta.exp()
+
+    def set_alpha(self, alpha: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.theta.copy_(alpha.clamp_min(1e-12).log())
+
+
+class _ModulePatch:
+    """The scaled weight and bias one module sees: diag(row scale) W diag(1 / column scale)."""
+
+    def __init__(self, qset: QuadapterSet):
+        self.qset = qset
+        self.rows: list[Quadapter] = []  # this module is the producer of these sites
+        self.cols: list[Quadapter] = []  # ... and a consumer of these
+        self.saved: dict[str, nn.Parameter] = {}
+
+    def scaled(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        weight, bias = module.weight, getattr(module, "bias", None)
+        row = col = None
+        for q in self.rows:
+            if self.qset.is_active(q):
+                row = q.alpha if row is None else row * q.alpha
+        for q in self.cols:
+            if self.qset.is_active(q):
+                scale = q.site.consumer_scale(q.alpha)
+                col = scale if col is None else col * scale
+        out = {}
+        if row is None and col is None:
+            return out
+        w = weight
+        if row is not None:
+            w = w * (row if w.dim() == 1 else row[:, None])
+            if bias is not None:
+                out["bias"] = bias * row
+        if col is not None:
+            w = w / col[None, :]
+        out["weight"] = w
+        return out
+
+    def pre_hook(self, module: nn.Module, args):
+        for name, tensor in self.scaled(module).items():
+            self.saved[name] = module._parameters.pop(name)
+            # A plain attribute shadows the parameter for this forward only; AIMET's quantized
+            # modules read `self.weight`, so their weight quantizers see the scaled tensor.
+            object.__setattr__(module, name, tensor)
+
+    def post_hook(self, module: nn.Module, args, output):
+        for name, param in self.saved.items():
+            module.__dict__.pop(name, None)
+            module._parameters[name] = param
+        self.saved.clear()
+        return output
+
+
+class QuadapterSet(nn.Module):
+    """All Quadapters of a model, one per site, keyed by site name."""
+
+    def __init__(self, model: nn.Module, sites: Iterable[Site]):
+        super().__init__()
+        self.sites = list(sites)
+        self.adapters = nn.ModuleDict()
+        for site in self.sites:
+            producer = model.get_submodule(site.producer)
+            self.adapters[_key(site.name)] = Quadapter(site, producer.weight.shape[0])
+        self._only: set[str] | None = None
+        self._handles: list = []
+        self._patches: dict[int, _ModulePatch] = {}
+
+    @classmethod
+    def for_model(cls, model: PreparedLM, extra_sites: bool | None = None) -> QuadapterSet:
+        return cls(model, model.sites(extra=extra_sites))
+
+    def __getitem__(self, site_name: str) -> Quadapter:
+        return self.adapters[_key(site_name)]
+
+    def __iter__(self) -> Iterator[Quadapter]:
+        return iter(self.adapters.values())
+
+    def __len__(self) -> int:
+        return len(self.adapters)
+
+    # --- which alphas act -------------------------------------------------------------------------
+    def is_active(self, q: Quadapter) -> bool:
+        return self._only is None or q.site.name in self._only
+
+    @contextmanager
+    def only(self, site_names: Iterable[str]) -> Iterator[None]:
+        """Within the block, only these sites' alphas act (the others are the identity)."""
+        before = self._only
+        self._only = set(site_names)
+        try:
+            yield
+        finally:
+            self._only = before
+
+    # --- hooks ------------------------------------------------------------------------------------
+    def attach(self, model: nn.Module) -> QuadapterSet:
+        """Make ``model``'s forward use the scaled weights (model: the sim's or the FP PreparedLM)."""
+        self.detach()
+        for q in self:
+            for path, role in [(q.site.producer, "rows")] + [(c, "cols") for c in q.site.consumers]:
+                module = model.get_submodule(path)
+                patch = self._patches.get(id(module))
+                if patch is None:
+                    patch = self._patches[id(module)] = _ModulePatch(self)
+                    self._handles.append(module.register_forward_pre_hook(patch.pre_hook))
+                    self._handles.append(module.register_forward_hook(patch.post_hook, always_call=True))
+                getattr(patch, role).append(q)
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._patches.clear()
+
+    # --- folding ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def fold(self, model: nn.Module) -> None:
+        """Write every alpha into ``model``'s weights (Eq. 3) and reset alpha to 1.
+
+        ``model`` must be the one the set acts on; its forward is unchanged by the fold.
+        """
+        for q in self:
+            self._fold_one(model, q.site, q.alpha.detach())
+            q.folded.mul_(q.alpha.detach())
+            q.theta.zero_()
+
+    @torch.no_grad()
+    def fold_into(self, model: nn.Module) -> None:
+        """Apply every alpha folded so far (and the current one) to another model, e.g. the FP model."""
+        for q in self:
+            self._fold_one(model, q.site, q.folded * q.alpha.detach())
+
+    @staticmethod
+    def _fold_one(model: nn.Module, site: Site, alpha: torch.Tensor) -> None:
+        producer = model.get_submodule(site.producer)
+        w = producer.weight
+        w.mul_(alpha if w.dim() == 1 else alpha[:, None])
+        if getattr(producer, "bias", None) is not None:
+            producer.bias.mul_(alpha)
+        scale = site.consumer_scale(alpha)
+        for path in site.consumers:
+            model.get_submodule(path).weight.div_(scale[None, :])
+
+    # --- state ------------------------------------------------------------------------------------
+    def total_alpha(self) -> dict[str, torch.Tensor]:
+        """Site name -> the whole scale relative to the original FP model (folded x current)."""
+        return {q.site.name: (q.folded * q.alpha).detach().clone() for q in self}

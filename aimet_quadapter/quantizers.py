@@ -1,0 +1,99 @@
+"""Operations on the AIMET quantizers of a sim: enumerate, dynamic mode, learnable ranges, fast eval."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
+
+import torch
+from aimet_torch.quantization.affine import QuantizeDequantize
+from torch import nn
+
+
+def quantizers(model: nn.Module) -> Iterator[tuple[str, str, QuantizeDequantize]]:
+    """(module path, role, quantizer) for every quantizer in a sim model; role: weight, input[i] or output[i]."""
+    for path, module in model.named_modules():
+        if not hasattr(module, "param_quantizers"):
+            continue
+        for name, q in module.param_quantizers.items():
+            if q is not None:
+                yield path, name, q
+        for i, q in enumerate(module.input_quantizers):
+            if q is not None:
+                yield path, f"input[{i}]", q
+        for i, q in enumerate(module.output_quantizers):
+            if q is not None:
+                yield path, f"output[{i}]", q
+
+
+def quantizers_in(modules: Iterable[nn.Module]) -> list[QuantizeDequantize]:
+    """Every quantizer inside ``modules`` (and their children), each once."""
+    seen: dict[int, QuantizeDequantize] = {}
+    for module in modules:
+        for _, _, q in quantizers(module):
+            seen.setdefault(id(q), q)
+    return list(seen.values())
+
+
+@contextmanager
+def dynamic_quantization(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
+    """Each call of each quantizer uses the min/max of its own input (weights and activations alike).
+
+    This is the paper's dynamic mode for phase 1. AIMET provides it as each quantizer's
+    ``compute_encodings`` context, which on exit overwrites the ranges with statistics gathered over
+    all calls: the ranges held before are put back, so static encodings survive.
+    """
+    qs = list(qs)
+    # The state dict carries AIMET's "initialized" flags too, so an uncalibrated quantizer stays so.
+    saved = [_clone_state(q.state_dict()) for q in qs]
+    try:
+        with ExitStack() as stack:
+            for q in qs:
+                stack.enter_context(q.compute_encodings())
+            yield
+    finally:
+        for q, state in zip(qs, saved):
+            q.load_state_dict(state)
+
+
+def _clone_state(state):
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return type(state)((k, _clone_state(v)) for k, v in state.items())
+    return state
+
+
+def range_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The learnable min/max of every activation and weight quantizer (LSQ+-style range learning)."""
+    params = []
+    for _, _, q in quantizers(model):
+        params.extend(p for name, p in q.named_parameters() if name in ("min", "max"))
+    return params
+
+
+@contextmanager
+def prequantized_weights(sim_model: nn.Module) -> Iterator[None]:
+    """Quantize every weight once and bypass the weight quantizers, for fast evaluation.
+
+    Weight fake-quant dominates a sim forward (the embedding and lm_head above all) and gives the
+    same result on every call while nothing trains; the output is unchanged.
+    """
+    saved = []
+    try:
+        with torch.no_grad():
+            for module in sim_model.modules():
+                if not hasattr(module, "param_quantizers"):
+                    continue
+                for name, q in list(module.param_quantizers.items()):
+                    if q is None or not q.is_initialized():
+                        continue
+                    param = getattr(module, name)
+                    saved.append((module, name, q, param.data))
+                    param.data = q(param).as_subclass(torch.Tensor).detach().clone()
+                    module.param_quantizers[name] = None
+        yield
+    finally:
+        for module, name, q, data in saved:
+            getattr(module, name).data = data
+            module.param_quantizers[name] = q
