@@ -60,6 +60,7 @@ def _cmd_eval(args) -> int:
     unknown = sorted(set(methods) - {"fp", "ptq"})
     if unknown:
         raise QuadapterError(f"--methods: unknown method(s) {', '.join(unknown)}; eval knows fp and ptq")
+    policy = _policy(args)  # a bad option fails now, not after the FP evaluation
     start = time.time()
     model, tokenizer = workflow.load(args.model)
     evals = {
@@ -72,7 +73,6 @@ def _cmd_eval(args) -> int:
     if "ptq" in methods:
         calib_set = args.calib_dataset or args.dataset[0]
         calib = workflow.calibration_batches(tokenizer, calib_set, args.calib_samples, args.calib_len, args.seed)
-        policy = _policy(args)
         sim = workflow.ptq_sim(model, policy, calib)
         results[f"{policy.label().split()[0]} PTQ"] = workflow.evaluate(sim, evals, label="PTQ")
     elapsed = time.time() - start

@@ -117,8 +117,17 @@ def build_sim(model: PreparedLM, policy: QuantPolicy = QuantPolicy(), seq_len: i
     )
     logits = sim.model.get_submodule(f"lm.{model.arch.lm_head}")
     apply_policy(sim.model, policy, logits_module=logits)
+    sim.quadapter_policy = policy  # so that a saved state can rebuild the same sim
     sim.model.eval()
+    # Nothing trains unless a training phase asks for it: no gradient for weights or quantizer ranges.
+    for p in sim.model.parameters():
+        p.requires_grad_(False)
     return sim
+
+
+def sim_policy(sim: QuantizationSimModel) -> QuantPolicy:
+    """The policy a sim was built with by :func:`build_sim` (the default one for a sim built elsewhere)."""
+    return getattr(sim, "quadapter_policy", QuantPolicy())
 
 
 def run_batches(model: nn.Module, batches: Iterable[torch.Tensor]) -> None:

@@ -23,6 +23,26 @@ from torch import nn
 from .models import PreparedLM, Site
 
 
+@torch.no_grad()
+def fold_site(model: nn.Module, site: Site, alpha: torch.Tensor) -> None:
+    """Eq. 3: the producer's rows (or gamma) and bias times alpha, the consumers' columns divided by it."""
+    producer = model.get_submodule(site.producer)
+    w = producer.weight
+    w.mul_(alpha if w.dim() == 1 else alpha[:, None])
+    if getattr(producer, "bias", None) is not None:
+        producer.bias.mul_(alpha)
+    scale = site.consumer_scale(alpha)
+    for path in site.consumers:
+        model.get_submodule(path).weight.div_(scale[None, :])
+
+
+def fold_alphas(model: nn.Module, sites: Iterable[Site], alphas: dict[str, torch.Tensor]) -> None:
+    """Fold ``alphas`` (site name -> alpha) into ``model``, site by site in the order of ``sites``."""
+    for site in sites:
+        if site.name in alphas:
+            fold_site(model, site, alphas[site.name])
+
+
 def _key(site_name: str) -> str:
     return re.sub(r"[^0-9A-Za-z_]", "_", site_name)
 
@@ -162,32 +182,32 @@ class QuadapterSet(nn.Module):
 
     # --- folding ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def fold(self, model: nn.Module) -> None:
+    def fold(self, model: nn.Module, reference: nn.Module | None = None) -> None:
         """Write every alpha into ``model``'s weights (Eq. 3) and reset alpha to 1.
 
-        ``model`` must be the one the set acts on; its forward is unchanged by the fold.
+        ``model`` must be the one the set acts on; its forward is unchanged by the fold. With
+        ``reference`` (the FP model ``model`` was made from), the touched weights are first reset from
+        it and the *total* alphas folded in one go, exactly as :class:`~aimet_quadapter.state.
+        QuadapterState` rebuilds them, so a saved result reloads bit for bit.
         """
+        if reference is not None:
+            for q in self:
+                for path in (q.site.producer, *q.site.consumers):
+                    target, source = model.get_submodule(path), reference.get_submodule(path)
+                    target.weight.copy_(source.weight)
+                    if getattr(target, "bias", None) is not None:
+                        target.bias.copy_(source.bias)
+        alphas = {q.site.name: (q.folded * q.alpha if reference is not None else q.alpha) for q in self}
+        fold_alphas(model, self.sites, alphas)
         for q in self:
-            self._fold_one(model, q.site, q.alpha.detach())
-            q.folded.mul_(q.alpha.detach())
+            q.folded.mul_(q.alpha)
             q.theta.zero_()
 
     @torch.no_grad()
     def fold_into(self, model: nn.Module) -> None:
         """Apply every alpha folded so far (and the current one) to another model, e.g. the FP model."""
         for q in self:
-            self._fold_one(model, q.site, q.folded * q.alpha.detach())
-
-    @staticmethod
-    def _fold_one(model: nn.Module, site: Site, alpha: torch.Tensor) -> None:
-        producer = model.get_submodule(site.producer)
-        w = producer.weight
-        w.mul_(alpha if w.dim() == 1 else alpha[:, None])
-        if getattr(producer, "bias", None) is not None:
-            producer.bias.mul_(alpha)
-        scale = site.consumer_scale(alpha)
-        for path in site.consumers:
-            model.get_submodule(path).weight.div_(scale[None, :])
+            fold_site(model, q.site, q.folded * q.alpha.detach())
 
     # --- state ------------------------------------------------------------------------------------
     def total_alpha(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,98 @@
+"""The Quadapter state: every site's alpha and every quantizer's range, saved with safetensors.
+
+That is all a trained result needs besides the FP model: fold the alphas into a copy of the FP model,
+build a sim under the same policy, set the ranges, and it computes what the trained sim computed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from aimet_torch.quantsim import QuantizationSimModel
+from safetensors.torch import load_file, save_file
+
+from .errors import QuadapterError
+from .models import PreparedLM
+from .policy import QuantPolicy, build_sim, sim_policy
+from .quadapter import fold_alphas
+from .quantizers import quantizers
+
+
+@dataclass
+class QuadapterState:
+    alphas: dict[str, torch.Tensor]  # site name -> total alpha relative to the FP model
+    ranges: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "module.role" -> (min, max)
+    policy: QuantPolicy = field(default_factory=QuantPolicy)
+    metadata: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_sim(cls, sim: QuantizationSimModel, alphas: dict[str, torch.Tensor], **metadata) -> QuadapterState:
+        ranges = {}
+        for path, role, q in quantizers(sim.model):
+            if q.is_initialized():
+                # the raw parameters: get_min()/get_max() return values rounded onto the grid
+                ranges[f"{path}.{role}"] = (q.min.detach().clone(), q.max.detach().clone())
+        policy = sim_policy(sim)
+        return cls({k: v.detach().clone() for k, v in alphas.items()}, ranges, policy, dict(metadata))
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {f"alpha/{k}": v.contiguous() for k, v in self.alphas.items()}
+        for k, (lo, hi) in self.ranges.items():
+            tensors[f"min/{k}"] = lo.contiguous()
+            tensors[f"max/{k}"] = hi.contiguous()
+        meta = {"policy": json.dumps(self.policy.to_dict()), "metadata": json.dumps(self.metadata)}
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> QuadapterState:
+        path = Path(path)
+        if not path.is_file():
+            raise QuadapterError(f"Quadapter state file {path} does not exist")
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(str(path))
+        alphas = {k.removeprefix("alpha/"): v for k, v in tensors.items() if k.startswith("alpha/")}
+        ranges = {
+            k.removeprefix("min/"): (v, tensors["max/" + k.removeprefix("min/")])
+            for k, v in tensors.items()
+            if k.startswith("min/")
+        }
+        policy = QuantPolicy(**json.loads(meta.get("policy", "{}")))
+        return cls(alphas, ranges, policy, json.loads(meta.get("metadata", "{}")))
+
+    def folded_model(self, fp_model: PreparedLM) -> PreparedLM:
+        """A copy of ``fp_model`` with every alpha folded into its weights (Eq. 3)."""
+        model = copy.deepcopy(fp_model)
+        sites = model.sites(extra=True)
+        missing = sorted(set(self.alphas) - {s.name for s in sites})
+        if missing:
+            raise QuadapterError(f"state names sites this model does not have: {', '.join(missing[:3])}")
+        fold_alphas(model, sites, self.alphas)
+        return model
+
+    def build_sim(self, fp_model: PreparedLM) -> QuantizationSimModel:
+        """A fresh sim of the folded FP model with this state's ranges: the deployable result."""
+        sim = build_sim(self.folded_model(fp_model), self.policy)
+        load_ranges(sim, self.ranges)
+        return sim
+
+
+def load_ranges(sim: QuantizationSimModel, ranges: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    found = {f"{path}.{role}": q for path, role, q in quantizers(sim.model)}
+    unknown = sorted(set(ranges) - set(found))
+    if unknown:
+        raise QuadapterError(f"state has ranges for quantizers this sim does not have: {', '.join(unknown[:3])}")
+    with torch.no_grad():
+        for key, (lo, hi) in ranges.items():
+            found[key].set_range(lo, hi)

@@ -1,0 +1,121 @@
+"""Shared fixtures: tiny models, an in-memory tokenizer, a synthetic corpus and a local model folder.
+
+Tests never touch the network: the Hugging Face hub is declared offline before anything imports
+``huggingface_hub`` or ``datasets`` (both read the variables at import time).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import random  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+_WORDS = (
+    "the a an market stock shares company profit quarter investors interest rates fell rose said "
+    "traders sold bought bank bonds prices year month week analysts expect growth sales billion million "
+    "new york chicago london board chairman president executive officer plan deal offer bid unit group "
+    "was were is are has had will would could may might not also but and or of in on at to for with "
+    "by from as than more less most about after before during since while because if when "
+    "fox dog cat bird tree river house road city country people time day night water light"
+).split()
+
+
+def make_corpus(num_words: int, seed: int = 0) -> str:
+    """Pseudo-English text: sentences of random words, one sentence per line."""
+    rng = random.Random(seed)
+    lines, count = [], 0
+    while count < num_words:
+        n = rng.randint(5, 15)
+        lines.append(" ".join(rng.choice(_WORDS) for _ in range(n)) + " .")
+        count += n + 1
+    return "\n".join(lines) + "\n"
+
+
+def make_tokenizer(text: str):
+    """A word-level fast tokenizer trained in memory on ``text`` (no files, no hub)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    trainer = trainers.WordLevelTrainer(vocab_size=400, special_tokens=["[UNK]", "<eos>"])
+    tok.train_from_iterator(text.splitlines(), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<eos>")
+
+
+def hf_tiny(family: str, seed: int = 0, **config_overrides):
+    """The unprepared Hugging Face model that ``tiny_model(family, seed)`` starts from."""
+    from transformers import AutoModelForCausalLM
+
+    from aimet_quadapter.models import ARCHITECTURES
+
+    arch = {a.name: a for a in ARCHITECTURES}[family]
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(arch.tiny_config(**config_overrides), dtype=torch.float32).eval()
+
+
+def save_tiny_gpt2(folder: Path, tokenizer, seed: int = 0) -> Path:
+    """A tiny GPT-2 checkpoint (config, weights) and ``tokenizer`` saved as a local model folder."""
+    model = hf_tiny("gpt2", seed=seed)
+    assert len(tokenizer) <= model.config.vocab_size
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def corpus_text() -> str:
+    return make_corpus(4000, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(corpus_text):
+    return make_tokenizer(corpus_text)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    return save_tiny_gpt2(tmp_path_factory.mktemp("models") / "tiny-gpt2", tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def corpus_file(tmp_path_factory, corpus_text) -> Path:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text(corpus_text, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def tiny_gpt2():
+    from aimet_quadapter.models import tiny_model
+
+    return tiny_model("gpt2")
+
+
+@pytest.fixture
+def tiny_llama():
+    from aimet_quadapter.models import tiny_model
+
+    return tiny_model("llama")
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """The hub is unreachable: HF_HUB_OFFLINE=1, and the package's cached reachability answer forgotten."""
+    from aimet_quadapter.hub import hub_reachable
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    hub_reachable.cache_clear()
+    yield
+    hub_reachable.cache_clear()

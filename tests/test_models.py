@@ -1,0 +1,158 @@
+"""Model preparation: same FP function as the Hugging Face model, quantizable modules, untied head."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from aimet_torch.nn.modules.custom import MatMul
+from conftest import hf_tiny
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.models import is_tied, load_model, prepare_model, tiny_model
+from aimet_quadapter.models.attention import ATTENTION_NAME
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_prepared_model_matches_hf_model(family):
+    seed = 3
+    reference = hf_tiny(family, seed=seed)
+    prepared = tiny_model(family, seed=seed)
+    ids = torch.randint(0, reference.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        got = prepared(ids)
+    assert got.shape == expected.shape == (2, 40, reference.config.vocab_size)
+    assert (got - expected).abs().max().item() <= 1e-4
+    # The comparison is not vacuous: another seed gives another function.
+    with torch.no_grad():
+        other = tiny_model(family, seed=seed + 1)(ids)
+    assert (other - expected).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_prepare_in_place_keeps_function(family):
+    hf = hf_tiny(family, seed=5)
+    original = copy.deepcopy(hf)
+    prepared = prepare_model(hf)
+    assert prepared.lm is hf
+    ids = torch.randint(0, hf.config.vocab_size, (1, 33), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        diff = (prepared(ids) - original(input_ids=ids).logits).abs().max().item()
+    assert diff <= 1e-4
+
+
+def test_gpt2_conv1d_became_linear(tiny_gpt2):
+    modules = list(tiny_gpt2.modules())
+    assert not any(isinstance(m, Conv1D) for m in modules)
+    hidden = tiny_gpt2.config.n_embd
+    for block in tiny_gpt2.lm.transformer.h:
+        for name, (out_f, in_f) in {
+            "attn.c_attn": (3 * hidden, hidden),
+            "attn.c_proj": (hidden, hidden),
+            "mlp.c_fc": (4 * hidden, hidden),
+            "mlp.c_proj": (hidden, 4 * hidden),
+        }.items():
+            linear = block.get_submodule(name)
+            assert type(linear) is nn.Linear
+            assert (linear.out_features, linear.in_features) == (out_f, in_f)
+        assert isinstance(block.mlp.act, nn.GELU)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_attention_runs_through_quantizable_modules(family):
+    model = tiny_model(family)
+    attentions = [blk.attn if family == "gpt2" else blk.self_attn for blk in _blocks(model)]
+    assert len(attentions) == model.config.num_hidden_layers
+    calls = {"qk": 0, "av": 0, "softmax": 0}
+    hooks = []
+    for attn in attentions:
+        assert isinstance(attn.qk_matmul, MatMul)
+        assert isinstance(attn.av_matmul, MatMul)
+        assert isinstance(attn.softmax, nn.Softmax)
+        for key, mod in (("qk", attn.qk_matmul), ("av", attn.av_matmul), ("softmax", attn.softmax)):
+            hooks.append(mod.register_forward_hook(lambda *_, k=key: calls.__setitem__(k, calls[k] + 1)))
+    assert model.config._attn_implementation == ATTENTION_NAME
+    with torch.no_grad():
+        model(torch.zeros((1, 8), dtype=torch.long))
+    for h in hooks:
+        h.remove()
+    assert calls == {k: len(attentions) for k in calls}
+
+
+def _blocks(model):
+    return [model.get_submodule(p) for p in model.block_paths()]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_prepare_unties_lm_head(family):
+    hf = hf_tiny(family)
+    assert hf.lm_head.weight is hf.get_input_embeddings().weight  # both tiny configs tie
+    model = prepare_model(hf)
+    head = model.lm.lm_head.weight
+    embedding = model.lm.get_input_embeddings().weight
+    assert head is not embedding
+    assert head.data_ptr() != embedding.data_ptr()
+    assert torch.equal(head, embedding)
+    assert not is_tied(model)
+    assert model.config.tie_word_embeddings is False
+    with torch.no_grad():
+        head.mul_(2.0)  # really separate storage: the embedding does not move
+    assert not torch.equal(head, embedding)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_prepare_without_untie_stays_tied(family):
+    model = prepare_model(hf_tiny(family), untie=False)
+    assert is_tied(model)
+    assert model.lm.lm_head.weight is model.lm.get_input_embeddings().weight
+
+
+def test_sites_resolve_to_modules(tiny_gpt2, tiny_llama):
+    gpt2_sites = tiny_gpt2.sites()
+    assert [s.name for s in gpt2_sites] == [
+        "transformer.h.0.ln_1->c_attn",
+        "transformer.h.0.ln_2->c_fc",
+        "transformer.h.1.ln_1->c_attn",
+        "transformer.h.1.ln_2->c_fc",
+        "transformer.ln_f->lm_head",
+    ]
+    for model in (tiny_gpt2, tiny_llama):
+        for site in model.sites(extra=True):
+            model.get_submodule(site.producer)
+            for consumer in site.consumers:
+                assert isinstance(model.get_submodule(consumer), nn.Linear)
+    # Llama: two paper sites per block plus the head; the extra sites add two more per block.
+    layers = tiny_llama.config.num_hidden_layers
+    assert len(tiny_llama.sites(extra=False)) == 2 * layers + 1
+    assert len(tiny_llama.sites(extra=True)) == 4 * layers + 1
+
+
+def test_unknown_hub_model_offline_names_model_and_local_folder(offline):
+    name = "no-such-org/no-such-model-xyz"
+    with pytest.raises(QuadapterError) as info:
+        load_model(name)
+    message = str(info.value)
+    assert name in message
+    assert "--model DIR" in message and "folder" in message
+    assert "\n" not in message
+
+
+def test_missing_local_model_folder(tmp_path):
+    missing = tmp_path / "nope" / "model"
+    with pytest.raises(QuadapterError, match="does not exist") as info:
+        load_model(str(missing))
+    assert str(missing) in str(info.value)
+
+
+def test_load_local_folder(tiny_gpt2_dir, tiny_tokenizer):
+    model, tokenizer = load_model(str(tiny_gpt2_dir))
+    reference = hf_tiny("gpt2")
+    ids = torch.tensor([tokenizer("the market fell on monday .", add_special_tokens=False)["input_ids"]])
+    assert ids.tolist() == [tiny_tokenizer("the market fell on monday .", add_special_tokens=False)["input_ids"]]
+    with torch.no_grad():
+        assert (model(ids) - reference(input_ids=ids).logits).abs().max().item() <= 1e-4
+    assert not is_tied(model)

@@ -1,0 +1,179 @@
+"""Where the quantizers go under the default policy and its options, and the fast-eval weight path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.policy import QuantPolicy, build_sim, calibrate, describe, format_description
+from aimet_quadapter.quantizers import prequantized_weights, quantizers
+
+
+def _gpt2_expected(model, norm_weights: bool = True) -> set[str]:
+    """The paper's placement on GPT-2, written out tensor by tensor."""
+    names = {"lm.transformer.wte.weight", "lm.transformer.wpe.weight", "lm.lm_head.weight", "lm.lm_head.input[0]"}
+    if norm_weights:
+        names.add("lm.transformer.ln_f.weight")
+    for i in range(model.config.n_layer):
+        b = f"lm.transformer.h.{i}"
+        for linear in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+            names |= {f"{b}.{linear}.weight", f"{b}.{linear}.input[0]"}
+        for matmul in ("attn.qk_matmul", "attn.av_matmul"):
+            names |= {f"{b}.{matmul}.input[0]", f"{b}.{matmul}.input[1]"}
+        if norm_weights:
+            names |= {f"{b}.ln_1.weight", f"{b}.ln_2.weight"}
+    return names
+
+
+def _rows(model, **policy):
+    sim = build_sim(model, QuantPolicy(**policy))
+    return sim, {r["tensor"]: r for r in describe(sim.model)}
+
+
+def test_default_policy_placement_gpt2(tiny_gpt2):
+    # Every Linear of the model is one of those the expected set names.
+    linears = {n for n, m in tiny_gpt2.named_modules() if isinstance(m, nn.Linear)}
+    assert len(linears) == 4 * tiny_gpt2.config.n_layer + 1
+    _, rows = _rows(tiny_gpt2)
+    assert set(rows) == _gpt2_expected(tiny_gpt2)
+    assert all(f"{n}.input[0]" in rows and f"{n}.weight" in rows for n in linears)
+    for name, row in rows.items():
+        assert row["bits"] == 8, name
+        assert row["symmetric"] is False, name
+        assert row["granularity"] == "per-tensor", name
+        assert row["kind"] == ("activation" if "input[" in name else "weight"), name
+    # What must not be there: biases, outputs (norm, GELU, softmax, logits).
+    assert not any(name.endswith(".bias") or "output[" in name for name in rows)
+    assert not any(".softmax." in name or ".act." in name for name in rows)
+
+
+def test_per_channel_weights(tiny_gpt2):
+    sim, rows = _rows(tiny_gpt2, per_channel_weights=True)
+    assert set(rows) == _gpt2_expected(tiny_gpt2)
+    for name, module in sim.model.named_modules():
+        if isinstance(module, nn.Linear):
+            row = rows[f"{name}.weight"]
+            assert row["granularity"] == f"per-channel({module.weight.shape[0]}, 1)", name
+            assert rows[f"{name}.input[0]"]["granularity"] == "per-tensor"
+    # gamma stays one range
+    assert rows["lm.transformer.h.0.ln_1.weight"]["granularity"] == "per-tensor"
+
+
+def test_no_norm_weights(tiny_gpt2):
+    _, rows = _rows(tiny_gpt2, quantize_norm_weights=False)
+    assert set(rows) == _gpt2_expected(tiny_gpt2, norm_weights=False)
+    assert not any(".ln_" in name for name in rows)
+
+
+def test_quantize_logits(tiny_gpt2):
+    _, rows = _rows(tiny_gpt2, quantize_logits=True)
+    assert set(rows) == _gpt2_expected(tiny_gpt2) | {"lm.lm_head.output[0]"}
+    assert rows["lm.lm_head.output[0]"]["kind"] == "activation"
+
+
+def test_weight_bits_and_symmetric(tiny_gpt2):
+    _, rows = _rows(tiny_gpt2, weight_bits=4, symmetric_weights=True, activation_bits=6)
+    assert set(rows) == _gpt2_expected(tiny_gpt2)
+    for name, row in rows.items():
+        if row["kind"] == "weight":
+            assert (row["bits"], row["symmetric"]) == (4, True), name
+        else:
+            assert (row["bits"], row["symmetric"]) == (6, False), name
+
+
+def test_llama_placement(tiny_llama):
+    _, rows = _rows(tiny_llama)
+    layers = tiny_llama.config.num_hidden_layers
+    expected = {"lm.model.embed_tokens.weight", "lm.model.norm.weight", "lm.lm_head.weight", "lm.lm_head.input[0]"}
+    for i in range(layers):
+        b = f"lm.model.layers.{i}"
+        for linear in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            expected |= {f"{b}.self_attn.{linear}.weight", f"{b}.self_attn.{linear}.input[0]"}
+        for linear in ("gate_proj", "up_proj", "down_proj"):
+            expected |= {f"{b}.mlp.{linear}.weight", f"{b}.mlp.{linear}.input[0]"}
+        for matmul in ("qk_matmul", "av_matmul"):
+            expected |= {f"{b}.self_attn.{matmul}.input[0]", f"{b}.self_attn.{matmul}.input[1]"}
+        expected |= {f"{b}.input_layernorm.weight", f"{b}.post_attention_layernorm.weight"}
+    assert set(rows) == expected
+    assert all(r["bits"] == 8 and not r["symmetric"] and r["granularity"] == "per-tensor" for r in rows.values())
+
+
+def test_build_sim_leaves_fp_model_alone(tiny_gpt2):
+    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = tiny_gpt2(ids)
+    sim = build_sim(tiny_gpt2)
+    assert sim.model is not tiny_gpt2
+    assert not list(quantizers(tiny_gpt2))
+    with torch.no_grad():
+        assert torch.equal(tiny_gpt2(ids), before)
+
+
+def _calibrated_sim(model, **policy):
+    sim = build_sim(model, QuantPolicy(**policy))
+    gen = torch.Generator().manual_seed(0)
+    calibrate(sim, [torch.randint(0, model.config.vocab_size, (1, 32), generator=gen) for _ in range(3)])
+    return sim
+
+
+def test_calibration_sets_every_range(tiny_gpt2):
+    sim = _calibrated_sim(tiny_gpt2)
+    rows = describe(sim.model)
+    assert rows and all("min" in r and r["min"] < r["max"] for r in rows)
+    text = format_description(rows)
+    assert "not calibrated" not in text
+    n_weights = sum(r["kind"] == "weight" for r in rows)
+    assert text.splitlines()[-1] == f"{len(rows)} quantizers: {n_weights} weight, {len(rows) - n_weights} activation"
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_prequantized_weights_bit_identical(tiny_gpt2, per_channel):
+    sim = _calibrated_sim(tiny_gpt2, per_channel_weights=per_channel)
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(7))
+    before = {(p, r): q for p, r, q in quantizers(sim.model)}
+    weights = {n: p.detach().clone() for n, p in sim.model.named_parameters() if n.endswith("weight")}
+    with torch.no_grad():
+        expected = sim.model(ids)
+        with prequantized_weights(sim.model):
+            assert not any(r == "weight" for _, r, _ in quantizers(sim.model))
+            fast = sim.model(ids)
+        after = sim.model(ids)
+    assert torch.equal(fast, expected)
+    assert torch.equal(after, expected)
+    # The same quantizer objects are back, and the float weights are untouched.
+    assert {(p, r): q for p, r, q in quantizers(sim.model)} == before
+    for name, param in sim.model.named_parameters():
+        if name in weights:
+            assert torch.equal(param, weights[name]), name
+    # Quantization is on: the sim's output is not the FP output.
+    with torch.no_grad():
+        assert not torch.equal(expected, tiny_gpt2(ids))
+
+
+def test_prequantized_weights_restores_on_error(tiny_gpt2):
+    sim = _calibrated_sim(tiny_gpt2)
+    before = list(quantizers(sim.model))
+    with pytest.raises(RuntimeError, match="boom"), prequantized_weights(sim.model):
+        raise RuntimeError("boom")
+    assert [(p, r, id(q)) for p, r, q in quantizers(sim.model)] == [(p, r, id(q)) for p, r, q in before]
+
+
+@pytest.mark.parametrize(
+    "field, kwargs",
+    [
+        ("weight_bits", {"weight_bits": 1}),
+        ("weight_bits", {"weight_bits": 8.0}),
+        ("activation_bits", {"activation_bits": 17}),
+        ("quant_scheme", {"quant_scheme": "percentile"}),
+    ],
+)
+def test_policy_validation(field, kwargs):
+    with pytest.raises(QuadapterError, match=repr(field)):
+        QuantPolicy(**kwargs)
+
+
+def test_policy_label():
+    assert QuantPolicy().label().startswith("W8A8 (asymmetric per-tensor")
+    assert QuantPolicy(weight_bits=4, per_channel_weights=True).label().startswith("W4A8 (asymmetric per-channel")
