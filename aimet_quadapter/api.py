@@ -115,8 +115,8 @@ def apply_blockwise_phase(
         phase1 = apply_blockwise_calibration(
             sim.model, fp_model, qset, calibration_batches, params.phase1, progress=progress
         )
-    # Fold before calibrating: AIMET computes weight encodings from the stored parameters, not from
-    # what the forward sees, so encodings computed through the hooks would miss the scaled weights.
+    # Fold from the FP weights now: the sim then holds exactly the weights a fresh sim of the folded
+    # FP model holds, and static calibration and phase 2 start from the model that will be deployed.
     qset.fold(sim.model, reference=fp_model)
     qset.detach()
     calibrate(sim, calibration_batches)

@@ -17,6 +17,7 @@ so each step costs a block's forward, not the model's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass
@@ -155,6 +156,9 @@ def calibrate_site(
         fp_rows = torch.cat([_token_rows(c) for c in fp_inputs])
         q_rows = torch.cat([_token_rows(c) for c in q_inputs])
     losses: list[float] = []
+    # Adam at the paper's lr 0.1 can end above its best point: keep the alpha of the lowest loss seen
+    # (each step's loss is that of the alpha before its update).
+    best_loss, best_theta = math.inf, quadapter.theta.detach().clone()
     scope = qset.only([site.name]) if isolated else nullcontext()
     bar = tqdm(range(params.steps), desc=f"phase 1 {site.name}", leave=False, disable=not progress)
     with scope, dynamic_quantization(problem.quantizers):
@@ -169,6 +173,7 @@ def calibrate_site(
                 order = order[: params.sequences_per_step or len(order)]
                 pairs = [(fp_inputs[i], q_inputs[i]) for i in order]
             optimizer.zero_grad(set_to_none=True)
+            before_step = quadapter.theta.detach().clone()
             total = 0.0
             for fp_call, q_call in pairs:
                 with torch.no_grad():
@@ -177,10 +182,14 @@ def calibrate_site(
                 loss = (out - target).pow(2).mean() / len(pairs)
                 loss.backward()
                 total += loss.item()
+            if total < best_loss:
+                best_loss, best_theta = total, before_step
             optimizer.step()
             schedule.step()
             losses.append(total)
             bar.set_postfix(loss=f"{total:.4g}")
+    with torch.no_grad():
+        quadapter.theta.copy_(best_theta)
     return losses
 
 
@@ -229,9 +238,16 @@ def apply_blockwise_calibration(
 
     def calibrate(site: Site, fp_in: list[Captured], q_in: list[Captured]) -> None:
         problem = _SiteProblem(site, fp_model, sim_model)
-        result.error_before[site.name] = site_error(problem, qset, fp_in, q_in, isolated)
+        theta = qset[site.name].theta
+        start = theta.detach().clone()
+        before = result.error_before[site.name] = site_error(problem, qset, fp_in, q_in, isolated)
         result.losses[site.name] = calibrate_site(problem, qset, fp_in, q_in, params, isolated, progress)
-        result.error_after[site.name] = site_error(problem, qset, fp_in, q_in, isolated)
+        after = site_error(problem, qset, fp_in, q_in, isolated)
+        if after > before:  # sampled steps found nothing better on the whole data: keep the start
+            with torch.no_grad():
+                theta.copy_(start)
+            after = before
+        result.error_after[site.name] = after
         if on_site_done:
             on_site_done(site, result.losses[site.name])
         outer.update(1)

@@ -51,6 +51,27 @@ def activation_ranges(
 
 
 @torch.no_grad()
+def channel_min_max(model: nn.Module, site: Site, batches: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel min and max of a site's quantized activation (its first consumer's input), for Fig. 4."""
+    lo: list[torch.Tensor] = []
+    hi: list[torch.Tensor] = []
+
+    def hook(_module, args):
+        x = args[0].detach().reshape(-1, args[0].shape[-1])
+        lo.append(x.amin(dim=0))
+        hi.append(x.amax(dim=0))
+
+    handle = model.get_submodule(site.consumers[0]).register_forward_pre_hook(hook)
+    try:
+        device = next(model.parameters()).device
+        for batch in batches:
+            model(batch.to(device))
+    finally:
+        handle.remove()
+    return torch.stack(lo).amin(dim=0), torch.stack(hi).amax(dim=0)
+
+
+@torch.no_grad()
 def cle_alphas(model: nn.Module, sites: Sequence[Site], batches: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The analytic alpha of every site, from FP ``model`` and calibration ``batches``."""
     act = activation_ranges(model, sites, batches)

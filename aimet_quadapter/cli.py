@@ -53,37 +53,95 @@ def _add_model_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _check_lengths(model, **lengths: int) -> None:
+    """Windows longer than the model's positions would fail deep inside it (GPT-2's position embedding)."""
+    limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    for option, length in lengths.items():
+        if limit and length > limit:
+            raise QuadapterError(f"--{option.replace('_', '-')} {length} exceeds the model's {limit} positions")
+
+
+def _quadapter_params(args):
+    from .api import QuadapterParameters
+    from .blockwise import BlockwiseParameters
+    from .finetune import FinetuneParameters
+
+    p1 = BlockwiseParameters(
+        steps=args.phase1_steps,
+        decay_every=max(1, args.phase1_decay_every or args.phase1_steps // 5),
+        input_source=args.phase1_input,
+        sequences_per_step=args.phase1_sequences,
+        tokens_per_step=args.phase1_tokens,
+    )
+    p2 = FinetuneParameters(
+        steps=args.phase2_steps,
+        batch_size=args.phase2_batch,
+        seq_len=args.phase2_len,
+        learn_ranges=not args.fixed_ranges,
+    )
+    extra = None if args.extra_sites is None else args.extra_sites == "on"
+    return QuadapterParameters(phase1=p1, phase2=p2, init=args.init, extra_sites=extra)
+
+
 def _cmd_eval(args) -> int:
+    from pathlib import Path
+
     from . import workflow
+    from .methods import LABELS, METHODS, MethodContext, run_method
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = sorted(set(methods) - {"fp", "ptq"})
+    unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise QuadapterError(f"--methods: unknown method(s) {', '.join(unknown)}; eval knows fp and ptq")
-    policy = _policy(args)  # a bad option fails now, not after the FP evaluation
+        raise QuadapterError(f"--methods: unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
+    params = _quadapter_params(args)
     start = time.time()
     model, tokenizer = workflow.load(args.model)
+    _check_lengths(model, seq_len=args.seq_len, calib_len=args.calib_len)
     evals = {
         d: workflow.eval_windows_for(tokenizer, d, args.split, args.seq_len, args.stride, args.max_tokens)
         for d in args.dataset
     }
+    calib_set = args.calib_dataset or args.dataset[0]
+    calib = workflow.calibration_batches(tokenizer, calib_set, args.calib_samples, args.calib_len, args.seed)
+    finetune = None
+    if "quadapter" in methods:
+        finetune = workflow.calibration_batches(
+            tokenizer,
+            args.finetune_dataset or calib_set,
+            params.phase2.steps * params.phase2.batch_size,
+            params.phase2.seq_len,
+            args.seed + 1,
+            params.phase2.batch_size,
+        )
+    out_dir = Path(args.out) if args.out else None
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = MethodContext(model, _policy(args), calib, finetune, params, out_dir)
     results: dict[str, dict[str, float]] = {}
-    if "fp" in methods:
-        results["FP32"] = workflow.evaluate(model, evals, label="FP32")
-    if "ptq" in methods:
-        calib_set = args.calib_dataset or args.dataset[0]
-        calib = workflow.calibration_batches(tokenizer, calib_set, args.calib_samples, args.calib_len, args.seed)
-        sim = workflow.ptq_sim(model, policy, calib)
-        results[f"{policy.label().split()[0]} PTQ"] = workflow.evaluate(sim, evals, label="PTQ")
+    eval_time: dict[str, float] = {}
+    for name in methods:
+        evaluated = run_method(name, ctx)
+        t = time.time()
+        results[LABELS[name]] = workflow.evaluate(evaluated, evals, label=LABELS[name])
+        eval_time[name] = time.time() - t
+        print(f"{LABELS[name]}: " + ", ".join(f"{d} {v:.3f}" for d, v in results[LABELS[name]].items()), flush=True)
     elapsed = time.time() - start
     print(workflow.format_table(results, list(evals)))
+    tokens = sum(w.n_targets for w in next(iter(evals.values())))
     print(
-        f"model {args.model}; {sum(w.n_targets for w in next(iter(evals.values())))} scored tokens per dataset "
-        f"(windows of {args.seq_len}); wall time {elapsed:.1f} s"
+        f"model {args.model}; {tokens} scored tokens per dataset (windows of {args.seq_len}); wall time {elapsed:.1f} s"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "results": results, "wall_time_s": elapsed}, f, indent=2)
+    report = {
+        "model": args.model,
+        "policy": ctx.policy.to_dict(),
+        "results": results,
+        "method_time_s": ctx.timings,
+        "eval_time_s": eval_time,
+        "wall_time_s": elapsed,
+    }
+    for path in filter(None, [args.json, out_dir and out_dir / "results.json"]):
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
     return 0
 
 
@@ -92,6 +150,8 @@ def _cmd_describe(args) -> int:
     from .policy import build_sim, describe, format_description
 
     model, tokenizer = workflow.load(args.model)
+    if args.calib_dataset:
+        _check_lengths(model, calib_len=args.calib_len)
     sim = build_sim(model, _policy(args))
     if args.calib_dataset:
         workflow.calibrate_sim(
@@ -125,10 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=_positive_int, help="evaluate only the first N tokens of each dataset")
     p.add_argument("--seq-len", type=_positive_int, default=1024, help="evaluation window (default 1024, the paper's)")
     p.add_argument("--stride", type=_positive_int, help="sliding-window stride (default: non-overlapping)")
-    p.add_argument("--methods", default="fp,ptq", help="comma-separated: fp, ptq (default both)")
+    p.add_argument(
+        "--methods", default="fp,ptq", help="comma-separated: fp, ptq, cle, quadapter_bc, quadapter (default fp,ptq)"
+    )
     p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--out", help="folder for results.json, Quadapter states, checkpoints and figures")
     _add_calibration_options(p)
     _add_policy_options(p)
+    _add_quadapter_options(p)
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("describe", help="list every quantizer of the sim and every Quadapter site")
@@ -138,6 +202,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_options(p)
     p.set_defaults(func=_cmd_describe)
     return parser
+
+
+def _add_quadapter_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Quadapter (defaults: the paper's)")
+    g.add_argument("--phase1-steps", type=int, default=500)
+    g.add_argument("--phase1-decay-every", type=_positive_int, help="lr x0.2 every N steps (default steps/5)")
+    g.add_argument("--phase1-input", choices=("fp", "quantized"), default="fp", help="where a site's input comes from")
+    g.add_argument("--phase1-sequences", type=_positive_int, help="calibration sequences per phase-1 step")
+    g.add_argument("--phase1-tokens", type=_positive_int, help="tokens per phase-1 step for token-wise sites")
+    g.add_argument("--phase2-steps", type=int, default=10_000)
+    g.add_argument("--phase2-batch", type=_positive_int, default=4)
+    g.add_argument("--phase2-len", type=_positive_int, default=512)
+    g.add_argument("--fixed-ranges", action="store_true", help="phase 2 without LSQ+ range learning")
+    g.add_argument("--finetune-dataset", help="phase-2 data (train split; default: the calibration dataset)")
+    g.add_argument("--init", choices=("ones", "cle"), default="ones", help="phase-1 start: alpha = 1 or CLE's")
+    g.add_argument("--extra-sites", choices=("on", "off"), help="v->o and up->down sites (default: on for Llama)")
 
 
 def _add_calibration_options(p: argparse.ArgumentParser, default_dataset: str | None = None) -> None:

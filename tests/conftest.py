@@ -25,16 +25,17 @@ _WORDS = (
     "was were is are has had will would could may might not also but and or of in on at to for with "
     "by from as than more less most about after before during since while because if when "
     "fox dog cat bird tree river house road city country people time day night water light"
-).split()
+)
 
 
 def make_corpus(num_words: int, seed: int = 0) -> str:
     """Pseudo-English text: sentences of random words, one sentence per line."""
     rng = random.Random(seed)
+    words = _WORDS.split()
     lines, count = [], 0
     while count < num_words:
         n = rng.randint(5, 15)
-        lines.append(" ".join(rng.choice(_WORDS) for _ in range(n)) + " .")
+        lines.append(" ".join(rng.choice(words) for _ in range(n)) + " .")
         count += n + 1
     return "\n".join(lines) + "\n"
 

@@ -13,6 +13,21 @@ from aimet_quadapter.cli import main
 SMALL = ["--seq-len", "64", "--max-tokens", "256", "--calib-samples", "2", "--calib-len", "64"]
 
 
+def _ptq_key(results) -> str:
+    """The PTQ row's label ("PTQ", "W8A8 PTQ", ...)."""
+    keys = [k for k in results if k.endswith("PTQ")]
+    assert len(keys) == 1, list(results)
+    return keys[0]
+
+
+def _table(out: str) -> list[str]:
+    """The results table (header line first) and what follows it in the command's stdout."""
+    lines = out.strip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.split()[:1] == ["method"]]
+    assert len(starts) == 1, out
+    return lines[starts[0] :]
+
+
 def _error_line(capsys) -> str:
     """The error message: one line, the last thing on stderr (progress bars may come before it)."""
     err = capsys.readouterr().err
@@ -29,22 +44,22 @@ def test_eval_local_model_and_file(tiny_gpt2_dir, corpus_file, tmp_path, capsys)
     code = main(["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), "--json", str(out_json), *SMALL])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    lines = captured.out.strip().splitlines()
+    lines = _table(captured.out)
     assert lines[0].split() == ["method", corpus_file.stem]
     rows = {line.rsplit(None, 1)[0]: float(line.rsplit(None, 1)[1]) for line in lines[1:3]}
-    assert set(rows) == {"FP32", "W8A8 PTQ"}
+    assert len(rows) == 2 and "FP32" in rows and _ptq_key(rows)
     # 4 windows of 64 tokens, each window's first token is context only
     assert "252 scored tokens per dataset" in lines[3]
 
     saved = json.loads(out_json.read_text())
     assert saved["model"] == str(tiny_gpt2_dir)
     results = saved["results"]
-    assert set(results) == {"FP32", "W8A8 PTQ"}
+    assert set(results) == set(rows)
     for method, row in results.items():
         value = row[str(corpus_file)]
         assert math.isfinite(value) and value > 1.0, method
         assert f"{value:.3f}" == f"{rows[method]:.3f}"
-    assert results["FP32"][str(corpus_file)] != results["W8A8 PTQ"][str(corpus_file)]
+    assert results["FP32"][str(corpus_file)] != results[_ptq_key(results)][str(corpus_file)]
     assert saved["wall_time_s"] > 0
 
 
@@ -58,8 +73,9 @@ def test_eval_fp_only_two_datasets(tiny_gpt2_dir, corpus_file, tmp_path, capsys)
     results = json.loads(out_json.read_text())["results"]
     assert list(results) == ["FP32"]
     assert set(results["FP32"]) == {str(corpus_file), str(other)}
-    header = capsys.readouterr().out.splitlines()[0].split()
-    assert header == ["method", "corpus", "other"]
+    table = _table(capsys.readouterr().out)
+    assert table[0].split() == ["method", "corpus", "other"]
+    assert table[1].split()[0] == "FP32" and len(table[1].split()) == 3
 
 
 def test_eval_missing_model_folder(tmp_path, corpus_file, capsys):
@@ -90,6 +106,15 @@ def test_eval_bad_policy(tiny_gpt2_dir, corpus_file, capsys):
     assert "weight_bits" in err.strip().splitlines()[-1]
     assert "Traceback" not in err
     assert "FP32" not in err  # rejected before any evaluation runs
+
+
+@pytest.mark.parametrize("option, value", [("--seq-len", "512"), ("--calib-len", "300")])
+def test_eval_window_longer_than_model(tiny_gpt2_dir, corpus_file, capsys, option, value):
+    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), "--max-tokens", "1024"]
+    code = main([*argv, "--seq-len", "64", "--calib-len", "64", option, value])
+    assert code == 2
+    line = _error_line(capsys)
+    assert f"{option} {value}" in line and "256 positions" in line
 
 
 def test_argparse_errors_exit_2(capsys):
@@ -132,9 +157,10 @@ def test_describe_calibrated_with_options(tiny_gpt2_dir, corpus_file, capsys):
 def test_eval_smollm2_ptb(tmp_path, capsys):
     """The offline demo on its first 2048 PTB test tokens: W8A8 PTQ must be worse than FP32."""
     out_json = tmp_path / "smollm2.json"
-    code = main(["eval", "--model", "smollm2-135m", "--dataset", "ptb", "--max-tokens", "2048", "--json", str(out_json)])
+    argv = ["eval", "--model", "smollm2-135m", "--dataset", "ptb", "--max-tokens", "2048"]
+    code = main([*argv, "--json", str(out_json)])
     assert code == 0, capsys.readouterr().err
     results = json.loads(out_json.read_text())["results"]
-    fp, ptq = results["FP32"]["ptb"], results["W8A8 PTQ"]["ptb"]
+    fp, ptq = results["FP32"]["ptb"], results[_ptq_key(results)]["ptb"]
     assert math.isfinite(fp) and math.isfinite(ptq)
     assert 1.0 < fp < ptq

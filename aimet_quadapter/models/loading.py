@@ -38,7 +38,7 @@ def _hub_error(name: str, exc: Exception) -> QuadapterError:
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return QuadapterError(
         f"could not load model {name!r}: {reason}. If it is a Hugging Face hub id and this machine is offline, "
-        f"download it where the hub is reachable (e.g. `huggingface-cli download {name} --local-dir DIR`) and "
+        f"download it where the hub is reachable (e.g. `hf download {name} --local-dir DIR`) and "
         f"pass the folder (config.json, weights, tokenizer files) as --model DIR; or fill HF_HOME's cache "
         f"and set HF_HUB_OFFLINE=1"
     )
