@@ -201,7 +201,48 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calibration_options(p, default_dataset=None)
     _add_policy_options(p)
     p.set_defaults(func=_cmd_describe)
+
+    p = sub.add_parser("run", help="run a recipe: methods x F-ID sets, each evaluated on every eval dataset")
+    p.add_argument("recipe", help="recipe YAML file (see recipes/)")
+    p.add_argument("--out", help="run folder (default: the recipe's `out`, else runs/<recipe name>)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe value, VALUE parsed as YAML (e.g. --set phase2.steps=200 --set methods=[ptq,cle]); "
+        "repeatable",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("report", help="markdown tables and figures of a run folder (writes RUN_DIR/report.md)")
+    p.add_argument("run_dir", help="a folder written by `run`")
+    p.set_defaults(func=_cmd_report)
     return parser
+
+
+def _cmd_run(args) -> int:
+    from .recipes import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)  # validated before the heavy imports below
+    from .report import results_table
+    from .runner import run_recipe
+
+    folder, results = run_recipe(recipe, args.out, progress=not args.no_progress)
+    print(results_table(results))
+    print(f"results: {folder / 'results.json'}; `aimet-quadapter report {folder}` writes the full report")
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from .report import write_report
+
+    path, text = write_report(args.run_dir)
+    print(text)
+    print(f"written to {path}")
+    return 0
 
 
 def _add_quadapter_options(p: argparse.ArgumentParser) -> None:

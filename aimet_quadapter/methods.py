@@ -1,11 +1,15 @@
-"""Quantization methods by name, each turning the FP model into something to evaluate.
+"""Quantization methods by name, each turning the FP model into something to evaluate: the paper's rows.
 
-Every method gets the same calibration data (the paper: 10 x 512 tokens). ``quadapter`` continues
-from ``quadapter_bc`` when that ran first in the same context, as the paper's two phases do.
+Every method gets the same calibration data (the paper: 10 x 512 tokens); the fine-tuning methods also
+get the fine-tuning batches (the F-ID train split). Methods that continue from Quadapter BC (phase 2,
+BC+QAT) start from ``ctx.bc_state`` when it is set, so one phase 1 serves all of them; otherwise they
+run phase 1 first.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -16,11 +20,14 @@ import torch
 from aimet_torch.quantsim import QuantizationSimModel
 
 from .api import QuadapterParameters, QuadapterResult, apply_blockwise_phase, apply_cle, apply_finetune_phase
+from .baselines import BaselineParameters, apply_adaround, apply_seq_mse
 from .cle import channel_min_max
 from .errors import QuadapterError
+from .finetune import FinetuneParameters, apply_finetuning
 from .models import PreparedLM
 from .plots import plot_channel_ranges, plot_phase1_curves
 from .policy import QuantPolicy, build_sim, calibrate
+from .quadapter import QuadapterSet
 from .state import QuadapterState
 
 
@@ -34,10 +41,28 @@ class MethodContext:
     out_dir: Path | None = None
     progress: bool = True
     timings: dict[str, float] = field(default_factory=dict)
+    baselines: BaselineParameters = field(default_factory=BaselineParameters)
+    # Quadapter BC's result on this calibration data, when already computed (by this context or a saved run).
+    bc_state: QuadapterState | None = None
+    # Phase-2 checkpoints under out_dir (off when a run would only write one at its last step).
+    checkpoints: bool = True
+    # What a method measured about itself (e.g. how many encodings AdaRound froze), keyed by method name.
+    info: dict[str, dict] = field(default_factory=dict)
     _bc: tuple[QuantizationSimModel, QuadapterResult] | None = None
 
 
 Method = Callable[[MethodContext], "PreparedLM | QuantizationSimModel"]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    fn: Method
+    label: str  # the paper's row name
+    finetunes: bool = False  # needs ctx.finetune (the F-ID training data)
+    from_bc: bool = False  # continues from Quadapter BC
+
+
+# --- calibration-only methods -------------------------------------------------------------------------
 
 
 def _fp(ctx: MethodContext) -> PreparedLM:
@@ -47,6 +72,18 @@ def _fp(ctx: MethodContext) -> PreparedLM:
 def _ptq(ctx: MethodContext) -> QuantizationSimModel:
     sim = build_sim(ctx.model, ctx.policy)
     calibrate(sim, ctx.calibration)
+    return sim
+
+
+def _adaround(ctx: MethodContext) -> QuantizationSimModel:
+    sim, info = apply_adaround(ctx.model, ctx.policy, ctx.calibration, ctx.baselines, ctx.out_dir)
+    ctx.info["adaround"] = info
+    return sim
+
+
+def _seq_mse(ctx: MethodContext) -> QuantizationSimModel:
+    sim, info = apply_seq_mse(ctx.model, ctx.policy, ctx.calibration, ctx.baselines)
+    ctx.info["seq_mse"] = info
     return sim
 
 
@@ -61,6 +98,7 @@ def _quadapter_bc(ctx: MethodContext) -> QuantizationSimModel:
     sim = build_sim(ctx.model, ctx.policy)
     result = apply_blockwise_phase(sim, ctx.model, ctx.calibration, ctx.params, ctx.progress)
     ctx._bc = (sim, result)
+    ctx.bc_state = result.state
     _save(ctx, "quadapter_bc", result.state)
     if ctx.out_dir is not None and result.phase1 is not None:
         (ctx.out_dir / "phase1_losses.json").write_text(
@@ -73,42 +111,129 @@ def _quadapter_bc(ctx: MethodContext) -> QuantizationSimModel:
             )
         )
         plot_phase1_curves(result.phase1.losses, ctx.out_dir / "phase1_curves.png")
-        _plot_head_site(ctx, result.state)
+        _plot_head_site(ctx, result.state, "channel_ranges.png")
+    return sim
+
+
+# --- methods that fine-tune on the F-ID data ------------------------------------------------------------
+
+
+def _bc_start(ctx: MethodContext) -> tuple[QuantizationSimModel, QuadapterResult]:
+    """A sim holding Quadapter BC's result, and its Quadapters (alpha folded), to continue from."""
+    if ctx.bc_state is None:
+        _quadapter_bc(ctx)
+    if ctx._bc is not None:  # the live sim of a BC that ran in this context: continue on it
+        sim, result = ctx._bc
+        ctx._bc = None  # the next method changes this sim: later ones rebuild from bc_state
+        return sim, result
+    state = ctx.bc_state
+    sim = state.build_sim(ctx.model)
+    sites = [s for s in ctx.model.sites(extra=True) if s.name in state.alphas]
+    qset = QuadapterSet(sim.model, sites)
+    with torch.no_grad():
+        for q in qset:
+            q.folded.copy_(state.alphas[q.site.name])  # the sim's weights already carry these
+    return sim, QuadapterResult(qset, state, None, None)
+
+
+def _phase2(ctx: MethodContext, name: str, checkpoint_sub: str | None = None, **changes) -> FinetuneParameters:
+    if not ctx.finetune:
+        raise QuadapterError(f"method {name!r} needs fine-tuning data (an F-ID / finetune dataset)")
+    params = ctx.params.phase2
+    if ctx.out_dir is not None and ctx.checkpoints and params.checkpoint_dir is None:
+        folder = ctx.out_dir / "checkpoints"
+        changes["checkpoint_dir"] = str(folder / checkpoint_sub if checkpoint_sub else folder)
+    return dataclasses.replace(params, **changes)
+
+
+def _quadapter_phase2(ctx: MethodContext, name: str, learn_ranges: bool | None) -> QuantizationSimModel:
+    changes = {} if learn_ranges is None else {"learn_ranges": learn_ranges}
+    # "quadapter" keeps the checkpoint folder the eval command has always used
+    params = _phase2(ctx, name, None if name == "quadapter" else name, **changes)
+    sim, bc = _bc_start(ctx)
+    result = apply_finetune_phase(sim, ctx.model, bc, ctx.finetune, params, ctx.progress)
+    _save(ctx, name, result.state)
+    if ctx.out_dir is not None:
+        losses = "phase2_losses.json" if name == "quadapter" else f"{name}_phase2_losses.json"
+        (ctx.out_dir / losses).write_text(json.dumps(result.phase2.losses))
+        _plot_head_site(ctx, result.state, f"channel_ranges_{name}.png")
     return sim
 
 
 def _quadapter(ctx: MethodContext) -> QuantizationSimModel:
-    if ctx._bc is None:
-        _quadapter_bc(ctx)
-    sim, bc = ctx._bc
-    ctx._bc = None  # phase 2 changes this sim: quadapter_bc's result is gone from here on
-    if not ctx.finetune:
-        raise QuadapterError("method 'quadapter' needs fine-tuning data (finetune dataset)")
-    params = ctx.params.phase2
-    if ctx.out_dir is not None and params.checkpoint_dir is None:
-        params = type(params)(**{**params.__dict__, "checkpoint_dir": str(ctx.out_dir / "checkpoints")})
-    result = apply_finetune_phase(sim, ctx.model, bc, ctx.finetune, params, ctx.progress)
-    _save(ctx, "quadapter", result.state)
-    if ctx.out_dir is not None:
-        (ctx.out_dir / "phase2_losses.json").write_text(json.dumps(result.phase2.losses))
+    return _quadapter_phase2(ctx, "quadapter", None)
+
+
+def _quadapter_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
+    return _quadapter_phase2(ctx, "quadapter_fixed_ranges", False)
+
+
+def _qat_on(ctx: MethodContext, sim: QuantizationSimModel, name: str, learn_ranges: bool) -> QuantizationSimModel:
+    """The paper's QAT: every weight (lr 1e-5) and, with LSQ+, every quantizer range (lr 1e-3)."""
+    params = _phase2(ctx, name, name, lr_weights=ctx.baselines.qat_lr_weights, learn_ranges=learn_ranges)
+    result = apply_finetuning(sim.model, None, ctx.finetune, params, progress=ctx.progress, desc=f"{name} (QAT)")
+    _write_losses(ctx, name, result.losses)
     return sim
 
 
-METHODS: dict[str, Method] = {
-    "fp": _fp,
-    "ptq": _ptq,
-    "cle": _cle,
-    "quadapter_bc": _quadapter_bc,
-    "quadapter": _quadapter,
+def _qat(ctx: MethodContext) -> QuantizationSimModel:
+    _phase2(ctx, "qat")  # fail before calibrating when there is no fine-tuning data
+    return _qat_on(ctx, _ptq(ctx), "qat", True)
+
+
+def _qat_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
+    _phase2(ctx, "qat_fixed_ranges")
+    return _qat_on(ctx, _ptq(ctx), "qat_fixed_ranges", False)
+
+
+def _quadapter_bc_qat(ctx: MethodContext) -> QuantizationSimModel:
+    _phase2(ctx, "quadapter_bc_qat")
+    return _qat_on(ctx, _bc_start(ctx)[0], "quadapter_bc_qat", True)
+
+
+def _quadapter_bc_qat_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
+    _phase2(ctx, "quadapter_bc_qat_fixed_ranges")
+    return _qat_on(ctx, _bc_start(ctx)[0], "quadapter_bc_qat_fixed_ranges", False)
+
+
+def _fp_finetuned(ctx: MethodContext) -> PreparedLM:
+    """The FP upper bound (the paper's Fig. 6): the FP weights fine-tuned on the same loop, no quantizer."""
+    name = "fp_finetuned"
+    params = _phase2(ctx, name, name, lr_weights=ctx.baselines.qat_lr_weights, learn_ranges=False)
+    model = copy.deepcopy(ctx.model)
+    result = apply_finetuning(model, None, ctx.finetune, params, progress=ctx.progress, desc="FP fine-tuning")
+    _write_losses(ctx, name, result.losses)
+    return model
+
+
+REGISTRY: dict[str, MethodSpec] = {
+    "fp": MethodSpec(_fp, "FP32"),
+    "fp_finetuned": MethodSpec(_fp_finetuned, "FP fine-tuned", finetunes=True),
+    "ptq": MethodSpec(_ptq, "PTQ"),
+    "adaround": MethodSpec(_adaround, "AdaRound"),
+    "seq_mse": MethodSpec(_seq_mse, "SeqMSE"),
+    "cle": MethodSpec(_cle, "CLE"),
+    "quadapter_bc": MethodSpec(_quadapter_bc, "Quadapter BC"),
+    "qat": MethodSpec(_qat, "QAT", finetunes=True),
+    "qat_fixed_ranges": MethodSpec(_qat_fixed_ranges, "QAT w/o LSQ+", finetunes=True),
+    "quadapter_bc_qat": MethodSpec(_quadapter_bc_qat, "Quadapter BC+QAT", finetunes=True, from_bc=True),
+    "quadapter_bc_qat_fixed_ranges": MethodSpec(
+        _quadapter_bc_qat_fixed_ranges, "Quadapter BC+QAT w/o LSQ+", finetunes=True, from_bc=True
+    ),
+    "quadapter": MethodSpec(_quadapter, "Quadapter", finetunes=True, from_bc=True),
+    "quadapter_fixed_ranges": MethodSpec(_quadapter_fixed_ranges, "Quadapter w/o LSQ+", finetunes=True, from_bc=True),
 }
-LABELS = {"fp": "FP32", "ptq": "PTQ", "cle": "CLE", "quadapter_bc": "Quadapter BC", "quadapter": "Quadapter"}
+# The plain views the eval command uses.
+METHODS: dict[str, Method] = {name: spec.fn for name, spec in REGISTRY.items()}
+LABELS: dict[str, str] = {name: spec.label for name, spec in REGISTRY.items()}
+FINETUNE_METHODS: frozenset[str] = frozenset(n for n, s in REGISTRY.items() if s.finetunes)
 
 
 def run_method(name: str, ctx: MethodContext):
-    if name not in METHODS:
-        raise QuadapterError(f"unknown method {name!r}; known: {', '.join(METHODS)}")
+    if name not in REGISTRY:
+        raise QuadapterError(f"unknown method {name!r}; known: {', '.join(REGISTRY)}")
     start = time.time()
-    out = METHODS[name](ctx)
+    out = REGISTRY[name].fn(ctx)
     ctx.timings[name] = time.time() - start
     return out
 
@@ -118,10 +243,16 @@ def _save(ctx: MethodContext, name: str, state: QuadapterState) -> None:
         state.save(ctx.out_dir / f"{name}.safetensors")
 
 
-def _plot_head_site(ctx: MethodContext, state: QuadapterState) -> None:
+def _write_losses(ctx: MethodContext, name: str, losses: list[float]) -> None:
+    if ctx.out_dir is not None:
+        ctx.out_dir.mkdir(parents=True, exist_ok=True)
+        (ctx.out_dir / f"{name}_phase2_losses.json").write_text(json.dumps(losses))
+
+
+def _plot_head_site(ctx: MethodContext, state: QuadapterState, filename: str) -> None:
     """Fig. 4: the last site's activation per channel, FP model before and after folding the alphas."""
     site = ctx.model.sites(extra=ctx.params.extra_sites)[-1]
     batches = ctx.calibration[:2]
     before = channel_min_max(ctx.model, site, batches)
     after = channel_min_max(state.folded_model(ctx.model), site, batches)
-    plot_channel_ranges(before, after, ctx.out_dir / "channel_ranges.png", site.name)
+    plot_channel_ranges(before, after, ctx.out_dir / filename, site.name)

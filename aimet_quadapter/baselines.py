@@ -1,0 +1,189 @@
+"""AIMET's own PTQ techniques (AdaRound, Sequential MSE) run under this package's quantization policy.
+
+Both are used as AIMET ships them; what is added here is only what makes their result comparable with
+the other rows: the same weight quantizers as :func:`~aimet_quadapter.policy.build_sim` makes, and a
+measure of what each one actually changed.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from aimet_torch.quantization.affine import QuantizeDequantize
+from aimet_torch.quantsim import QuantizationSimModel
+from torch import nn
+
+from .models import PreparedLM
+from .policy import _SCHEMES, QuantPolicy, build_sim, calibrate
+
+
+@dataclass
+class BaselineParameters:
+    """Settings of the non-Quadapter rows. AIMET's own AdaRound default is 10,000 iterations per layer."""
+
+    adaround_iterations: int = 10_000
+    adaround_reg_param: float = 0.01
+    seq_mse_candidates: int = 20
+    # AIMET skips every layer above 4 weight bits (aimet_torch._base.seq_mse.SUPPORTED_PARAM_BW); True lifts
+    # that limit for the run so that SeqMSE really searches 8-bit ranges.
+    seq_mse_any_bits: bool = True
+    qat_lr_weights: float = 1e-5  # the paper's learning rate for model weights in every QAT-style row
+
+
+def _forward(model: nn.Module, batch: torch.Tensor):
+    # AIMET's forward_fn(model, inputs): our batches are plain id tensors.
+    return model(batch.to(next(model.parameters()).device))
+
+
+def aimet_config(policy: QuantPolicy) -> dict:
+    """An AIMET quantsim config whose weight quantizers match ``policy`` (AdaRound builds its own sim)."""
+    return {
+        "defaults": {
+            "ops": {"is_output_quantized": "True"},
+            "params": {"is_quantized": "True", "is_symmetric": str(policy.symmetric_weights)},
+            "strict_symmetric": "False",
+            "per_channel_quantization": str(policy.per_channel_weights),
+        },
+        "params": {"bias": {"is_quantized": "False"}},
+        "op_type": {},
+        "supergroups": [],
+        "model_input": {"is_input_quantized": "True"},
+        "model_output": {},
+    }
+
+
+def linear_weight_quantizers(sim_model: nn.Module) -> dict[str, tuple[nn.Module, QuantizeDequantize]]:
+    """module path -> (module, weight quantizer) for every quantized Linear: what AdaRound and SeqMSE touch."""
+    out = {}
+    for path, module in sim_model.named_modules():
+        if isinstance(module, nn.Linear) and hasattr(module, "param_quantizers"):
+            q = dict(module.param_quantizers.items()).get("weight")
+            if q is not None:
+                out[path] = (module, q)
+    return out
+
+
+def apply_adaround(
+    model: PreparedLM,
+    policy: QuantPolicy,
+    calibration: Sequence[torch.Tensor],
+    params: BaselineParameters,
+    out_dir: Path | None = None,
+) -> tuple[QuantizationSimModel, dict]:
+    """AIMET AdaRound on ``model``'s Linear weights, then a sim under ``policy`` with those encodings frozen.
+
+    ``Adaround.apply_adaround`` returns a copy of the FP model with rounded weights and writes their
+    encodings; they are loaded into a fresh sim with ``set_and_freeze_param_encodings`` and the other
+    encodings (activations, embedding, norms) come from the usual calibration.
+    """
+    from aimet_torch.adaround.adaround_weight import Adaround, AdaroundParameters
+
+    batches = list(calibration)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(out_dir) if out_dir is not None else Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        config = Path(tmp) / "quantsim_config.json"
+        config.write_text(json.dumps(aimet_config(policy)))
+        ada_params = AdaroundParameters(
+            data_loader=batches,
+            num_batches=len(batches),
+            default_num_iterations=params.adaround_iterations,
+            default_reg_param=params.adaround_reg_param,
+            forward_fn=_forward,
+        )
+        dummy = torch.zeros((1, 16), dtype=torch.long, device=next(model.parameters()).device)
+        rounded = Adaround.apply_adaround(
+            model,
+            dummy,
+            ada_params,
+            path=str(folder),
+            filename_prefix="adaround",
+            default_param_bw=policy.weight_bits,
+            default_quant_scheme=_SCHEMES[policy.quant_scheme],
+            default_config_file=str(config),
+        )
+        encodings = folder / "adaround.encodings"
+        frozen = len(json.loads(encodings.read_text())["param_encodings"])
+        sim = build_sim(rounded, policy)
+        sim.set_and_freeze_param_encodings(str(encodings))
+    calibrate(sim, batches)
+    info = {
+        "adaround_iterations": params.adaround_iterations,
+        "adaround_frozen_encodings": frozen,
+        "adaround_flipped_fraction": _flipped_fraction(model, sim),
+    }
+    return sim, info
+
+
+@torch.no_grad()
+def _flipped_fraction(fp_model: nn.Module, sim: QuantizationSimModel) -> float:
+    """Share of Linear weights whose quantized value differs from rounding the FP weight to nearest."""
+    changed = total = 0
+    for path, (module, q) in linear_weight_quantizers(sim.model).items():
+        nearest = q(fp_model.get_submodule(path).weight).as_subclass(torch.Tensor)
+        rounded = q(module.weight).as_subclass(torch.Tensor)
+        changed += int((nearest != rounded).sum())
+        total += nearest.numel()
+    return changed / max(total, 1)
+
+
+@contextmanager
+def seq_mse_bitwidth_limit(limit: int) -> Iterator[None]:
+    """Temporarily set the weight bit-width above which AIMET's SeqMSE skips a layer (4 in aimet-torch 2.42)."""
+    import aimet_torch._base.seq_mse as seq_mse_base
+
+    before = seq_mse_base.SUPPORTED_PARAM_BW
+    seq_mse_base.SUPPORTED_PARAM_BW = limit
+    try:
+        yield
+    finally:
+        seq_mse_base.SUPPORTED_PARAM_BW = before
+
+
+def apply_seq_mse(
+    model: PreparedLM, policy: QuantPolicy, calibration: Sequence[torch.Tensor], params: BaselineParameters
+) -> tuple[QuantizationSimModel, dict]:
+    """AIMET Sequential MSE (weight ranges by grid search on each layer's output error), then calibration."""
+    import logging
+
+    from aimet_torch.seq_mse import apply_seq_mse as aimet_seq_mse
+
+    logging.getLogger("SeqMse").setLevel(logging.ERROR)  # one INFO line per layer otherwise
+    batches = list(calibration)
+    sim = build_sim(model, policy)
+    limit = max(policy.weight_bits, 4) if params.seq_mse_any_bits else 4
+    with seq_mse_bitwidth_limit(limit):
+        aimet_seq_mse(sim, batches, num_candidates=params.seq_mse_candidates, forward_fn=_forward)
+    calibrate(sim, batches)
+    return sim, {"seq_mse_candidates": params.seq_mse_candidates, **seq_mse_changes(sim)}
+
+
+@torch.no_grad()
+def seq_mse_changes(sim: QuantizationSimModel) -> dict:
+    """How far SeqMSE moved each Linear weight range from plain min/max (AIMET does not say whether it ran).
+
+    A range counts as changed when either end moved by more than half a quantization step: SeqMSE
+    re-derives even an unchanged range through the grid, which moves it by a fraction of a step.
+    """
+    layers = clipped = 0
+    ratios = []
+    for _, (module, q) in linear_weight_quantizers(sim.model).items():
+        ref = QuantizeDequantize(q.shape, q.bitwidth, q.symmetric)
+        with ref.compute_encodings():
+            ref(module.weight)
+        lo0, hi0, lo1, hi1 = ref.get_min(), ref.get_max(), q.get_min(), q.get_max()
+        step = (hi0 - lo0) / (2**q.bitwidth - 1)
+        layers += 1
+        clipped += bool(((lo1 - lo0).abs() > step / 2).any() or ((hi1 - hi0).abs() > step / 2).any())
+        ratios.append(float(((hi1 - lo1) / (hi0 - lo0)).mean()))
+    return {
+        "seq_mse_layers": layers,
+        "seq_mse_layers_changed": clipped,
+        "seq_mse_mean_range_ratio": sum(ratios) / max(len(ratios), 1),
+    }

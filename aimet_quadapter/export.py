@@ -1,0 +1,666 @@
+"""Export of a trained sim for on-device inference, verified against the simulation before it is kept.
+
+>>> sim = QuadapterState.load("quadapter.safetensors").build_sim(fp_model)
+>>> export_quantized(sim, "export/", seq_len=128, verify_windows=windows, model_name="gpt2", method="quadapter")
+
+writes, into ``export/``:
+
+- ``model.onnx`` and ``model.encodings``: AIMET's ``sim.onnx.export``: the FP graph of the sim's model
+  (Quadapter alphas folded, lm_head untied, weights already rounded onto their quantization grid) and
+  the AIMET encodings JSON (format 1.0.0 or 2.0.0) naming the graph's tensors: what a device converter
+  takes as the model and its quantization overrides;
+- ``model_qdq.onnx``: ``aimet_torch.onnx.export``: one graph with QuantizeLinear/DequantizeLinear nodes;
+- ``manifest.json``: model, method, policy, encodings version, sequence length, opsets, the verification
+  numbers, tool versions, and the size and sha256 of every file.
+
+Nothing is kept unless every check passes (:func:`verify_export`): the files are written into a temporary
+folder beside the target and renamed into place at the end; on any failure the temporary folder is removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import math
+import platform
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from aimet_torch.quantsim import QuantizationSimModel
+
+from .data import Window
+from .errors import QuadapterError
+from .evaluation import window_nll
+from .onnx_eval import (
+    ENCODINGS,
+    FP_ONNX,
+    MANIFEST,
+    QDQ_ONNX,
+    Encoding,
+    OnnxLM,
+    apply_encodings,
+    graph_tensor_names,
+    read_encodings,
+)
+from .policy import sim_policy
+from .quantizers import prequantized_weights, quantizers
+
+ENCODING_VERSIONS = ("1.0.0", "2.0.0")
+QDQ_OPSET = 21  # QuantizeLinear/DequantizeLinear with per-axis and 4/16-bit types; what AIMET recommends
+INPUT_NAME, OUTPUT_NAME = "input_ids", "logits"
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far onnxruntime's output may be from the sim's, over the verification windows.
+
+    onnxruntime computes in float32 like the sim, but its kernels and graph fusions sum in another
+    order (about 1e-6 relative). That is invisible unless it moves a value across an 8-bit rounding
+    boundary, which shifts that one activation by one quantization step: a rare, local change of the
+    logits well under 1 % of their range. A wrong, missing or duplicated encoding changes every token's
+    logits by many steps (a requantized tensor moved the tiny models' logits by more than their range)
+    and perplexity with them. Hence: perplexity within 0.1 % and no logit further from the sim than 1 %
+    of the largest sim logit.
+    """
+
+    ppl_rtol: float = 1e-3
+    logit_rtol: float = 1e-2  # max |onnx - sim| over all scored logits / max |sim logit|
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """One ONNX form of the model against the sim."""
+
+    graph: str  # "qdq" (model_qdq.onnx) or "fp+encodings" (model.onnx with model.encodings applied)
+    ppl: float
+    ppl_rel_diff: float
+    max_abs_logit_diff: float
+
+
+@dataclass(frozen=True)
+class Verification:
+    windows: int
+    window_lengths: list[int]
+    tokens: int
+    sim_ppl: float
+    max_abs_sim_logit: float
+    agreements: list[Agreement]
+    quantizers: int  # quantizers in the sim, every one matched by an encodings entry
+    encoding_entries: int  # entries in the encodings file, every one naming a tensor of model.onnx
+    entries_applied: int  # entries applied to model.onnx for the fp+encodings check (int32 biases are not)
+    tolerance: Tolerance
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    manifest: dict
+    verification: Verification
+    files: dict[str, Path] = field(default_factory=dict)
+
+
+# --- checks on the sim before export ---------------------------------------------------------------------
+
+
+def _check_calibrated(sim: QuantizationSimModel) -> int:
+    missing = [f"{path}.{role}" for path, role, q in quantizers(sim.model) if not q.is_initialized()]
+    if missing:
+        raise QuadapterError(
+            f"{len(missing)} quantizer(s) of the sim have no encoding (e.g. {missing[0]}): calibrate the sim "
+            f"(compute_encodings) or load a trained state before exporting"
+        )
+    return sum(1 for _ in quantizers(sim.model))
+
+
+def shared_activation_groups(sim: QuantizationSimModel, seq_len: int = 8) -> list[list[str]]:
+    """Activation quantizers that quantize one and the same tensor, e.g. the inputs of q, k and v.
+
+    Found by one forward pass: each activation quantizer records the tensor object it is called with.
+    """
+    calls: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    handles = []
+
+    def recorder(key: str):
+        def pre_hook(module, args):
+            # keeping the tensor in `calls` keeps it alive, so its id cannot be reused by another tensor
+            calls.setdefault(id(args[0]), (args[0], []))[1].append(key)
+
+        return pre_hook
+
+    for path, role, q in quantizers(sim.model):
+        if role.startswith(("input", "output")):
+            handles.append(q.register_forward_pre_hook(recorder(f"{path}.{role}")))
+    device = next(sim.model.parameters()).device
+    try:
+        with torch.no_grad():
+            sim.model(torch.zeros((1, seq_len), dtype=torch.long, device=device))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [keys for _, keys in calls.values() if len(keys) > 1]
+
+
+def _encoding_key(q) -> tuple:
+    return (
+        int(q.bitwidth),
+        q.get_scale().detach().float().cpu().numpy().tobytes(),
+        q.get_offset().detach().float().cpu().numpy().tobytes(),
+    )
+
+
+def reconcile_shared_ranges(sim: QuantizationSimModel, merge: bool = False) -> list[dict]:
+    """Check that quantizers of one tensor agree; with ``merge``, give each such group one common range.
+
+    The sim quantizes a shared tensor separately for each consumer, but an integer graph holds one
+    quantized tensor: where the encodings differ, AIMET's export requantizes the first consumer's
+    result for the others (a QDQ after a QDQ), which is not what the sim computed. Calibration gives
+    such quantizers equal ranges; learning ranges in phase 2 separates them. ``merge`` sets each
+    group to the union of its ranges (nothing one of them kept is clipped) and changes ``sim`` in place.
+    Returns one row per disagreeing group (its quantizers and their ranges before any merge).
+    """
+    found = {f"{path}.{role}": q for path, role, q in quantizers(sim.model)}
+    conflicts = []
+    for keys in shared_activation_groups(sim):
+        group = [found[k] for k in keys]
+        if len({_encoding_key(q) for q in group}) == 1:
+            continue
+        conflicts.append(
+            {"quantizers": keys, "ranges": [[float(q.get_min().min()), float(q.get_max().max())] for q in group]}
+        )
+    if conflicts and not merge:
+        first = conflicts[0]
+        detail = ", ".join(f"{k} [{lo:.4g}, {hi:.4g}]" for k, (lo, hi) in zip(first["quantizers"], first["ranges"]))
+        raise QuadapterError(
+            f"{len(conflicts)} tensor(s) are quantized with different ranges by their consumers (e.g. {detail}): "
+            f"an integer graph holds one encoding per tensor, so the export would not compute what the sim "
+            f"computes. Re-run with --merge-shared-ranges (merge_shared_ranges=True) to give each such tensor "
+            f"the union of its ranges (the verification then compares with that sim, and the manifest records "
+            f"the change), or train with one quantizer shared by the consumers of a tensor"
+        )
+    with torch.no_grad():
+        for row in conflicts:
+            group = [found[k] for k in row["quantizers"]]
+            lo = torch.stack([q.min.detach().reshape(-1) for q in group]).min(dim=0).values
+            hi = torch.stack([q.max.detach().reshape(-1) for q in group]).max(dim=0).values
+            for q in group:
+                q.set_range(lo.reshape(q.min.shape), hi.reshape(q.max.shape))
+    return conflicts
+
+
+# --- checks on the exported files ---------------------------------------------------------------------
+
+
+def check_encoding_names(fp_model, entries: Sequence[Encoding]) -> None:
+    """Every encodings entry must name a tensor of the FP graph, or a converter would not find it."""
+    names = graph_tensor_names(fp_model)
+    unknown = [e.name for e in entries if e.name not in names]
+    if unknown:
+        raise QuadapterError(
+            f"{len(unknown)} encodings entr{'y names' if len(unknown) == 1 else 'ies name'} no tensor of the exported "
+            f"ONNX graph: {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}"
+        )
+
+
+def check_quantizer_coverage(sim: QuantizationSimModel, entries: Sequence[Encoding]) -> int:
+    """Every quantizer of the sim must appear in the encodings file: an entry with its bit-width and scales.
+
+    Matched by value, not by name: AIMET names a tensor after the ONNX graph (a Linear weight becomes its
+    transposed copy ``<param>_0``, a norm output ``/lm/.../Mul_1_output_0``), and quantizers of one tensor
+    (q, k and v's inputs) share one entry. The names themselves are checked against the graph, and the
+    values by running the graph with the encodings applied. Returns the number of quantizers.
+    """
+    available = {(e.bitwidth, e.scale.astype(np.float32).tobytes()) for e in entries}
+    count, missing = 0, []
+    for path, role, q in quantizers(sim.model):
+        count += 1
+        key = (int(q.bitwidth), q.get_scale().detach().float().cpu().numpy().reshape(-1).tobytes())
+        if key not in available:
+            missing.append(f"{path}.{role}")
+    if missing:
+        raise QuadapterError(
+            f"{len(missing)} of the sim's {count} quantizers have no entry in the encodings file: "
+            f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+        )
+    return count
+
+
+def _as_windows(windows: Sequence[Window | torch.Tensor]) -> list[Window]:
+    out = [w if isinstance(w, Window) else Window(torch.as_tensor(w).reshape(-1), 1) for w in windows]
+    if not out:
+        raise QuadapterError("verification needs at least one token window")
+    return out
+
+
+def _serialized(model) -> bytes:
+    import onnx
+
+    if model.ByteSize() >= onnx.checker.MAXIMUM_PROTOBUF:
+        raise QuadapterError("the FP graph is over 2 GB: the fp+encodings check needs it in one protobuf")
+    return model.SerializeToString()
+
+
+def verify_export(
+    sim: QuantizationSimModel,
+    folder: str | Path,
+    windows: Sequence[Window | torch.Tensor],
+    tolerance: Tolerance = Tolerance(),
+    progress: bool = False,
+) -> Verification:
+    """Prove an export folder equal to ``sim``; raise :class:`QuadapterError` where it is not.
+
+    1. every encodings entry names a tensor of ``model.onnx``; every quantizer of the sim has an entry;
+    2. on ``windows``, onnxruntime's logits of ``model_qdq.onnx`` and of ``model.onnx`` with
+       ``model.encodings`` applied (:func:`~aimet_quadapter.onnx_eval.apply_encodings`) are within
+       ``tolerance`` of the sim's, and so are their perplexities.
+    """
+    import onnx
+    from tqdm.auto import tqdm
+
+    start = time.time()
+    folder = Path(folder)
+    windows = _as_windows(windows)
+    fp_model = onnx.load(str(folder / FP_ONNX))
+    entries = read_encodings(json.loads((folder / ENCODINGS).read_text()))
+    check_encoding_names(fp_model, entries)
+    n_quantizers = check_quantizer_coverage(sim, entries)
+    emulated, applied = apply_encodings(fp_model, entries)
+    graphs = {"qdq": OnnxLM(folder / QDQ_ONNX), "fp+encodings": OnnxLM(_serialized(emulated))}
+    del fp_model, emulated
+
+    nll = {name: torch.zeros((), dtype=torch.float64) for name in ("sim", *graphs)}
+    max_diff = dict.fromkeys(graphs, 0.0)
+    max_sim, tokens = 0.0, 0
+    with torch.no_grad(), prequantized_weights(sim.model):
+        device = next(sim.model.parameters()).device
+        for window in tqdm(windows, desc="verify export", unit="win", disable=not progress, leave=False):
+            ids = window.ids.reshape(1, -1)
+            reference = sim.model(ids.to(device)).float().cpu()
+            scored = slice(window.first_target - 1, ids.shape[1] - 1)  # logits that predict a scored token
+            max_sim = max(max_sim, float(reference[0, scored].abs().max()))
+            nll["sim"] += window_nll(reference, window)
+            for name, lm in graphs.items():
+                logits = lm(ids)
+                max_diff[name] = max(max_diff[name], float((logits - reference)[0, scored].abs().max()))
+                nll[name] += window_nll(logits, window)
+            tokens += window.n_targets
+    sim_ppl = math.exp(nll["sim"].item() / tokens)
+    agreements = []
+    for name in graphs:
+        ppl = math.exp(nll[name].item() / tokens)
+        agreements.append(Agreement(name, ppl, abs(ppl - sim_ppl) / sim_ppl, max_diff[name]))
+    report = Verification(
+        windows=len(windows),
+        window_lengths=sorted({len(w.ids) for w in windows}),
+        tokens=tokens,
+        sim_ppl=sim_ppl,
+        max_abs_sim_logit=max_sim,
+        agreements=agreements,
+        quantizers=n_quantizers,
+        encoding_entries=len(entries),
+        entries_applied=applied,
+        tolerance=tolerance,
+        seconds=time.time() - start,
+    )
+    bad = [
+        a
+        for a in agreements
+        if not (a.ppl_rel_diff <= tolerance.ppl_rtol and a.max_abs_logit_diff <= tolerance.logit_rtol * max_sim)
+    ]
+    if bad:
+        detail = "; ".join(
+            f"{a.graph}: perplexity {a.ppl:.4f} vs sim {sim_ppl:.4f} (rel. diff {a.ppl_rel_diff:.2e}, tolerance "
+            f"{tolerance.ppl_rtol:g}), max |logit diff| {a.max_abs_logit_diff:.3g} (tolerance "
+            f"{tolerance.logit_rtol * max_sim:.3g} = {tolerance.logit_rtol:g} x max |sim logit| {max_sim:.3g})"
+            for a in bad
+        )
+        raise QuadapterError(f"the exported model does not compute what the sim computes: {detail}")
+    return report
+
+
+# --- the export ---------------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _tool_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for dist in ("aimet-quadapter", "aimet-torch", "torch", "onnx", "onnxruntime", "transformers"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = "not installed"
+    return versions
+
+
+def _opset(path: Path) -> int:
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def _run_aimet_export(step: str, fn, *args, **kwargs) -> None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TorchScript tracer warnings about shapes: expected for a fixed graph
+            fn(*args, **kwargs)
+    except QuadapterError:
+        raise
+    except Exception as exc:  # AIMET and torch.onnx raise RuntimeError, ValueError, NotImplementedError...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise QuadapterError(f"{step} failed: {type(exc).__name__}: {first}") from exc
+
+
+def export_quantized(
+    sim: QuantizationSimModel,
+    out_dir: str | Path,
+    seq_len: int = 128,
+    encoding_version: str = "1.0.0",
+    *,
+    verify_windows: Sequence[Window | torch.Tensor],
+    model_name: str | None = None,
+    method: str | None = None,
+    dynamic_length: bool = False,
+    opset: int | None = None,
+    tolerance: Tolerance = Tolerance(),
+    overwrite: bool = False,
+    merge_shared_ranges: bool = False,
+    extra_manifest: dict | None = None,
+    progress: bool = False,
+) -> ExportResult:
+    """Export ``sim`` (a calibrated or trained sim of a PreparedLM) to ``out_dir``, verified; see the module doc.
+
+    ``seq_len`` fixes the graph's input length (on-device graphs are static); ``dynamic_length`` makes it
+    a dynamic axis instead (batch stays 1). ``opset`` is the FP graph's (default: torch's); the QDQ graph
+    is opset 21. ``verify_windows`` are held-out token windows (at most ``seq_len`` tokens each; shorter
+    ones are padded at the end for a fixed-length graph) on which the export must match the sim.
+    ``model_name`` is what ``eval`` loads the tokenizer from. ``merge_shared_ranges``: see
+    :func:`reconcile_shared_ranges` (changes ``sim``).
+    """
+    start = time.time()
+    if encoding_version not in ENCODING_VERSIONS:
+        raise QuadapterError(
+            f"encodings version must be one of {', '.join(ENCODING_VERSIONS)}, got {encoding_version!r}"
+        )
+    if seq_len < 2:
+        raise QuadapterError(f"sequence length must be at least 2, got {seq_len}")
+    windows = _as_windows(verify_windows)
+    too_long = [len(w.ids) for w in windows if len(w.ids) > seq_len]
+    if too_long:
+        raise QuadapterError(f"verification windows of {max(too_long)} tokens exceed the export length {seq_len}")
+    if dynamic_length:
+        # prove the dynamic axis too: the same text at another length
+        windows.append(Window(windows[0].ids[: max(2, len(windows[0].ids) // 2)], 1))
+    out_dir = Path(out_dir).expanduser().absolute()
+    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not overwrite:
+        raise QuadapterError(f"{out_dir} already exists: choose another --out, or pass --force to replace it")
+    n_quantizers = _check_calibrated(sim)
+    merged = reconcile_shared_ranges(sim, merge=merge_shared_ranges)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        device = next(sim.model.parameters()).device
+        dummy = torch.zeros((1, seq_len), dtype=torch.long, device=device)
+        common = {"input_names": [INPUT_NAME], "output_names": [OUTPUT_NAME], "dynamo": False}
+        if dynamic_length:
+            common["dynamic_axes"] = {INPUT_NAME: {1: "sequence"}, OUTPUT_NAME: {1: "sequence"}}
+        fp_kwargs = dict(common, **({"opset_version": opset} if opset else {}))
+        sim.model.eval()
+        _run_aimet_export(
+            "AIMET's FP ONNX + encodings export (sim.onnx.export)",
+            sim.onnx.export,
+            (dummy,),
+            str(tmp / FP_ONNX),
+            encoding_version=encoding_version,
+            **fp_kwargs,
+        )
+        import aimet_torch.onnx
+
+        _run_aimet_export(
+            "AIMET's QDQ ONNX export (aimet_torch.onnx.export)",
+            aimet_torch.onnx.export,
+            sim.model,
+            (dummy,),
+            str(tmp / QDQ_ONNX),
+            opset_version=QDQ_OPSET,
+            export_int32_bias=False,  # the sim leaves biases in float: so does the graph that must equal it
+            **common,
+        )
+        if not (tmp / ENCODINGS).is_file():
+            raise QuadapterError(f"AIMET's export wrote no {ENCODINGS} file")
+        report = verify_export(sim, tmp, windows, tolerance, progress=progress)
+        policy = sim_policy(sim).to_dict()
+        files = {
+            p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()
+        }
+        vocab = getattr(getattr(sim.model, "config", None), "vocab_size", None)
+        length = "sequence" if dynamic_length else seq_len
+        manifest = {
+            "format": "aimet-quadapter export 1",
+            "model": model_name,
+            "method": method,
+            "policy": policy,
+            "encodings_version": encoding_version,
+            "export_int32_bias": encoding_version >= "2.0.0",  # AIMET's default for the FP export, kept
+            "seq_len": seq_len,
+            "dynamic_length": dynamic_length,
+            "input": {"name": INPUT_NAME, "dtype": "int64", "shape": [1, length]},
+            "output": {"name": OUTPUT_NAME, "dtype": "float32", "shape": [1, length, vocab]},
+            "opset": {FP_ONNX: _opset(tmp / FP_ONNX), QDQ_ONNX: _opset(tmp / QDQ_ONNX)},
+            "files_role": {"fp_onnx": FP_ONNX, "encodings": ENCODINGS, "qdq_onnx": QDQ_ONNX},
+            "files": files,
+            "quantizers": n_quantizers,
+            "shared_ranges_merged": merged,
+            "verification": report.to_dict(),
+            "tools": _tool_versions(),
+            "export_time_s": round(time.time() - start, 3),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **(extra_manifest or {}),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            out_dir.rename(old / out_dir.name)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    paths = {name: out_dir / name for name in (FP_ONNX, ENCODINGS, QDQ_ONNX, MANIFEST)}
+    return ExportResult(out_dir, manifest, report, paths)
+
+
+# --- state files --------------------------------------------------------------------------------------
+
+
+def resolve_state(path: str | Path) -> Path:
+    """A Quadapter state file from ``path``: the file itself, or a run folder holding exactly one.
+
+    In a folder, the candidates are the ``*.safetensors`` files beside its ``results.json``, or the
+    files that ``results.json`` lists under ``"states"`` where it does.
+    """
+    path = Path(path).expanduser()
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise QuadapterError(f"{path} is not a Quadapter state (.safetensors) file")
+        return path
+    if not path.is_dir():
+        raise QuadapterError(f"Quadapter state {path} does not exist")
+    candidates = sorted(path.glob("*.safetensors"))
+    results = path / "results.json"
+    if results.is_file():
+        try:
+            states = json.loads(results.read_text()).get("states")
+        except (json.JSONDecodeError, AttributeError):
+            states = None
+        if isinstance(states, dict):
+            states = list(states.values())
+        if isinstance(states, list) and states:
+            candidates = sorted(path / s for s in states)
+    if len(candidates) == 1:
+        if not candidates[0].is_file():
+            raise QuadapterError(f"{results} names the state {candidates[0]}, which does not exist")
+        return candidates[0]
+    if not candidates:
+        raise QuadapterError(f"{path} holds no Quadapter state (*.safetensors): pass the state file")
+    names = ", ".join(c.name for c in candidates)
+    raise QuadapterError(
+        f"{path} holds {len(candidates)} Quadapter states ({names}): pass the one to export, "
+        f"e.g. {path / candidates[-1].name}"
+    )
+
+
+# --- command line -------------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_export_command(subparsers) -> None:
+    """The ``export`` subcommand, added to the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "export",
+        help="export a trained state to ONNX + AIMET encodings and a QDQ ONNX, verified in onnxruntime",
+        description=(
+            "Writes model.onnx + model.encodings (for a device converter's quantization overrides), "
+            "model_qdq.onnx and manifest.json into --out, after checking in onnxruntime that both compute "
+            "what the sim computes on held-out windows. Nothing is written if a check fails."
+        ),
+    )
+    p.add_argument("state", help="a Quadapter state (.safetensors), or a run folder holding exactly one")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="the FP model the state was trained on: hub id, local folder, or smollm2-135m (offline)",
+    )
+    p.add_argument("--out", required=True, help="export folder (must not exist unless --force)")
+    p.add_argument("--seq-len", type=_positive_int, default=128, help="the graph's fixed input length (default 128)")
+    p.add_argument(
+        "--encodings-version",
+        choices=ENCODING_VERSIONS,
+        default="1.0.0",
+        help="AIMET encodings format (default 1.0.0)",
+    )
+    p.add_argument(
+        "--dynamic-length",
+        action="store_true",
+        help="make the sequence length a dynamic axis of both graphs (batch stays 1); on-device graphs are "
+        "usually static",
+    )
+    p.add_argument("--opset", type=_positive_int, help="opset of model.onnx (default: torch's); the QDQ graph is 21")
+    p.add_argument("--verify-dataset", default="ptb", help="held-out text for the verification (default ptb)")
+    p.add_argument("--verify-split", default="test", help="its split (default test)")
+    p.add_argument("--verify-windows", type=_positive_int, default=4, help="windows of --seq-len tokens (default 4)")
+    p.add_argument(
+        "--merge-shared-ranges",
+        action="store_true",
+        help="where consumers of one tensor learned different ranges, give them the union (changes the model)",
+    )
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=_cmd_export)
+
+
+def _model_limit(model) -> int | None:
+    return getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+
+
+def _cmd_export(args) -> int:
+    from . import workflow
+    from .state import QuadapterState
+
+    start = time.time()
+    state_path = resolve_state(args.state)
+    state = QuadapterState.load(state_path)
+    model, tokenizer = workflow.load(args.model)
+    limit = _model_limit(model)
+    if limit and args.seq_len > limit:
+        raise QuadapterError(f"--seq-len {args.seq_len} exceeds the model's {limit} positions")
+    sim = state.build_sim(model)
+    windows = workflow.eval_windows_for(
+        tokenizer, args.verify_dataset, args.verify_split, args.seq_len, None, args.seq_len * args.verify_windows
+    )
+    windows = [w for w in windows if len(w.ids) == args.seq_len][: args.verify_windows]
+    if not windows:
+        raise QuadapterError(f"--verify-dataset {args.verify_dataset} has fewer than {args.seq_len} tokens")
+    local = Path(args.model).expanduser()
+    model_name = str(local.resolve()) if local.exists() else args.model
+    result = export_quantized(
+        sim,
+        args.out,
+        args.seq_len,
+        args.encodings_version,
+        verify_windows=windows,
+        model_name=model_name,
+        method=state.metadata.get("method"),
+        dynamic_length=args.dynamic_length,
+        opset=args.opset,
+        overwrite=args.force,
+        merge_shared_ranges=args.merge_shared_ranges,
+        extra_manifest={
+            "state": {"path": str(state_path.resolve()), "sha256": _sha256(state_path), "metadata": state.metadata},
+            "verify_dataset": {"name": args.verify_dataset, "split": args.verify_split},
+        },
+        progress=True,
+    )
+    m, v = result.manifest, result.verification
+    print(f"exported {m['method'] or 'state'} of {args.model} to {result.out_dir}:")
+    for name, info in m["files"].items():
+        print(f"  {name:<20} {info['bytes'] / 1e6:10.2f} MB  sha256 {info['sha256'][:16]}")
+    if m["shared_ranges_merged"]:
+        print(f"  merged the ranges of {len(m['shared_ranges_merged'])} shared tensor(s) (see manifest.json)")
+    print(
+        f"verified on {v.windows} window(s), {v.tokens} scored tokens: sim perplexity {v.sim_ppl:.4f}; "
+        f"{v.quantizers} quantizers, {v.encoding_entries} encodings entries"
+    )
+    for a in v.agreements:
+        print(
+            f"  {a.graph:<13} perplexity {a.ppl:.4f} (rel. diff {a.ppl_rel_diff:.1e}), "
+            f"max |logit - sim| {a.max_abs_logit_diff:.2e} (max |sim logit| {v.max_abs_sim_logit:.3g})"
+        )
+    print(f"export time {m['export_time_s']:.1f} s (total {time.time() - start:.1f} s)")
+    return 0
+
+
+__all__ = [
+    "Agreement",
+    "ExportResult",
+    "Tolerance",
+    "Verification",
+    "add_export_command",
+    "check_encoding_names",
+    "check_quantizer_coverage",
+    "export_quantized",
+    "reconcile_shared_ranges",
+    "resolve_state",
+    "shared_activation_groups",
+    "verify_export",
+]

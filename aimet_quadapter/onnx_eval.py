@@ -1,0 +1,354 @@
+"""Running an exported model in onnxruntime, and reading (and applying) an AIMET encodings file.
+
+An export folder (see :mod:`aimet_quadapter.export`) holds ``model_qdq.onnx`` (QuantizeLinear /
+DequantizeLinear nodes in the graph), ``model.onnx`` with ``model.encodings`` (an FP graph plus the
+encodings a device converter takes as quantization overrides) and ``manifest.json``.
+
+:func:`apply_encodings` inserts QDQ nodes into the FP graph at the tensors the encodings file names,
+which is what a converter given ``--quantization_overrides`` is meant to do: running the result in
+onnxruntime checks the encodings file itself (names and values), not only AIMET's own QDQ graph.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .data import Window
+from .errors import QuadapterError
+
+MANIFEST = "manifest.json"
+FP_ONNX = "model.onnx"
+ENCODINGS = "model.encodings"  # AIMET names it after the ONNX file: <stem>.encodings
+QDQ_ONNX = "model_qdq.onnx"
+PAD_ID = 0  # fills a short last window up to a fixed-length graph's input; causal: never seen by scored tokens
+
+
+# --- onnxruntime ---------------------------------------------------------------------------------------
+
+
+def ort_session(model: str | Path | bytes):
+    """An onnxruntime CPU session with the default graph optimizations, as a user would run it.
+
+    It uses as many threads as torch does, so that both sides of a comparison get the same machine share.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    options.log_severity_level = 3  # onnxruntime warns about every unused initializer otherwise
+    source = model if isinstance(model, bytes) else str(model)
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+
+
+class OnnxLM:
+    """``ids (1, T) -> logits (1, T, V)`` through an onnxruntime session of an exported LM.
+
+    A fixed-length graph (``seq_len`` set) gets shorter inputs padded at the end: the model is causal and
+    its quantizers are static, so positions before the padding are computed exactly as without it.
+    """
+
+    def __init__(self, model: str | Path | bytes, seq_len: int | None = None):
+        self.session = ort_session(model)
+        inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
+        if len(inputs) != 1 or len(outputs) != 1:
+            raise QuadapterError(f"expected an ONNX LM with one input and one output, got {len(inputs)}/{len(outputs)}")
+        self.input_name, self.output_name = inputs[0].name, outputs[0].name
+        length = inputs[0].shape[-1]
+        self.fixed_len = length if isinstance(length, int) else None
+        self.seq_len = seq_len if seq_len is not None else self.fixed_len
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.reshape(1, -1).cpu()
+        length = ids.shape[1]
+        if self.fixed_len is not None:
+            if length > self.fixed_len:
+                raise QuadapterError(f"window of {length} tokens is longer than the exported graph's {self.fixed_len}")
+            ids = torch.nn.functional.pad(ids, (0, self.fixed_len - length), value=PAD_ID)
+        (logits,) = self.session.run([self.output_name], {self.input_name: ids.numpy().astype(np.int64)})
+        return torch.from_numpy(logits[:, :length])
+
+
+# --- export folders ------------------------------------------------------------------------------------
+
+
+def find_manifest(path: str | Path) -> Path | None:
+    """The manifest of an export: ``path`` is the export folder or one of its ONNX files."""
+    path = Path(path).expanduser()
+    folder = path if path.is_dir() else path.parent
+    manifest = folder / MANIFEST
+    return manifest if manifest.is_file() else None
+
+
+def is_export(name: str) -> bool:
+    """``--model`` names an exported model (an ``.onnx`` file or an export folder) rather than a PyTorch LM."""
+    return name.endswith(".onnx") or (Path(name).expanduser().is_dir() and find_manifest(name) is not None)
+
+
+def load_manifest(path: str | Path) -> tuple[dict, Path]:
+    manifest = find_manifest(path)
+    if manifest is None:
+        raise QuadapterError(
+            f"{path}: no {MANIFEST} found beside it; evaluate an export folder written by `aimet-quadapter export` "
+            f"(the manifest names the tokenizer and the sequence length)"
+        )
+    return json.loads(manifest.read_text()), manifest.parent
+
+
+def qdq_model_of(path: str | Path) -> tuple[Path, dict]:
+    """The QDQ ONNX file of an export (``path``: its folder or its QDQ file) and the export's manifest."""
+    manifest, folder = load_manifest(path)
+    path = Path(path).expanduser()
+    qdq = folder / manifest["files_role"]["qdq_onnx"]
+    if path.is_file() and path.resolve() != qdq.resolve():
+        raise QuadapterError(
+            f"{path} is not the export's QDQ model: the FP graph needs its encodings applied by a converter; "
+            f"evaluate {qdq} (or the folder {folder})"
+        )
+    if not qdq.is_file():
+        raise QuadapterError(f"{qdq} named in {folder / MANIFEST} is missing")
+    return qdq, manifest
+
+
+# --- encodings files ----------------------------------------------------------------------------------
+
+
+# ONNX QuantizeLinear output types by name (opset 21 for the 4- and 16-bit ones).
+_ONNX_TYPES = {
+    "uint8": "UINT8",
+    "int8": "INT8",
+    "uint16": "UINT16",
+    "int16": "INT16",
+    "uint4": "UINT4",
+    "int4": "INT4",
+    "int32": "INT32",
+}
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """One entry of an encodings file in ONNX terms: x_q = clamp(round(x / scale) + zero_point)."""
+
+    name: str
+    bitwidth: int
+    scale: np.ndarray  # float32, one value per channel (one for per-tensor)
+    zero_point: np.ndarray  # int64, same shape as scale
+    dtype: str  # a key of _ONNX_TYPES
+    axis: int | None  # channel axis; None for per-tensor (1.0.0 files leave it implicit: see apply_encodings)
+    is_param: bool | None  # 1.0.0 files say; 2.0.0 files do not
+
+
+def read_encodings(encodings: dict) -> list[Encoding]:
+    """The entries of an AIMET encodings file (format 1.0.0 or 2.0.0, as ``sim.onnx.export`` writes them)."""
+    version = str(encodings.get("version", ""))
+    out = []
+    if version.startswith("1."):
+        for kind in ("activation_encodings", "param_encodings"):
+            for entry in encodings.get(kind, []):
+                if entry.get("dtype", "INT") != "INT":
+                    raise QuadapterError(f"encoding of {entry['name']!r} is {entry['dtype']}: only INT is supported")
+                bw = int(entry["bw"])
+                scale = np.asarray(entry["scale"], dtype=np.float32).reshape(-1)
+                # AIMET's offset is the negated ONNX zero point, on an unsigned grid [0, 2^bw - 1]
+                zero_point = -np.asarray(entry["offset"], dtype=np.int64).reshape(-1)
+                per_channel = entry.get("enc_type", "PER_TENSOR") != "PER_TENSOR" or scale.size > 1
+                out.append(
+                    Encoding(
+                        entry["name"],
+                        bw,
+                        scale,
+                        zero_point,
+                        f"uint{bw}",
+                        -1 if per_channel else None,
+                        kind == "param_encodings",
+                    )
+                )
+    elif version.startswith("2."):
+        for entry in encodings.get("encodings", []):
+            if "block_size" in entry:
+                raise QuadapterError(f"encoding of {entry['name']!r} is block-wise: not supported here")
+            dtype = entry["output_dtype"]
+            if dtype not in _ONNX_TYPES:
+                raise QuadapterError(f"encoding of {entry['name']!r} has output_dtype {dtype!r}: not supported here")
+            scale = np.asarray(entry["y_scale"], dtype=np.float32).reshape(-1)
+            zero_point = np.asarray(entry.get("y_zero_point", 0), dtype=np.int64).reshape(-1)
+            if zero_point.size == 1 and scale.size > 1:
+                zero_point = np.repeat(zero_point, scale.size)
+            bw = int(re.sub(r"\D", "", dtype))
+            axis = entry.get("axis")
+            out.append(Encoding(entry["name"], bw, scale, zero_point, dtype, axis, None))
+    else:
+        raise QuadapterError(f"unsupported encodings version {version!r} (supported: 1.0.0, 2.0.0)")
+    return out
+
+
+def graph_tensor_names(model) -> set[str]:
+    """Every tensor name an ``onnx.ModelProto``'s main graph defines or uses."""
+    graph = model.graph
+    names = {t.name for t in graph.initializer} | {v.name for v in graph.input} | {v.name for v in graph.output}
+    for node in graph.node:
+        names.update(node.input)
+        names.update(node.output)
+    names.discard("")
+    return names
+
+
+def apply_encodings(model, encodings: Iterable[Encoding]):
+    """A copy of the FP ``onnx.ModelProto`` with a QuantizeLinear/DequantizeLinear pair at every named tensor.
+
+    Every consumer of a named tensor then sees its quantize-dequantized value, as a converter applying
+    the encodings as overrides would quantize it. int32 (bias) encodings are left out: onnx has no
+    int32 QuantizeLinear, and the simulation this is compared with does not quantize biases.
+    A 1.0.0 file leaves a per-channel axis implicit: it is the one dimension of the tensor whose size
+    is the number of scales, or, when several are, the output-channel axis of the consuming op (the
+    last one for MatMul, the first one for Gather). Returns ``(model, number of entries applied)``.
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    initializers = {t.name: t for t in graph.initializer}
+    producers = {name: i for i, node in enumerate(graph.node) for name in node.output}
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            consumers.setdefault(name, []).append((node.op_type, i))
+    inserted: dict[int, list] = {}  # producer node index (-1: before every node) -> QDQ nodes that follow it
+    applied, needs_opset21 = 0, False
+    for n, enc in enumerate(encodings):
+        if enc.dtype == "int32":
+            continue
+        raw = f"{enc.name}__float"
+        if enc.name in initializers:
+            tensor = initializers[enc.name]
+            tensor.name = raw
+            position, shape = -1, list(tensor.dims)
+        elif enc.name in producers:
+            position = producers[enc.name]
+            node = graph.node[position]
+            node.output[list(node.output).index(enc.name)] = raw
+            shape = None
+        else:
+            raise QuadapterError(f"encoding {enc.name!r} names no initializer or node output of the graph")
+        np_type = helper.tensor_dtype_to_np_dtype(getattr(TensorProto, _ONNX_TYPES[enc.dtype]))
+        needs_opset21 |= enc.dtype in ("uint16", "int16", "uint4", "int4")
+        attrs = {}
+        if enc.scale.size > 1:
+            attrs["axis"] = _channel_axis(enc, shape, consumers.get(enc.name, []))
+            scale, zero_point = enc.scale, enc.zero_point.astype(np_type)
+        else:
+            scale, zero_point = enc.scale.reshape(()), enc.zero_point.reshape(()).astype(np_type)
+        s_name, z_name = f"{enc.name}__scale_{n}", f"{enc.name}__zero_point_{n}"
+        graph.initializer.append(numpy_helper.from_array(scale, s_name))
+        graph.initializer.append(numpy_helper.from_array(zero_point, z_name))
+        q_name = f"{enc.name}__quantized"
+        inserted.setdefault(position, []).extend(
+            [
+                helper.make_node("QuantizeLinear", [raw, s_name, z_name], [q_name], name=f"{q_name}_q", **attrs),
+                helper.make_node(
+                    "DequantizeLinear", [q_name, s_name, z_name], [enc.name], name=f"{q_name}_dq", **attrs
+                ),
+            ]
+        )
+        applied += 1
+    nodes = list(inserted.get(-1, []))
+    for i, node in enumerate(graph.node):
+        nodes.append(node)
+        nodes.extend(inserted.get(i, []))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    opset = next(o for o in out.opset_import if o.domain in ("", "ai.onnx"))
+    if needs_opset21 and opset.version < 21:
+        from onnx import version_converter
+
+        out = version_converter.convert_version(out, 21)
+    return out, applied
+
+
+def _channel_axis(enc: Encoding, shape: list[int] | None, uses: list[tuple[str, int]]) -> int:
+    if enc.axis is not None and enc.axis >= 0:
+        return enc.axis
+    if shape is None:
+        raise QuadapterError(f"per-channel encoding of {enc.name!r}, which is not a constant: not supported here")
+    matching = [i for i, size in enumerate(shape) if size == enc.scale.size]
+    if len(matching) == 1:
+        return matching[0]
+    ops = {op for op, _ in uses}
+    if matching and ops <= {"MatMul", "Gemm"}:
+        return len(shape) - 1  # a Linear exported as MatMul holds its weight as (in, out)
+    if matching and ops <= {"Gather"}:
+        return 0
+    raise QuadapterError(f"cannot tell the channel axis of {enc.name!r} (shape {shape}, {enc.scale.size} scales)")
+
+
+# --- perplexity ---------------------------------------------------------------------------------------
+
+
+def onnx_perplexity(lm: OnnxLM, windows: Sequence[Window], desc: str = "onnx", progress: bool = True):
+    """:func:`aimet_quadapter.evaluation.perplexity` of an exported model."""
+    from .evaluation import perplexity
+
+    return perplexity(lm, windows, desc=desc, progress=progress)
+
+
+def eval_exported(args) -> int:
+    """``aimet-quadapter eval --model EXPORT``: perplexity of an exported QDQ model in onnxruntime."""
+    import time
+
+    from . import workflow
+    from .models import load_tokenizer
+
+    start = time.time()
+    qdq, manifest = qdq_model_of(args.model)
+    workflow.quiet_libraries()
+    tokenizer = load_tokenizer(manifest["model"])
+    lm = OnnxLM(qdq)
+    seq_len = args.seq_len
+    if lm.fixed_len is not None and seq_len != lm.fixed_len:
+        # the graph's input shape is fixed: its windows are the only ones it can score
+        print(f"note: the export has a fixed sequence length of {lm.fixed_len}; evaluating windows of {lm.fixed_len}")
+        seq_len = lm.fixed_len
+    stride = min(args.stride, seq_len) if args.stride else None
+    label = f"ONNX QDQ {manifest.get('method') or 'model'}"
+    results: dict[str, float] = {}
+    tokens = 0
+    for dataset in args.dataset:
+        windows = workflow.eval_windows_for(tokenizer, dataset, args.split, seq_len, stride, args.max_tokens)
+        ppl = onnx_perplexity(lm, windows, desc=f"{label} {dataset}")
+        results[dataset] = ppl.ppl
+        tokens = tokens or ppl.tokens
+    elapsed = time.time() - start
+    print(f"{label}: " + ", ".join(f"{d} {v:.3f}" for d, v in results.items()))
+    print(workflow.format_table({label: results}, list(results)))
+    print(
+        f"model {qdq} (onnxruntime; exported from {manifest['model']}); {tokens} scored tokens per dataset "
+        f"(windows of {seq_len}); wall time {elapsed:.1f} s"
+    )
+    report = {
+        "model": str(args.model),
+        "onnx": str(qdq),
+        "source_model": manifest["model"],
+        "method": manifest.get("method"),
+        "policy": manifest.get("policy"),
+        "runtime": "onnxruntime",
+        "seq_len": seq_len,
+        "results": {label: results},
+        "wall_time_s": elapsed,
+    }
+    out_dir = Path(args.out) if getattr(args, "out", None) else None
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    for path in filter(None, [getattr(args, "json", None), out_dir and out_dir / "results.json"]):
+        Path(path).write_text(json.dumps(report, indent=2))
+    if not all(math.isfinite(v) for v in results.values()):
+        raise QuadapterError("the exported model gave a non-finite perplexity")
+    return 0

@@ -1,0 +1,454 @@
+"""Experiment recipes: YAML files that say which model, data, settings and methods make up a run.
+
+A recipe is validated with pydantic before anything heavy starts; a bad value stops the run with one
+line that names the file and the field. Every value can be overridden on the command line with
+``--set key.path=value`` (the value is parsed as YAML: ``--set methods=[ptq,quadapter]``).
+
+A recipe may start from another with ``base: other.yaml`` (relative to the file): the two are merged,
+sections field by field, and the recipe's own values win.
+
+Dataset names are either one of the paper's corpora (``wikitext2``, ``ptb``, ...) or a local text file
+or folder. A relative local path is looked up, in order, in each folder of the environment variable
+``AIMET_QUADAPTER_DATA`` (``os.pathsep``-separated), in the recipe's ``data_dirs`` (each relative to the
+file that lists it), next to the recipe file, and in the current directory; so a recipe works from any
+directory. A model folder written ``./...`` or ``../...`` in a file is relative to that file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import MISSING
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import create_model as _create_model
+
+from .errors import QuadapterError
+
+DATA_ENV = "AIMET_QUADAPTER_DATA"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _mirror(source: type, name: str, constraints: dict[str, dict]) -> type[BaseModel]:
+    """A pydantic model with the fields of dataclass ``source`` (so the two cannot drift apart), plus bounds.
+
+    ``constraints[field]`` holds pydantic ``Field`` arguments, or ``annotation`` to narrow the type.
+    """
+    hints = typing.get_type_hints(source)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(source):
+        extra = dict(constraints.get(f.name, {}))
+        annotation = extra.pop("annotation", hints[f.name])
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        fields[f.name] = (annotation, Field(default, **extra))
+    return _create_model(name, __base__=_Section, **fields)
+
+
+def _policy_model() -> type[BaseModel]:
+    from .policy import QuantPolicy
+
+    bits = {"ge": 2, "le": 16}
+    return _mirror(
+        QuantPolicy,
+        "PolicySection",
+        {
+            "weight_bits": bits,
+            "activation_bits": bits,
+            "quant_scheme": {"annotation": Literal["min_max", "tf", "tf_enhanced"]},
+        },
+    )
+
+
+def _phase1_model() -> type[BaseModel]:
+    from .blockwise import BlockwiseParameters
+
+    return _mirror(
+        BlockwiseParameters,
+        "Phase1Section",
+        {
+            "steps": {"ge": 0},
+            "lr": {"gt": 0},
+            "lr_decay": {"gt": 0},
+            "decay_every": {"ge": 1},
+            "input_source": {"annotation": Literal["fp", "quantized"]},
+            "sequences_per_step": {"ge": 1},
+            "tokens_per_step": {"ge": 1},
+        },
+    )
+
+
+def _phase2_model() -> type[BaseModel]:
+    from .finetune import FinetuneParameters
+
+    return _mirror(
+        FinetuneParameters,
+        "Phase2Section",
+        {
+            "steps": {"ge": 0},
+            "batch_size": {"ge": 1},
+            "seq_len": {"ge": 2},
+            "lr_alpha": {"ge": 0},
+            "lr_ranges": {"ge": 0},
+            "lr_weights": {"ge": 0},
+            "checkpoint_every": {"ge": 1},
+        },
+    )
+
+
+def _baselines_model() -> type[BaseModel]:
+    from .baselines import BaselineParameters
+
+    return _mirror(
+        BaselineParameters,
+        "BaselinesSection",
+        {
+            "adaround_iterations": {"ge": 1},
+            "adaround_reg_param": {"ge": 0},
+            "seq_mse_candidates": {"ge": 1},
+            "qat_lr_weights": {"gt": 0},
+        },
+    )
+
+
+PolicySection = _policy_model()
+Phase1Section = _phase1_model()
+Phase2Section = _phase2_model()
+BaselinesSection = _baselines_model()
+
+
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+def _known_method(name: str) -> str:
+    from .methods import REGISTRY
+
+    if name not in REGISTRY:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(REGISTRY)}")
+    return name
+
+
+DatasetGroup = Annotated[list[str], BeforeValidator(_as_list), Field(min_length=1)]
+MethodName = Annotated[str, AfterValidator(_known_method)]
+
+
+class QuadapterSection(_Section):
+    init: Literal["ones", "cle"] = "ones"
+    extra_sites: bool | None = None
+
+
+class CalibrationSection(_Section):
+    samples: int = Field(10, ge=1)
+    length: int = Field(512, ge=2)
+    seed: int = 0
+    # None: each F-ID's train split calibrates the cells of that F-ID (and calibration-only methods run
+    # once per F-ID); a dataset (or list) here: one calibration set for the whole matrix.
+    dataset: DatasetGroup | None = None
+
+
+class EvalDataset(_Section):
+    name: str
+    label: str | None = None  # column name; default: the corpus name or the file/folder name
+    split: Literal["train", "valid", "test"] | None = None
+    max_tokens: int | None = Field(None, ge=2)
+    seq_len: int | None = Field(None, ge=2)
+    stride: int | None = Field(None, ge=1)
+
+
+def _as_dataset(value: Any) -> Any:
+    return {"name": value} if isinstance(value, str) else value
+
+
+class EvalSection(_Section):
+    datasets: list[Annotated[EvalDataset, BeforeValidator(_as_dataset)]] = Field(min_length=1)
+    split: Literal["train", "valid", "test"] = "test"
+    max_tokens: int | None = Field(None, ge=2)
+    seq_len: int = Field(1024, ge=2)
+    stride: int | None = Field(None, ge=1)
+
+
+class Recipe(_Section):
+    name: str | None = None
+    description: str | None = None
+    model: str
+    out: str | None = None  # default run folder (relative to the current directory); --out overrides
+    data_dirs: list[str] = Field(default_factory=list)
+    policy: PolicySection = Field(default_factory=PolicySection)  # type: ignore[valid-type]
+    calibration: CalibrationSection = Field(default_factory=CalibrationSection)
+    phase1: Phase1Section = Field(default_factory=Phase1Section)  # type: ignore[valid-type]
+    phase2: Phase2Section = Field(default_factory=Phase2Section)  # type: ignore[valid-type]
+    quadapter: QuadapterSection = Field(default_factory=QuadapterSection)
+    baselines: BaselinesSection = Field(default_factory=BaselinesSection)  # type: ignore[valid-type]
+    methods: list[MethodName] = Field(min_length=1)
+    # Each entry is one F-ID: a dataset, or a list of datasets (the paper's Table 2 "expanded F-ID").
+    # Its train split gives the fine-tuning data (and the calibration data unless calibration.dataset is set).
+    fid: list[DatasetGroup] = Field(default_factory=list)
+    # Data-size sweep (Fig. 3): fine-tune on each of these numbers of sequences (phase2.seq_len tokens each),
+    # phase2.steps steps each, cycling through the data. None: fresh data every step (steps x batch_size).
+    finetune_sizes: list[Annotated[int, Field(ge=1)]] | None = None
+    eval: EvalSection
+
+    _path: Path | None = PrivateAttr(default=None)
+
+    # --- conversions to the package's parameter objects -----------------------------------------------
+    def quant_policy(self):
+        from .policy import QuantPolicy
+
+        return QuantPolicy(**self.policy.model_dump())
+
+    def quadapter_parameters(self):
+        from .api import QuadapterParameters
+        from .blockwise import BlockwiseParameters
+        from .finetune import FinetuneParameters
+
+        return QuadapterParameters(
+            phase1=BlockwiseParameters(**self.phase1.model_dump()),
+            phase2=FinetuneParameters(**self.phase2.model_dump()),
+            init=self.quadapter.init,
+            extra_sites=self.quadapter.extra_sites,
+        )
+
+    def baseline_parameters(self):
+        from .baselines import BaselineParameters
+
+        return BaselineParameters(**self.baselines.model_dump())
+
+    # --- names and paths --------------------------------------------------------------------------------
+    @property
+    def path(self) -> Path | None:
+        return self._path
+
+    @property
+    def display_name(self) -> str:
+        return self.name or (self._path.stem if self._path else "recipe")
+
+    def where(self) -> str:
+        return f"recipe {self._path}" if self._path else "recipe"
+
+    def search_dirs(self) -> list[tuple[str, Path]]:
+        """(description, folder) in the order relative dataset paths are looked up."""
+        dirs: list[tuple[str, Path]] = []
+        for d in filter(None, os.environ.get(DATA_ENV, "").split(os.pathsep)):
+            dirs.append((f"${DATA_ENV}", Path(d).expanduser()))
+        base = self._path.parent if self._path else Path.cwd()
+        for d in self.data_dirs:  # absolute once read from a file (relative to that file)
+            dirs.append(("data_dirs", (base / Path(os.path.expandvars(d)).expanduser()).resolve()))
+        if self._path:
+            dirs.append(("the recipe's folder", base))
+        dirs.append(("the current directory", Path.cwd()))
+        return dirs
+
+    def resolve_dataset(self, name: str) -> str:
+        """A corpus name as is; a local path as an absolute path found as the module docstring says."""
+        from .data import ALIASES, CORPORA
+
+        if ALIASES.get(name.lower(), name.lower()) in CORPORA:
+            return name
+        path = Path(os.path.expandvars(name)).expanduser()
+        if path.is_absolute():
+            if path.exists():
+                return str(path)
+            raise QuadapterError(f"{self.where()}: dataset {name!r} does not exist")
+        looked = []
+        for what, folder in self.search_dirs():
+            candidate = (folder / path).resolve()
+            if candidate.exists():
+                return str(candidate)
+            looked.append(f"{folder} ({what})")
+        hint = "" if os.environ.get(DATA_ENV) else f"; set {DATA_ENV} to the folder that holds it"
+        raise QuadapterError(
+            f"{self.where()}: dataset {name!r} is neither a known corpus ({', '.join(CORPORA)}) nor found in "
+            f"{'; '.join(looked)}{hint}"
+        )
+
+    def resolve_model(self) -> str:
+        """The model to load. A ``./`` or ``../`` folder written in a recipe file was made absolute (relative to
+        that file) when it was read; one given with ``--set`` is relative to the current directory."""
+        if self.model.startswith(("./", "../")):
+            return str(Path(self.model).resolve())
+        return self.model
+
+
+# --- loading, overrides and error messages ------------------------------------------------------------
+
+
+def parse_overrides(items: list[str] | None) -> list[tuple[str, Any]]:
+    """``["a.b=1", "methods=[x,y]"]`` -> ``[("a.b", 1), ("methods", ["x", "y"])]``; keys checked against the schema."""
+    out = []
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise QuadapterError(f"--set {item!r}: expected KEY=VALUE, e.g. --set phase2.steps=200")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as exc:
+            raise QuadapterError(f"--set {key}: value {text!r} is not valid YAML ({_first_line(exc)})") from None
+        _check_key(key)
+        out.append((key, value))
+    return out
+
+
+def _check_key(key: str) -> None:
+    model: type[BaseModel] | None = Recipe
+    done: list[str] = []
+    for part in key.split("."):
+        if model is None:
+            raise QuadapterError(f"--set {key}: {'.'.join(done)} is a value, not a section with fields")
+        fields = model.model_fields
+        if part not in fields:
+            where = ".".join(done) or "the recipe"
+            raise QuadapterError(f"--set {key}: unknown field {part!r} in {where}; known: {', '.join(fields)}")
+        annotation = fields[part].annotation
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        done.append(part)
+
+
+def apply_overrides(raw: dict, overrides: list[tuple[str, Any]]) -> dict:
+    for key, value in overrides:
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    return raw
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe file; any problem is a one-line :class:`QuadapterError`."""
+    path = Path(path)
+    raw = read_recipe_file(path)
+    parsed = parse_overrides(overrides)
+    apply_overrides(raw, parsed)
+    recipe = validate_recipe(raw, f"recipe {path}", [k for k, _ in parsed])
+    recipe._path = path.resolve()
+    return recipe
+
+
+def read_recipe_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """The raw mapping of a recipe file, merged over its ``base:`` file (recursively; the file's own values win).
+
+    Paths that are relative to a file (``data_dirs``, a ``./`` or ``../`` model folder) are made absolute
+    here, so they mean the same whether the file is used directly or as a base.
+    """
+    where = f"recipe {path}"
+    if not path.is_file():
+        raise QuadapterError(f"{where} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise QuadapterError(f"{where}: not valid YAML: {_first_line(exc)}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise QuadapterError(f"{where}: expected a mapping of fields at the top level, got {type(raw).__name__}")
+    folder = path.resolve().parent
+    if isinstance(raw.get("data_dirs"), list):
+        raw["data_dirs"] = [str(folder / os.path.expandvars(str(d))) for d in raw["data_dirs"]]
+    if isinstance(raw.get("model"), str) and raw["model"].startswith(("./", "../")):
+        raw["model"] = str((folder / raw["model"]).resolve())
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise QuadapterError(f"{where}: field base: expected a file name, got {base!r}")
+    base_path = (folder / base).resolve()
+    if base_path in _seen:
+        raise QuadapterError(f"{where}: field base: {base} includes itself")
+    return _merge(read_recipe_file(base_path, (*_seen, path.resolve())), raw)
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def validate_recipe(raw: dict, where: str = "recipe", overridden: list[str] | None = None) -> Recipe:
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as exc:
+        raise QuadapterError(f"{where}: {_describe(exc, overridden or [])}") from None
+    try:  # the package's own checks (dataclass __post_init__), for anything the bounds above let through
+        recipe.quant_policy()
+        recipe.quadapter_parameters()
+        recipe.baseline_parameters()
+    except QuadapterError as exc:
+        raise QuadapterError(f"{where}: {exc}") from None
+    if recipe.calibration.dataset is None and not recipe.fid:
+        raise QuadapterError(f"{where}: field fid: give at least one F-ID dataset, or set calibration.dataset")
+    from .methods import REGISTRY
+
+    tuning = [m for m in recipe.methods if REGISTRY[m].finetunes]
+    if tuning and not recipe.fid:
+        raise QuadapterError(f"{where}: field fid: methods {', '.join(tuning)} fine-tune, so they need an F-ID dataset")
+    return recipe
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+
+
+def _describe(exc: ValidationError, overridden: list[str]) -> str:
+    errors = exc.errors()
+    first = errors[0]
+    loc = _loc(first["loc"])
+    kind, ctx = first["type"], first.get("ctx", {})
+    if kind == "extra_forbidden":
+        known = _fields_at(first["loc"][:-1])
+        text = "unknown field" + (f" (known: {', '.join(known)})" if known else "")
+    elif kind == "missing":
+        text = "required field is missing"
+    elif kind in _BOUNDS:
+        text = f"must be {_BOUNDS[kind]} {next(iter(ctx.values()))} (got {first['input']!r})"
+    elif kind == "value_error":  # our own validators' messages already quote the value
+        text = first["msg"].removeprefix("Value error, ")
+    else:
+        text = first["msg"][:1].lower() + first["msg"][1:] + f" (got {first['input']!r})"
+    if any(loc == k or loc.startswith(k + ".") or loc.startswith(k + "[") for k in overridden):
+        text += " (from --set)"
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    return f"field {loc}: {text}{more}"
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    model: Any = Recipe
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return []
+        model = field.annotation
+        args = typing.get_args(model)
+        if args:  # list[...] or Annotated[...]: look inside for a model
+            model = next((a for a in _flatten(args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    return list(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []
+
+
+def _flatten(args: tuple) -> list:
+    out = []
+    for a in args:
+        out.append(a)
+        out.extend(_flatten(typing.get_args(a)))
+    return out
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -1,0 +1,229 @@
+"""The report of a run folder: markdown tables laid out like the paper's, and links to its figures.
+
+* Table 1 layout: one row per (group, method), one column per eval dataset. Groups: FP32, the
+  calibration-only methods of each calibration set, then each F-ID's fine-tuned methods. Perplexity on
+  a row's own F-ID is underlined (``<ins>``); the best quantized value of each column within a group is
+  bold (FP32 and FP fine-tuned are references, never bold).
+* Table 2 layout: for every F-ID, its rows with the mean perplexity over the F-ID and over the F-OOD
+  datasets.
+* Figures: data-size sweep (Fig. 3), per-channel ranges before/after (Fig. 4), phase-1 learning curves
+  (Fig. 5), FP vs FP fine-tuned (Fig. 6).
+
+Only results.json and the files next to it are read: the report needs neither the model nor AIMET.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .results_file import load_results
+
+REFERENCES = {"fp", "fp_finetuned"}  # not quantized: upper bounds, never "best"
+
+
+def _fmt(value) -> str:
+    if not isinstance(value, (int, float)):
+        return "–"
+    if not math.isfinite(value):
+        return "inf" if value > 0 else "nan"
+    return f"{value:.2f}"
+
+
+def _group_title(group: str) -> str:
+    if group == "-":
+        return "–"
+    if group.startswith("calib:"):
+        return f"Calib. data ({group.removeprefix('calib:')})"
+    return group
+
+
+def ordered_rows(results: dict) -> list[dict]:
+    """Cells in table order: FP first, calibration groups, then F-ID groups; by method, then sweep size."""
+    groups = ["-"] + [f"calib:{c}" for c in results.get("calibration_sets", {})] + list(results.get("fids", {}))
+    cells = list(results["cells"].values())
+    for c in cells:
+        if c["group"] not in groups:
+            groups.append(c["group"])
+    order = {g: i for i, g in enumerate(groups)}
+    return sorted(cells, key=lambda c: (order[c["group"]], c.get("rank", 99), c.get("size") or 0))
+
+
+def _row_label(cell: dict) -> str:
+    return cell["label"] + (f" (n={cell['size']})" if cell.get("size") else "")
+
+
+def _best(rows: list[dict], columns: list[str]) -> dict[str, float]:
+    best = {}
+    candidates = [r for r in rows if r["method"] not in REFERENCES]
+    if len(candidates) < 2:
+        return best
+    for col in columns:
+        values = [r["ppl"][col] for r in candidates if isinstance(r["ppl"].get(col), (int, float))]
+        values = [v for v in values if math.isfinite(v)]
+        if values:
+            best[col] = min(values)
+    return best
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(values) / len(values) if values else None
+
+
+def _table(rows: list[dict], columns: list[str], fids: dict[str, list[str]], extra: dict[str, list[str]] | None) -> str:
+    """A markdown table of ``rows``; ``extra`` adds mean columns: title -> the columns it averages."""
+    extra = extra or {}
+    head = ["Data", "Method", *columns, *extra]
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---", "---"] + ["---:"] * (len(head) - 2)) + " |"]
+    by_group: dict[str, list[dict]] = {}
+    for r in rows:
+        by_group.setdefault(r["group"], []).append(r)
+    for group, members in by_group.items():
+        best = _best(members, columns)
+        for i, r in enumerate(members):
+            own = set(fids.get(r.get("fid") or "", []))
+            cells = []
+            for col in columns:
+                value = r["ppl"].get(col)
+                text = _fmt(value)
+                if col in best and value == best[col]:
+                    text = f"**{text}**"
+                if col in own:
+                    text = f"<ins>{text}</ins>"
+                cells.append(text)
+            cells += [_fmt(_mean([r["ppl"].get(c) for c in cols])) for cols in extra.values()]
+            lines.append("| " + " | ".join([_group_title(group) if i == 0 else "", _row_label(r), *cells]) + " |")
+    return "\n".join(lines)
+
+
+def results_table(results: dict) -> str:
+    """The Table-1 layout over every cell of the run."""
+    columns = [d["label"] for d in results["datasets"]]
+    return _table(ordered_rows(results), columns, results.get("fids", {}), None)
+
+
+def fid_food_tables(results: dict) -> list[tuple[str, str]]:
+    """(F-ID name, table) in the Table-2 layout, for every F-ID that leaves some eval dataset out of domain."""
+    columns = [d["label"] for d in results["datasets"]]
+    rows = ordered_rows(results)
+    out = []
+    for fid, labels in results.get("fids", {}).items():
+        inside = [c for c in columns if c in labels]
+        outside = [c for c in columns if c not in labels]
+        mine = [r for r in rows if r.get("fid") == fid]
+        if not inside or not outside or not mine:
+            continue
+        cals = {r["calibration"] for r in mine}
+        shared = [
+            r for r in rows if r["group"] == "-" or (r["group"].startswith("calib:") and r["calibration"] in cals)
+        ]
+        table = _table(
+            shared + mine,
+            columns,
+            results.get("fids", {}),
+            {"F-ID": inside, "F-OOD": outside},
+        )
+        out.append((fid, table))
+    return out
+
+
+def _info_text(info: dict) -> str:
+    if not info:
+        return ""
+    if "seq_mse_layers" in info:
+        return (
+            f"SeqMSE moved {info['seq_mse_layers_changed']} of {info['seq_mse_layers']} Linear weight ranges "
+            f"(mean range ratio {info['seq_mse_mean_range_ratio']:.3f})"
+        )
+    if "adaround_frozen_encodings" in info:
+        return (
+            f"{info['adaround_frozen_encodings']} AdaRound encodings frozen; "
+            f"{100 * info['adaround_flipped_fraction']:.2f} % of Linear weights rounded away from nearest"
+        )
+    return ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
+
+
+def timing_table(results: dict) -> str:
+    lines = ["| Cell | Method (s) | Evaluation (s) | Wall (s) | Notes |", "| --- | ---: | ---: | ---: | --- |"]
+    for r in ordered_rows(results):
+        key = next(k for k, v in results["cells"].items() if v is r)
+        lines.append(
+            f"| {key} | {r['method_time_s']:.1f} | {r['eval_time_s']:.1f} | {r['wall_time_s']:.1f} "
+            f"| {_info_text(r.get('info', {}))} |"
+        )
+    return "\n".join(lines)
+
+
+def _settings_lines(results: dict) -> list[str]:
+    lines = [f"Model: `{results.get('model', '?')}`."]
+    for name, recipe in results.get("recipes", {}).items():
+        s = recipe["settings"]
+        p1, p2, cal = s["phase1"], s["phase2"], s["calibration"]
+        pol = s["policy"]
+        lines.append(
+            f"- recipe `{name}`: methods {', '.join(s['methods'])}; "
+            f"W{pol['weight_bits']}A{pol['activation_bits']} "
+            f"{'symmetric' if pol['symmetric_weights'] else 'asymmetric'} "
+            f"{'per-channel' if pol['per_channel_weights'] else 'per-tensor'} weights; calibration "
+            f"{cal['samples']} x {cal['length']} tokens of {', '.join(cal['dataset'] or ['each F-ID'])}; "
+            f"phase 1 {p1['steps']} steps; phase 2 {p2['steps']} steps x {p2['batch_size']} x {p2['seq_len']} tokens"
+            + (f"; fine-tuning sizes {s['finetune_sizes']}" if s.get("finetune_sizes") else "")
+        )
+    return lines
+
+
+def _images(run_dir: Path, pattern: str) -> list[str]:
+    return [
+        f"![{p.parent.relative_to(run_dir)}]({p.relative_to(run_dir).as_posix()})"
+        for p in sorted(run_dir.rglob(pattern))
+    ]
+
+
+def build_report(run_dir: str | Path) -> str:
+    from .report_figures import plot_data_size, plot_fp_comparison
+
+    run_dir = Path(run_dir)
+    results = load_results(run_dir)
+    if not results.get("cells"):
+        return f"# Report of {run_dir}\n\nNo finished cell yet.\n"
+    parts = [f"# Report of `{run_dir.name}`", "", *_settings_lines(results), ""]
+    parts += [
+        "## Perplexity (Table 1 layout)",
+        "",
+        "Lower is better. <ins>Underlined</ins>: the row's own F-ID (its fine-tuning data). **Bold**: best "
+        "quantized result of the column within its group.",
+        "",
+        results_table(results),
+        "",
+    ]
+    for fid, table in fid_food_tables(results):
+        parts += [f"## F-ID / F-OOD averages, F-ID = {fid} (Table 2 layout)", "", table, ""]
+    figures = run_dir / "figures"
+    sweep = plot_data_size(results, figures / "data_size.png")
+    if sweep:
+        parts += ["## Data-size sweep (Fig. 3)", "", f"![data-size sweep]({sweep.relative_to(run_dir).as_posix()})", ""]
+    for fid in results.get("fids", {}):
+        path = plot_fp_comparison(results, fid, figures / f"fp_finetuned_{fid.replace('+', '_')}.png")
+        if path:
+            parts += [
+                f"## FP vs FP fine-tuned, F-ID = {fid} (Fig. 6)",
+                "",
+                f"![FP comparison]({path.relative_to(run_dir).as_posix()})",
+                "",
+            ]
+    ranges = _images(run_dir, "channel_ranges*.png")
+    if ranges:
+        parts += ["## Per-channel ranges of the last site, before / after (Fig. 4)", "", *ranges, ""]
+    curves = _images(run_dir, "phase1_curves.png")
+    if curves:
+        parts += ["## Phase-1 learning curves, first and last site (Fig. 5)", "", *curves, ""]
+    parts += ["## Cells and wall time", "", timing_table(results), ""]
+    return "\n".join(parts)
+
+
+def write_report(run_dir: str | Path) -> tuple[Path, str]:
+    text = build_report(run_dir)
+    path = Path(run_dir) / "report.md"
+    path.write_text(text)
+    return path, text

@@ -1,0 +1,104 @@
+"""Figures of a whole run, drawn from its results.json: the data-size sweep (the paper's Fig. 3) and the
+FP / FP-fine-tuned comparison (its Fig. 6). Per-cell figures (Fig. 4, Fig. 5) are drawn by the methods."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+# Methods of the FP vs FP-fine-tuned comparison, in the order of the paper's Fig. 6.
+COMPARISON = ("fp", "fp_finetuned", "qat", "quadapter_bc_qat", "quadapter")
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def plot_data_size(results: dict, path: Path) -> Path | None:
+    """Perplexity against the number of fine-tuning sequences, one panel per eval dataset, log-log."""
+    cells = [c for c in results["cells"].values() if c.get("size")]
+    if not cells:
+        return None
+    columns = [d["label"] for d in results["datasets"]]
+    fids = sorted({c["fid"] for c in cells})
+    in_fid = {lbl for f in fids for lbl in results.get("fids", {}).get(f, [])}
+    series: dict[tuple[str, str], list[tuple[int, dict]]] = {}
+    for c in cells:
+        series.setdefault((c["fid"], c["method"]), []).append((c["size"], c))
+    ncols = min(len(columns), 3)
+    nrows = math.ceil(len(columns) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.6 * nrows), squeeze=False)
+    references = [c for c in results["cells"].values() if c["method"] in ("fp", "quadapter_bc") and not c.get("size")]
+    for ax, column in zip(axes.flat, columns):
+        for (fid, _), points in sorted(series.items(), key=lambda kv: (kv[0][0], kv[1][0][1]["rank"])):
+            points.sort(key=lambda p: p[0])
+            xs = [s for s, c in points if _finite(c["ppl"].get(column))]
+            ys = [c["ppl"][column] for s, c in points if _finite(c["ppl"].get(column))]
+            if xs:
+                label = points[0][1]["label"] + (f" [{fid}]" if len(fids) > 1 else "")
+                ax.plot(xs, ys, marker="o", label=label)
+        for ref in references:
+            value = ref["ppl"].get(column)
+            if _finite(value):
+                style = "--" if ref["method"] == "fp" else ":"
+                ax.axhline(value, ls=style, color="gray", lw=1, label=ref["label"])
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(column + (" (F-ID)" if column in in_fid else " (F-OOD)"), fontsize=10)
+        ax.set_xlabel("fine-tuning sequences")
+        ax.set_ylabel("perplexity")
+        ax.grid(alpha=0.3, which="both")
+    for ax in list(axes.flat)[len(columns) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    return _save(fig, Path(path))
+
+
+def comparison_rows(results: dict, fid: str) -> list[dict]:
+    """The cells of the FP / FP-fine-tuned comparison for one F-ID (full-size fine-tuning, or the largest)."""
+    rows = []
+    for method in COMPARISON:
+        found = [
+            c
+            for c in results["cells"].values()
+            if c["method"] == method and (c["group"] == "-" if method == "fp" else c.get("fid") == fid)
+        ]
+        if found:
+            rows.append(max(found, key=lambda c: (c.get("size") is None, c.get("size") or 0)))
+    return rows
+
+
+def plot_fp_comparison(results: dict, fid: str, path: Path) -> Path | None:
+    """Bars per eval dataset: FP, FP fine-tuned, QAT, Quadapter BC+QAT, Quadapter (those that ran)."""
+    rows = comparison_rows(results, fid)
+    if not any(r["method"] == "fp_finetuned" for r in rows):
+        return None
+    columns = [d["label"] for d in results["datasets"]]
+    fid_labels = set(results.get("fids", {}).get(fid, []))
+    width = 0.8 / len(rows)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(columns) + 2), 3.8))
+    for i, row in enumerate(rows):
+        xs = [j + (i - (len(rows) - 1) / 2) * width for j in range(len(columns))]
+        ys = [row["ppl"].get(c, float("nan")) for c in columns]
+        ax.bar(xs, ys, width, label=row["label"])
+    ax.set_xticks(range(len(columns)))
+    ax.set_xticklabels([c + ("\n(F-ID)" if c in fid_labels else "") for c in columns])
+    ax.set_yscale("log")
+    ax.set_ylabel("perplexity")
+    ax.set_title(f"fine-tuned on {fid}", fontsize=10)
+    ax.grid(alpha=0.3, axis="y", which="both")
+    ax.legend(fontsize=7)
+    return _save(fig, Path(path))

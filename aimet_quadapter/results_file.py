@@ -1,0 +1,27 @@
+"""A run folder's results.json: reading it, and replacing it atomically so a crash never leaves half a file."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .errors import QuadapterError
+
+RESULTS = "results.json"
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def load_results(run_dir: str | Path) -> dict:
+    path = Path(run_dir) / RESULTS
+    if not path.is_file():
+        raise QuadapterError(f"{path} does not exist: run a recipe with --out {run_dir} first")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise QuadapterError(f"{path} is not valid JSON ({exc}); delete it to start the run afresh") from None

@@ -1,0 +1,449 @@
+"""Running a recipe: the matrix of methods x F-ID sets, every cell evaluated on every eval dataset.
+
+Cells and what they are computed from:
+
+* ``fp``: once per run (group ``-``);
+* methods that use only calibration data (ptq, adaround, seq_mse, cle, quadapter_bc): once per
+  calibration set (group ``calib:<set>``). The calibration set is ``calibration.dataset`` when the recipe
+  names one (the paper: the same calibration data for every experiment), otherwise each F-ID's train
+  split, so then once per F-ID;
+* fine-tuning methods: once per F-ID (group ``<F-ID>``), and per fine-tuning size in a data-size sweep.
+
+Methods that continue from Quadapter BC share one phase 1 per calibration set: the ``quadapter_bc`` cell's
+saved state, or, when that method is not in the recipe, a phase 1 run on the side and saved in the same
+place (``<run>/calib-<set>/quadapter_bc/``).
+
+``results.json`` is rewritten (atomically) after every cell. A re-run skips every cell already there
+whose settings fingerprint is unchanged, so an interrupted matrix loses nothing finished; a cell whose
+settings changed (e.g. another ``--set phase2.steps``) is computed again. Phase-2 checkpoints are
+deleted once their cell is recorded: the result and the Quadapter state are what is kept.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from functools import cache
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .errors import QuadapterError
+from .recipes import Recipe
+from .results_file import RESULTS, load_results, write_json_atomic
+
+FORMAT = 1
+# Methods whose result is the FP model's: no calibration set involved.
+_NO_CALIBRATION = {"fp"}
+# Recipe sections each calibration-only method depends on, beyond model, eval, policy and calibration.
+_CALIBRATION_SECTIONS = {
+    "ptq": (),
+    "adaround": ("baselines",),
+    "seq_mse": ("baselines",),
+    "cle": ("quadapter",),
+    "quadapter_bc": ("phase1", "quadapter"),
+}
+_BC_SECTIONS = ("phase1", "quadapter")
+
+
+@dataclass(frozen=True)
+class DatasetRef:
+    spec: str  # as the recipe wrote it
+    source: str  # corpus name or absolute path
+    label: str  # table column / group name
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    ref: DatasetRef
+    split: str
+    seq_len: int
+    max_tokens: int | None
+    stride: int | None
+
+
+@dataclass(frozen=True)
+class Cell:
+    key: str  # key in results.json
+    method: str
+    group: str  # "-", "calib:<set>" or the F-ID's name
+    calibration: str | None  # calibration set name
+    fid: str | None  # F-ID name (fine-tuning cells)
+    size: int | None  # fine-tuning sequences in a data-size sweep
+
+    @property
+    def folder(self) -> str:
+        """Where the cell's states and figures go (``MethodContext.out_dir``), relative to the run folder."""
+        leaf = _safe(self.method + (f"@{self.size}" if self.size else ""))
+        return leaf if self.group == "-" else _safe(self.group.replace("calib:", "calib-")) + "/" + leaf
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._+-@" else "_" for c in name) or "_"
+
+
+def _fingerprint(payload: dict) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class RecipeRun:
+    """The plan of one recipe into one run folder, and its execution."""
+
+    def __init__(self, recipe: Recipe, out_dir: Path, progress: bool = True, log: Callable[[str], None] = print):
+        from .methods import REGISTRY
+
+        self.recipe = recipe
+        self.out_dir = Path(out_dir)
+        self.progress = progress
+        self.log = log
+        self.registry = REGISTRY
+        self.model_name = recipe.resolve_model()
+        self.fids = {self._group_name(g): g for g in (self._refs(group) for group in recipe.fid)}
+        shared = recipe.calibration.dataset
+        self.shared_calibration = self._refs(shared) if shared else None
+        self.calibration_sets = (
+            {self._group_name(self.shared_calibration): self.shared_calibration}
+            if self.shared_calibration
+            else dict(self.fids)
+        )
+        self.evals = self._eval_specs()
+        self.cells = self._plan()
+        self._model = None
+        self._tokenizer = None
+        self._bc: dict[str, object] = {}
+
+    # --- plan ---------------------------------------------------------------------------------------
+    def _refs(self, names: list[str]) -> list[DatasetRef]:
+        from .data import dataset_label
+
+        refs = []
+        for name in names:
+            source = self.recipe.resolve_dataset(name)
+            refs.append(DatasetRef(name, source, dataset_label(source)))
+        return refs
+
+    @staticmethod
+    def _group_name(refs: list[DatasetRef]) -> str:
+        return "+".join(r.label for r in refs)
+
+    def _eval_specs(self) -> list[EvalSpec]:
+        e = self.recipe.eval
+        specs = []
+        for d in e.datasets:
+            ref = self._refs([d.name])[0]
+            if d.label:
+                ref = DatasetRef(ref.spec, ref.source, d.label)
+            specs.append(
+                EvalSpec(
+                    ref,
+                    d.split or e.split,
+                    d.seq_len or e.seq_len,
+                    d.max_tokens if d.max_tokens is not None else e.max_tokens,
+                    d.stride if d.stride is not None else e.stride,
+                )
+            )
+        labels = [s.ref.label for s in specs]
+        dupes = sorted({x for x in labels if labels.count(x) > 1})
+        if dupes:
+            raise QuadapterError(
+                f"{self.recipe.where()}: field eval.datasets: two datasets share the column {dupes[0]!r}; "
+                f"give one a label"
+            )
+        return specs
+
+    def _calibration_of(self, fid: str) -> str:
+        return next(iter(self.calibration_sets)) if self.shared_calibration else fid
+
+    def _plan(self) -> list[Cell]:
+        methods = list(dict.fromkeys(self.recipe.methods))
+        cells: list[Cell] = []
+        for m in methods:
+            if m in _NO_CALIBRATION:
+                cells.append(Cell(m, m, "-", None, None, None))
+        for m in methods:
+            if m in _NO_CALIBRATION or self.registry[m].finetunes:
+                continue
+            for cal in self.calibration_sets:
+                cells.append(Cell(f"calib:{cal}/{m}", m, f"calib:{cal}", cal, None, None))
+        sizes = self.recipe.finetune_sizes or [None]
+        for fid in self.fids:
+            for m in methods:
+                if not self.registry[m].finetunes:
+                    continue
+                for size in sizes:
+                    key = f"{fid}/{m}" + (f"@{size}" if size else "")
+                    cells.append(Cell(key, m, fid, self._calibration_of(fid), fid, size))
+        return cells
+
+    # --- fingerprints ---------------------------------------------------------------------------------
+    def _sections(self, names: tuple[str, ...]) -> dict:
+        # where checkpoints go and how often does not change a result
+        skip = {"checkpoint_every", "checkpoint_dir"}
+        return {n: getattr(self.recipe, n).model_dump(mode="json", exclude=skip) for n in names}
+
+    def _base_payload(self) -> dict:
+        evals = [(s.ref.source, s.ref.label, s.split, s.seq_len, s.max_tokens, s.stride) for s in self.evals]
+        return {"model": self.model_name, "eval": evals}
+
+    def _calibration_payload(self, cal: str) -> dict:
+        sources = [r.source for r in self.calibration_sets[cal]]
+        return {"policy": self._sections(("policy",))["policy"], "calibration": [sources, self._cal_settings()]}
+
+    def _cal_settings(self) -> dict:
+        c = self.recipe.calibration
+        return {"samples": c.samples, "length": c.length, "seed": c.seed}
+
+    def fingerprint(self, cell: Cell) -> str:
+        payload = {"method": cell.method, **self._base_payload()}
+        if cell.method in _NO_CALIBRATION:
+            return _fingerprint(payload)
+        payload.update(self._calibration_payload(cell.calibration))
+        if not self.registry[cell.method].finetunes:
+            sections = _CALIBRATION_SECTIONS.get(cell.method, ("phase1", "phase2", "quadapter", "baselines"))
+            payload.update(self._sections(sections))
+            return _fingerprint(payload)
+        payload.update(self._sections(("phase1", "phase2", "quadapter", "baselines")))
+        payload["fid"] = [r.source for r in self.fids[cell.fid]]
+        payload["size"] = cell.size
+        return _fingerprint(payload)
+
+    def bc_fingerprint(self, cal: str) -> str:
+        payload = {"model": self.model_name, **self._calibration_payload(cal), **self._sections(_BC_SECTIONS)}
+        return _fingerprint(payload)
+
+    # --- results file ---------------------------------------------------------------------------------
+    def _load_or_new(self) -> dict:
+        path = self.out_dir / RESULTS
+        results = load_results(self.out_dir) if path.is_file() else {"format": FORMAT, "cells": {}}
+        results.setdefault("cells", {})
+        results["model"] = self.model_name
+        recipes = results.setdefault("recipes", {})
+        recipes[self.recipe.display_name] = {
+            "path": str(self.recipe.path) if self.recipe.path else None,
+            "settings": self.recipe.model_dump(mode="json"),
+        }
+        columns = results.setdefault("datasets", [])
+        known = {c["label"] for c in columns}
+        for s in self.evals:
+            if s.ref.label not in known:
+                columns.append({"label": s.ref.label, "source": s.ref.source, "split": s.split})
+        fids = results.setdefault("fids", {})
+        for name, refs in self.fids.items():
+            fids[name] = [r.label for r in refs]
+        cals = results.setdefault("calibration_sets", {})
+        for name, refs in self.calibration_sets.items():
+            cals[name] = [r.label for r in refs]
+        return results
+
+    def is_done(self, results: dict, cell: Cell) -> bool:
+        record = results["cells"].get(cell.key)
+        if not record or record.get("fingerprint") != self.fingerprint(cell):
+            return False
+        return all(s.ref.label in record.get("ppl", {}) for s in self.evals)
+
+    # --- data ---------------------------------------------------------------------------------------
+    def _load_model(self):
+        if self._model is None:
+            from . import workflow
+
+            self._model, self._tokenizer = workflow.load(self.model_name)
+            self._check_lengths()
+        return self._model
+
+    def _check_lengths(self) -> None:
+        config = self._model.config
+        limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+        if not limit:
+            return
+        lengths = [("calibration.length", self.recipe.calibration.length)]
+        if any(self.registry[c.method].finetunes for c in self.cells):
+            lengths.append(("phase2.seq_len", self.recipe.phase2.seq_len))
+        lengths += [(f"eval.datasets ({s.ref.label}) seq_len", s.seq_len) for s in self.evals]
+        for field, length in lengths:
+            if length > limit:
+                raise QuadapterError(
+                    f"{self.recipe.where()}: field {field}: {length} exceeds the model's {limit} positions"
+                )
+
+    @cache  # noqa: B019 - one run object per recipe run; the cache dies with it
+    def _tokens(self, source: str, split: str) -> torch.Tensor:
+        from . import data
+
+        self._load_model()
+        return data.tokenize(self._tokenizer, data.load_text(source, split))
+
+    def _crops(self, refs: list[DatasetRef], num: int, length: int, seed: int) -> torch.Tensor:
+        """``num`` crops of the train split(s), shared out evenly over the datasets of an expanded F-ID."""
+        from .data import random_crops
+
+        parts = []
+        for i, ref in enumerate(refs):
+            n = num // len(refs) + (1 if i < num % len(refs) else 0)
+            if n:
+                parts.append(random_crops(self._tokens(ref.source, "train"), n, length, seed))
+        crops = torch.cat(parts)
+        if len(refs) > 1:  # mix the datasets within every batch
+            crops = crops[torch.randperm(len(crops), generator=torch.Generator().manual_seed(seed))]
+        return crops
+
+    @cache  # noqa: B019
+    def calibration_batches(self, cal: str) -> list[torch.Tensor]:
+        from .data import batches
+
+        c = self.recipe.calibration
+        return batches(self._crops(self.calibration_sets[cal], c.samples, c.length, c.seed), 1)
+
+    @cache  # noqa: B019
+    def _finetune_pool(self, fid: str) -> torch.Tensor:
+        p2 = self.recipe.phase2
+        sizes = self.recipe.finetune_sizes or [max(p2.steps, 1) * p2.batch_size]
+        # One pool of the largest size: every smaller sweep size is a prefix of it, so the sizes are nested.
+        return self._crops(self.fids[fid], max(sizes), p2.seq_len, self.recipe.calibration.seed + 1)
+
+    def finetune_batches(self, fid: str, size: int | None) -> list[torch.Tensor]:
+        from .data import batches
+
+        pool = self._finetune_pool(fid)
+        return batches(pool[:size] if size else pool, self.recipe.phase2.batch_size)
+
+    @cache  # noqa: B019
+    def eval_windows(self) -> dict[str, list]:
+        from .data import eval_windows
+
+        return {
+            s.ref.label: eval_windows(self._tokens(s.ref.source, s.split), s.seq_len, s.stride, s.max_tokens)
+            for s in self.evals
+        }
+
+    # --- execution ----------------------------------------------------------------------------------
+    def _context(self, cell_dir: Path | None, cal: str | None, fid: str | None, size: int | None):
+        from .methods import MethodContext
+
+        p2 = self.recipe.phase2
+        ctx = MethodContext(
+            self._load_model(),
+            self.recipe.quant_policy(),
+            self.calibration_batches(cal) if cal else [],
+            self.finetune_batches(fid, size) if fid else None,
+            self.recipe.quadapter_parameters(),
+            cell_dir,
+            self.progress,
+            baselines=self.recipe.baseline_parameters(),
+            checkpoints=p2.checkpoint_every < p2.steps,
+        )
+        return ctx
+
+    def _bc_dir(self, cal: str) -> Path:
+        return self.out_dir / _safe(f"calib-{cal}") / "quadapter_bc"
+
+    def _bc_state(self, cal: str, info: dict):
+        """Quadapter BC's state for calibration set ``cal``: in memory, saved by an earlier cell, or computed now."""
+        from .methods import run_method
+        from .state import QuadapterState
+
+        if cal in self._bc:
+            return self._bc[cal]
+        folder = self._bc_dir(cal)
+        stamp = folder / "bc_fingerprint.txt"
+        state_file = folder / "quadapter_bc.safetensors"
+        if state_file.is_file() and stamp.is_file() and stamp.read_text().strip() == self.bc_fingerprint(cal):
+            self._bc[cal] = QuadapterState.load(state_file)
+            return self._bc[cal]
+        self.log(f"phase 1 (Quadapter BC) on calibration set {cal}, shared by the methods that continue from it")
+        start = time.time()
+        folder.mkdir(parents=True, exist_ok=True)
+        ctx = self._context(folder, cal, None, None)
+        run_method("quadapter_bc", ctx)
+        stamp.write_text(self.bc_fingerprint(cal))
+        info["bc_time_s"] = time.time() - start
+        self._bc[cal] = ctx.bc_state
+        return ctx.bc_state
+
+    def run_cell(self, cell: Cell) -> dict:
+        from .methods import run_method
+
+        spec = self.registry[cell.method]
+        cell_dir = self.out_dir / cell.folder
+        cell_dir.mkdir(parents=True, exist_ok=True)
+        extra: dict = {}
+        start = time.time()
+        bc_state = self._bc_state(cell.calibration, extra) if spec.from_bc else None
+        ctx = self._context(cell_dir, cell.calibration, cell.fid, cell.size)
+        ctx.bc_state = bc_state
+        method_start = time.time()
+        evaluated = run_method(cell.method, ctx)
+        method_time = time.time() - method_start
+        if cell.method == "quadapter_bc":
+            (cell_dir / "bc_fingerprint.txt").write_text(self.bc_fingerprint(cell.calibration))
+            self._bc[cell.calibration] = ctx.bc_state
+        eval_start = time.time()
+        ppl = evaluate(evaluated, self.eval_windows(), spec.label, self.progress)
+        eval_time = time.time() - eval_start
+        shutil.rmtree(cell_dir / "checkpoints", ignore_errors=True)
+        record = {
+            "method": cell.method,
+            "label": spec.label,
+            "rank": list(self.registry).index(cell.method),
+            "group": cell.group,
+            "calibration": cell.calibration,
+            "fid": cell.fid,
+            "size": cell.size,
+            "finetune_sequences": sum(len(b) for b in ctx.finetune) if ctx.finetune else None,
+            "ppl": ppl,
+            "method_time_s": method_time,
+            "eval_time_s": eval_time,
+            "wall_time_s": time.time() - start,
+            "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "fingerprint": self.fingerprint(cell),
+            "folder": cell.folder,
+            "info": {**extra, **ctx.info.get(cell.method, {})},
+        }
+        del evaluated, ctx
+        gc.collect()
+        return record
+
+    def run(self) -> dict:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        results = self._load_or_new()
+        write_json_atomic(self.out_dir / RESULTS, results)
+        pending = [c for c in self.cells if not self.is_done(results, c)]
+        skipped = len(self.cells) - len(pending)
+        if skipped:
+            self.log(f"{skipped} of {len(self.cells)} cells already in {self.out_dir / RESULTS}: skipped")
+        bar = tqdm(pending, desc="matrix", unit="cell", disable=not self.progress)
+        for cell in bar:
+            bar.set_postfix(cell=cell.key)
+            record = self.run_cell(cell)
+            results["cells"][cell.key] = record
+            results["updated"] = record["finished"]
+            write_json_atomic(self.out_dir / RESULTS, results)
+            values = ", ".join(f"{k} {v:.3f}" for k, v in record["ppl"].items())
+            tqdm.write(f"{cell.key} ({record['wall_time_s']:.0f} s): {values}")
+        bar.close()
+        return results
+
+
+def evaluate(model, windows: dict[str, list], label: str, progress: bool = True) -> dict[str, float]:
+    """Perplexity per eval dataset (as ``workflow.evaluate``, with the progress bars optional)."""
+    from aimet_torch.quantsim import QuantizationSimModel
+
+    from .evaluation import perplexity
+    from .quantizers import prequantized_weights
+
+    if isinstance(model, QuantizationSimModel):
+        with prequantized_weights(model.model):
+            return evaluate(model.model, windows, label, progress)
+    return {name: perplexity(model, w, desc=f"{label} {name}", progress=progress).ppl for name, w in windows.items()}
+
+
+def run_recipe(recipe: Recipe, out_dir: Path | str | None = None, progress: bool = True) -> tuple[Path, dict]:
+    """Run every cell of ``recipe`` not yet in ``out_dir``; returns the folder and its results."""
+    folder = Path(out_dir or recipe.out or Path("runs") / recipe.display_name)
+    return folder, RecipeRun(recipe, folder, progress).run()

@@ -1,0 +1,304 @@
+"""Export for on-device inference (ONNX + AIMET encodings, QDQ ONNX), proven equal to the sim in onnxruntime."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+
+from aimet_quadapter import export as export_module
+from aimet_quadapter.api import QuadapterParameters, apply_quadapter
+from aimet_quadapter.blockwise import BlockwiseParameters
+from aimet_quadapter.cli import main
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.evaluation import perplexity
+from aimet_quadapter.export import (
+    Tolerance,
+    export_quantized,
+    resolve_state,
+    shared_activation_groups,
+    verify_export,
+)
+from aimet_quadapter.finetune import FinetuneParameters
+from aimet_quadapter.onnx_eval import ENCODINGS, QDQ_ONNX, OnnxLM
+from aimet_quadapter.policy import build_sim, calibrate
+from aimet_quadapter.quantizers import quantizers
+from aimet_quadapter.state import QuadapterState
+from aimet_quadapter.toy import sample_corpus, toy_model
+from aimet_quadapter.workflow import quiet_libraries
+
+quiet_libraries()
+SEQ = 32
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def toy(request):
+    """A planted-outlier toy model, text sampled from it, and its PTQ state rebuilt into a fresh sim."""
+    model = toy_model(request.param)
+    corpus = sample_corpus(model, 10, SEQ, seed=1)
+    sim = build_sim(model)
+    calibrate(sim, [corpus[:2], corpus[2:4]])
+    state = QuadapterState.from_sim(sim, {}, method="ptq")
+    return {
+        "family": request.param,
+        "model": model,
+        "state": state,
+        "calib": [corpus[:2], corpus[2:4]],
+        "train": [corpus[4:6]],
+        "verify": list(corpus[6:9]),
+        "held_out": corpus[9:10],
+    }
+
+
+def _exported_equals_sim(sim, out: Path, ids: torch.Tensor) -> float:
+    """Max |onnxruntime - sim| of the QDQ graph on ``ids``, computed here, not from the export's own report."""
+    with torch.no_grad():
+        reference = sim.model(ids)
+    return float((OnnxLM(out / QDQ_ONNX)(ids) - reference).abs().max() / reference.abs().max())
+
+
+@pytest.mark.parametrize("version", ["1.0.0", "2.0.0"])
+def test_export_after_ptq_matches_the_sim(toy, version, tmp_path):
+    sim = toy["state"].build_sim(toy["model"])
+    out = tmp_path / "export"
+    result = export_quantized(
+        sim, out, SEQ, version, verify_windows=toy["verify"], model_name="toy", method=toy["state"].metadata["method"]
+    )
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest == json.loads(json.dumps(result.manifest))
+    assert manifest["method"] == "ptq" and manifest["encodings_version"] == version and manifest["seq_len"] == SEQ
+    assert manifest["opset"]["model_qdq.onnx"] == 21
+    assert set(manifest["files"]) == {"model.onnx", "model.encodings", "model_qdq.onnx"}
+    for name, info in manifest["files"].items():
+        data = (out / name).read_bytes()
+        assert info["bytes"] == len(data) and info["sha256"] == hashlib.sha256(data).hexdigest()
+    assert json.loads((out / ENCODINGS).read_text())["version"] == version
+    qdq = onnx.load(str(out / QDQ_ONNX))
+    ops = {n.op_type for n in qdq.graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+    assert qdq.graph.input[0].type.tensor_type.shape.dim[1].dim_value == SEQ  # static by default
+    report = result.verification
+    assert report.quantizers == sum(1 for _ in quantizers(sim.model))
+    for agreement in report.agreements:
+        # float32 reassociation only: far inside the tolerance
+        assert agreement.ppl_rel_diff < 1e-5 and agreement.max_abs_logit_diff < 1e-4 * report.max_abs_sim_logit
+    assert _exported_equals_sim(sim, out, toy["held_out"]) < 1e-5
+    assert not list(tmp_path.glob(".export.*"))
+
+
+def test_export_after_quadapter(toy, tmp_path):
+    model = toy["model"]
+    sim = build_sim(model)
+    params = QuadapterParameters(
+        phase1=BlockwiseParameters(steps=4, decay_every=2), phase2=FinetuneParameters(steps=2, lr_ranges=1e-2)
+    )
+    result = apply_quadapter(sim, model, toy["calib"], toy["train"], params, progress=False)
+    path = result.state.save(tmp_path / "quadapter.safetensors")
+    rebuilt = QuadapterState.load(path).build_sim(model)  # what the CLI exports
+    shared = shared_activation_groups(rebuilt)
+    if toy["family"] == "llama":
+        # q/k/v (and gate/up) read one tensor; phase 2 learned each its own range: not one integer tensor
+        assert shared
+        with pytest.raises(QuadapterError, match="merge-shared-ranges"):
+            export_quantized(rebuilt, tmp_path / "refused", SEQ, verify_windows=toy["verify"])
+        assert not (tmp_path / "refused").exists() and not list(tmp_path.glob(".refused*"))
+    else:
+        assert not shared  # GPT-2's fused c_attn: every activation quantizer has a tensor of its own
+    out = tmp_path / "export"
+    exported = export_quantized(
+        rebuilt, out, SEQ, verify_windows=toy["verify"], method="quadapter", merge_shared_ranges=True
+    )
+    assert exported.manifest["method"] == "quadapter"
+    assert bool(exported.manifest["shared_ranges_merged"]) == (toy["family"] == "llama")
+    assert _exported_equals_sim(rebuilt, out, toy["held_out"]) < 1e-5
+    # the exported weights are the folded ones: an FP graph of the unfolded model would differ
+    assert result.state.alphas and any((a - 1).abs().max() > 1e-3 for a in result.state.alphas.values())
+
+
+@pytest.fixture(scope="module")
+def gpt2_export(tmp_path_factory):
+    model = toy_model("gpt2")
+    corpus = sample_corpus(model, 6, SEQ, seed=2)
+    sim = build_sim(model)
+    calibrate(sim, [corpus[:2]])
+    out = tmp_path_factory.mktemp("exports") / "gpt2"
+    export_quantized(sim, out, SEQ, verify_windows=list(corpus[2:4]))
+    return sim, out, list(corpus[2:4])
+
+
+def _broken_copy(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    encodings = json.loads((dst / ENCODINGS).read_text())
+    edit(encodings)
+    (dst / ENCODINGS).write_text(json.dumps(encodings))
+    return dst
+
+
+def test_name_check_catches_a_renamed_entry(gpt2_export, tmp_path):
+    sim, out, windows = gpt2_export
+    verify_export(sim, out, windows)  # the export as written passes
+
+    def rename(enc):
+        enc["activation_encodings"][3]["name"] += "_renamed"
+
+    broken = _broken_copy(out, tmp_path / "renamed", rename)
+    with pytest.raises(QuadapterError, match=r"names no tensor of the exported ONNX graph: .*_renamed"):
+        verify_export(sim, broken, windows)
+
+
+def test_coverage_check_catches_a_missing_entry(gpt2_export, tmp_path):
+    sim, out, windows = gpt2_export
+
+    def drop(enc):
+        enc["param_encodings"] = [e for e in enc["param_encodings"] if "c_fc" not in e["name"]]
+
+    broken = _broken_copy(out, tmp_path / "dropped", drop)
+    with pytest.raises(QuadapterError, match=r"have no entry in the encodings file: .*c_fc\.weight"):
+        verify_export(sim, broken, windows)
+
+
+def test_value_check_catches_a_wrong_scale(gpt2_export, tmp_path):
+    """A wrong value is caught by running the FP graph with the encodings applied, as a converter would."""
+    sim, out, windows = gpt2_export
+
+    def scale(enc):
+        entry = next(e for e in enc["activation_encodings"] if "ln_2" in e["name"])
+        entry["scale"] = [s * 1.5 for s in entry["scale"]]
+
+    broken = _broken_copy(out, tmp_path / "scaled", scale)
+    with pytest.raises(QuadapterError, match=r"fp\+encodings: perplexity"):
+        verify_export(sim, broken, windows)
+
+
+def _corrupt_qdq_then_verify(monkeypatch):
+    """Make the QDQ graph wrong between AIMET's export and the verification."""
+    real = export_module.verify_export
+
+    def corrupting(sim, folder, *args, **kwargs):
+        model = onnx.load(str(Path(folder) / QDQ_ONNX))
+        node = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and "ln_1" in n.input[0])
+        scale = next(t for t in model.graph.initializer if t.name == node.input[1])
+        array = onnx.numpy_helper.to_array(scale) * 3
+        scale.CopyFrom(onnx.numpy_helper.from_array(array, scale.name))
+        onnx.save(model, str(Path(folder) / QDQ_ONNX))
+        return real(sim, folder, *args, **kwargs)
+
+    monkeypatch.setattr(export_module, "verify_export", corrupting)
+
+
+def test_failed_verification_leaves_no_output(gpt2_export, tmp_path, monkeypatch):
+    sim, _, windows = gpt2_export
+    _corrupt_qdq_then_verify(monkeypatch)
+    with pytest.raises(QuadapterError, match="does not compute what the sim computes: qdq"):
+        export_quantized(sim, tmp_path / "out", SEQ, verify_windows=windows)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_verification_keeps_the_previous_export(gpt2_export, tmp_path):
+    sim, out, windows = gpt2_export
+    previous = shutil.copytree(out, tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in previous.iterdir()}
+    impossible = Tolerance(ppl_rtol=-1.0)
+    with pytest.raises(QuadapterError, match="does not compute what the sim computes"):
+        export_quantized(sim, previous, SEQ, verify_windows=windows, tolerance=impossible, overwrite=True)
+    assert {p.name: p.read_bytes() for p in previous.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    with pytest.raises(QuadapterError, match="already exists"):
+        export_quantized(sim, previous, SEQ, verify_windows=windows)
+
+
+def test_dynamic_length(gpt2_export, tmp_path):
+    sim, _, windows = gpt2_export
+    out = tmp_path / "dyn"
+    result = export_quantized(sim, out, SEQ, verify_windows=windows, dynamic_length=True)
+    assert result.manifest["input"]["shape"] == [1, "sequence"]
+    assert result.verification.window_lengths == [SEQ // 2, SEQ]  # a shorter window proves the dynamic axis
+    lm = OnnxLM(out / QDQ_ONNX)
+    assert lm.fixed_len is None
+    for length in (5, 17):
+        ids = windows[0][:length].unsqueeze(0)
+        with torch.no_grad():
+            assert torch.allclose(lm(ids), sim.model(ids), atol=1e-4)
+
+
+def test_fixed_length_graph_pads_short_windows_exactly(gpt2_export):
+    sim, out, windows = gpt2_export
+    lm = OnnxLM(out / QDQ_ONNX)
+    assert lm.fixed_len == SEQ
+    ids = windows[1][:11].unsqueeze(0)
+    with torch.no_grad():
+        assert torch.allclose(lm(ids), sim.model(ids), atol=1e-4)
+    with pytest.raises(QuadapterError, match="longer than"):
+        lm(torch.zeros((1, SEQ + 1), dtype=torch.long))
+
+
+def test_resolve_state(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(QuadapterError, match="holds no Quadapter state"):
+        resolve_state(run)
+    (run / "ptq.safetensors").write_bytes(b"x")
+    assert resolve_state(run) == run / "ptq.safetensors"
+    (run / "quadapter.safetensors").write_bytes(b"x")
+    with pytest.raises(QuadapterError, match=r"2 Quadapter states \(ptq.safetensors, quadapter.safetensors\)"):
+        resolve_state(run)
+    (run / "results.json").write_text(json.dumps({"states": {"quadapter": "quadapter.safetensors"}}))
+    assert resolve_state(run) == run / "quadapter.safetensors"
+    assert resolve_state(run / "ptq.safetensors") == run / "ptq.safetensors"
+    with pytest.raises(QuadapterError, match="does not exist"):
+        resolve_state(tmp_path / "nothing")
+
+
+def test_cli_export_then_eval(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
+    from aimet_quadapter import workflow
+    from aimet_quadapter.models import load_model
+
+    folder = tiny_gpt2_dir
+    model, tokenizer = load_model(str(folder))
+    sim = build_sim(model)
+    calibrate(sim, workflow.calibration_batches(tokenizer, str(corpus_file), num=2, length=SEQ))
+    state_file = QuadapterState.from_sim(sim, {}, method="ptq").save(tmp_path / "run" / "ptq.safetensors")
+
+    out = tmp_path / "export"
+    argv = ["export", str(state_file.parent), "--model", str(folder), "--out", str(out), "--seq-len", str(SEQ)]
+    code = main([*argv, "--verify-dataset", str(corpus_file), "--verify-windows", "2"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "model_qdq.onnx" in captured.out and "fp+encodings" in captured.out
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model"] == str(folder.resolve()) and manifest["method"] == "ptq"
+    assert manifest["state"]["path"] == str(state_file.resolve())
+
+    # a second export to the same folder is refused, with a one-line error
+    assert main([*argv, "--verify-dataset", str(corpus_file)]) == 2
+    assert "already exists" in capsys.readouterr().err
+
+    # eval on the export: onnxruntime's perplexity over windows of the export's length; the last window
+    # (250 = 7 x 32 + 26 tokens) is padded, and must score exactly as the sim does
+    report = tmp_path / "onnx.json"
+    code = main(
+        ["eval", "--model", str(out), "--dataset", str(corpus_file), "--max-tokens", "250", "--json", str(report)]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "fixed sequence length of 32" in captured.out
+    saved = json.loads(report.read_text())
+    (label,) = saved["results"]
+    onnx_ppl = saved["results"][label][str(corpus_file)]
+    windows = workflow.eval_windows_for(tokenizer, str(corpus_file), "test", SEQ, None, 250)
+    assert len(windows[-1].ids) == 26
+    sim_ppl = perplexity(sim.model, windows, progress=False).ppl
+    assert onnx_ppl == pytest.approx(sim_ppl, rel=1e-5)
+
+    # the QDQ file itself works as --model too; the FP graph alone does not (it needs its encodings)
+    assert (
+        main(["eval", "--model", str(out / "model_qdq.onnx"), "--dataset", str(corpus_file), "--max-tokens", "64"]) == 0
+    )
+    capsys.readouterr()
+    assert main(["eval", "--model", str(out / "model.onnx"), "--dataset", str(corpus_file)]) == 2
+    assert "not the export's QDQ model" in capsys.readouterr().err

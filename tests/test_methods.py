@@ -1,0 +1,185 @@
+"""The paper's baseline rows as methods (issue: the paper's experiments as recipes), on a tiny toy GPT-2."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from aimet_quadapter.api import QuadapterParameters
+from aimet_quadapter.baselines import BaselineParameters, linear_weight_quantizers, seq_mse_bitwidth_limit
+from aimet_quadapter.blockwise import BlockwiseParameters
+from aimet_quadapter.finetune import FinetuneParameters
+from aimet_quadapter.methods import FINETUNE_METHODS, LABELS, REGISTRY, MethodContext, run_method
+from aimet_quadapter.policy import QuantPolicy
+from aimet_quadapter.quantizers import quantizers
+from aimet_quadapter.toy import sample_corpus, toy_model
+from aimet_quadapter.workflow import quiet_libraries
+
+quiet_libraries()
+
+
+@pytest.fixture(scope="module")
+def toy():
+    model = toy_model("gpt2")
+    corpus = sample_corpus(model, 8, 32, seed=1)
+    return model, [corpus[:1], corpus[1:2]], [corpus[4:6], corpus[6:8]]
+
+
+def _ctx(toy, **kw) -> MethodContext:
+    model, calib, train = toy
+    params = QuadapterParameters(
+        phase1=BlockwiseParameters(steps=4, decay_every=2), phase2=FinetuneParameters(steps=3, batch_size=2)
+    )
+    baselines = kw.pop("baselines", BaselineParameters(adaround_iterations=4, seq_mse_candidates=5))
+    return MethodContext(model, QuantPolicy(), calib, train, params, progress=False, baselines=baselines, **kw)
+
+
+def _fp_weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _unchanged(model, before: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_registry_has_the_papers_rows():
+    for name in ("fp", "ptq", "adaround", "cle", "quadapter_bc", "qat", "quadapter_bc_qat", "quadapter"):
+        assert name in REGISTRY
+    assert LABELS["quadapter_bc_qat"] == "Quadapter BC+QAT"
+    assert {"qat", "qat_fixed_ranges", "quadapter", "quadapter_fixed_ranges", "fp_finetuned"} <= FINETUNE_METHODS
+    assert not {"fp", "ptq", "adaround", "seq_mse", "cle", "quadapter_bc"} & FINETUNE_METHODS
+    assert all(REGISTRY[m].from_bc for m in ("quadapter", "quadapter_bc_qat", "quadapter_fixed_ranges"))
+
+
+def test_adaround_freezes_its_encodings_and_rounds_differently(toy, tmp_path):
+    model = toy[0]
+    before = _fp_weights(model)
+    ctx = _ctx(toy, out_dir=tmp_path)
+    sim = run_method("adaround", ctx)
+    assert _unchanged(model, before), "AdaRound must not touch the FP model"
+    assert (tmp_path / "adaround.encodings").is_file()
+    info = ctx.info["adaround"]
+    linears = linear_weight_quantizers(sim.model)
+    assert info["adaround_frozen_encodings"] == len(linears) == 9  # 2 blocks x 4 Linear + lm_head
+    for path, (_, q) in linears.items():
+        assert not q.is_overwrite_allowed(), f"{path}: AdaRound's encoding should be frozen"
+    assert 0 < info["adaround_flipped_fraction"] < 0.5
+    # activations were calibrated after loading the frozen weight encodings
+    assert all(q.is_initialized() for _, _, q in quantizers(sim.model))
+    with torch.no_grad():
+        assert torch.isfinite(sim.model(toy[1][0])).all()
+
+
+def test_seq_mse_runs_at_8_bits_only_with_the_limit_lifted(toy):
+    import aimet_torch._base.seq_mse as seq_mse_base
+
+    lifted = _ctx(toy)
+    sim = run_method("seq_mse", lifted)
+    assert seq_mse_base.SUPPORTED_PARAM_BW == 4, "the patched constant must be restored"
+    frozen = [not q.is_overwrite_allowed() for _, q in linear_weight_quantizers(sim.model).values()]
+    assert all(frozen), "SeqMSE should have searched and frozen every Linear weight range at 8 bits"
+    info = lifted.info["seq_mse"]
+    assert info["seq_mse_layers"] == 9
+    assert 0 <= info["seq_mse_layers_changed"] <= 9
+    assert 0 < info["seq_mse_mean_range_ratio"] <= 1.0 + 1e-6
+
+    plain = _ctx(toy, baselines=BaselineParameters(seq_mse_candidates=5, seq_mse_any_bits=False))
+    sim = run_method("seq_mse", plain)
+    assert not any(not q.is_overwrite_allowed() for _, q in linear_weight_quantizers(sim.model).values())
+    assert plain.info["seq_mse"]["seq_mse_layers_changed"] == 0  # AIMET skipped every 8-bit layer
+
+
+def test_seq_mse_limit_context_restores_on_error():
+    import aimet_torch._base.seq_mse as seq_mse_base
+
+    with pytest.raises(RuntimeError), seq_mse_bitwidth_limit(16):
+        assert seq_mse_base.SUPPORTED_PARAM_BW == 16
+        raise RuntimeError
+    assert seq_mse_base.SUPPORTED_PARAM_BW == 4
+
+
+@pytest.mark.parametrize("method, learns_ranges", [("qat", True), ("qat_fixed_ranges", False)])
+def test_qat_trains_weights_and_optionally_ranges(toy, method, learns_ranges):
+    model = toy[0]
+    before = _fp_weights(model)
+    ptq = run_method("ptq", _ctx(toy))
+    ctx = _ctx(toy, baselines=BaselineParameters(qat_lr_weights=1e-3))
+    sim = run_method(method, ctx)
+    assert _unchanged(model, before)
+    changed = [n for n, p in sim.model.named_parameters() if n in before and not torch.equal(p, before[n])]
+    assert any(n.endswith("c_fc.weight") for n in changed), "QAT should move the weights"
+    ranges = {f"{p}.{r}": (q.min.detach().clone(), q.max.detach().clone()) for p, r, q in quantizers(ptq.model)}
+    moved = [k for p, r, q in quantizers(sim.model) if not torch.equal(q.min, ranges[k := f"{p}.{r}"][0])]
+    assert bool(moved) == learns_ranges
+
+
+def test_fp_finetuned_trains_a_copy_of_the_fp_model(toy):
+    model = toy[0]
+    before = _fp_weights(model)
+    ctx = _ctx(toy, baselines=BaselineParameters(qat_lr_weights=1e-3))
+    tuned = run_method("fp_finetuned", ctx)
+    assert tuned is not model and _unchanged(model, before)
+    assert not _unchanged(tuned, before)
+    assert not hasattr(tuned, "param_quantizers") and not list(quantizers(tuned))
+
+
+def test_methods_from_bc_continue_from_a_saved_state_exactly(toy):
+    """A state-rebuilt BC sim computes what the BC sim computed, so phase 1 can be shared between cells."""
+    bc_ctx = _ctx(toy)
+    bc_sim = run_method("quadapter_bc", bc_ctx)
+    with torch.no_grad():
+        expected = bc_sim.model(toy[1][0])
+
+    from aimet_quadapter.methods import _bc_start
+
+    ctx = _ctx(toy, bc_state=bc_ctx.bc_state)
+    sim, result = _bc_start(ctx)
+    assert sim is not bc_sim
+    with torch.no_grad():
+        assert torch.equal(sim.model(toy[1][0]), expected)
+    for q in result.qset:
+        assert torch.equal(q.folded, bc_ctx.bc_state.alphas[q.site.name])
+
+    # quadapter_bc_qat and quadapter continue from it without running phase 1 again
+    import aimet_quadapter.methods as methods
+
+    def no_phase1(*a, **k):
+        raise AssertionError("phase 1 ran again")
+
+    original = methods.apply_blockwise_phase
+    methods.apply_blockwise_phase = no_phase1
+    try:
+        for name in ("quadapter_bc_qat", "quadapter", "quadapter_fixed_ranges"):
+            out = run_method(name, _ctx(toy, bc_state=bc_ctx.bc_state))
+            with torch.no_grad():
+                assert torch.isfinite(out.model(toy[1][0])).all(), name
+    finally:
+        methods.apply_blockwise_phase = original
+
+
+def test_quadapter_fixed_ranges_trains_alpha_only(toy):
+    bc_ctx = _ctx(toy)
+    bc_sim = run_method("quadapter_bc", bc_ctx)
+    ctx = _ctx(toy, bc_state=bc_ctx.bc_state)
+    ctx.params = dataclasses.replace(ctx.params, phase2=FinetuneParameters(steps=3, batch_size=2, lr_alpha=1e-2))
+    sim = run_method("quadapter_fixed_ranges", ctx)
+    before = {f"{p}.{r}": q for p, r, q in quantizers(bc_sim.model)}
+    for p, r, q in quantizers(sim.model):
+        ref = before[f"{p}.{r}"]
+        assert torch.equal(q.min, ref.min) and torch.equal(q.max, ref.max), f"{p}.{r}: range moved"
+    site = toy[0].sites()[0]
+    w, w_bc = sim.model.get_submodule(site.producer).weight, bc_sim.model.get_submodule(site.producer).weight
+    assert not torch.equal(w, w_bc), "phase 2 should have moved alpha (folded into the weights)"
+
+
+def test_finetuning_methods_need_finetune_data(toy):
+    from aimet_quadapter.errors import QuadapterError
+
+    ctx = _ctx(toy)
+    ctx.finetune = None
+    for name in sorted(FINETUNE_METHODS):
+        with pytest.raises(QuadapterError, match="needs fine-tuning data"):
+            run_method(name, copy.copy(ctx))
