@@ -277,6 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from . import distributed
+
+    if distributed.init_from_env() and not distributed.is_main():
+        # torchrun: every process computes, the first one reports
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
     try:
         return args.func(args)
     except QuadapterError as exc:

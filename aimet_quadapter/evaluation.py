@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from . import distributed
 from .data import Window
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
@@ -44,14 +45,17 @@ def perplexity(
     device = _device_of(model)
     total = torch.zeros((), dtype=torch.float64)
     count = 0
-    bar = tqdm(windows, desc=desc, unit="win", disable=not progress, leave=False)
+    # under torchrun each process scores every world-th window; the sums are added up below
+    mine = distributed.shard(windows)
+    bar = tqdm(mine, desc=desc, unit="win", disable=not (progress and distributed.is_main()), leave=False)
     for window in bar:
         logits = model(window.ids.unsqueeze(0).to(device))
         total += window_nll(logits, window).cpu()
         count += window.n_targets
         bar.set_postfix(ppl=f"{math.exp(total.item() / count):.2f}")
-    nll = total.item() / count
-    return Perplexity(math.exp(nll), nll, count)
+    summed, count = distributed.sum_over_ranks(total.item(), float(count))
+    nll = summed / count
+    return Perplexity(math.exp(nll), nll, int(count))
 
 
 def _device_of(model: LogitsFn) -> torch.device:

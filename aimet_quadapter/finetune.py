@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import distributed
 from .errors import QuadapterError
 from .quadapter import QuadapterSet
 from .quantizers import range_parameters
@@ -115,17 +116,23 @@ def apply_finetuning(
         start = result.resumed_from = state["step"]
         result.losses = list(state["losses"])
 
+    trainable = [p for group in groups for p in group["params"]]
+    progress = progress and distributed.is_main()
     bar = tqdm(range(start, params.steps), desc=desc, initial=start, total=params.steps, disable=not progress)
     try:
         for step in bar:
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(sim_model, batches[step % len(batches)])
+            # under torchrun each process takes its share of the global batch; gradients are averaged
+            loss = loss_fn(sim_model, distributed.local_part(batches[step % len(batches)]))
             loss.backward()
+            distributed.average_gradients(trainable)
             optimizer.step()
             schedule.step()
-            result.losses.append(loss.item())
-            bar.set_postfix(loss=f"{loss.item():.4f}")
-            if ckpt is not None and ((step + 1) % params.checkpoint_every == 0 or step + 1 == params.steps):
+            value = distributed.mean_over_ranks(loss.item())
+            result.losses.append(value)
+            bar.set_postfix(loss=f"{value:.4f}")
+            due = (step + 1) % params.checkpoint_every == 0 or step + 1 == params.steps
+            if ckpt is not None and due and distributed.is_main():
                 ckpt.parent.mkdir(parents=True, exist_ok=True)
                 _save_atomic(
                     {

@@ -34,16 +34,19 @@ PAD_ID = 0  # fills a short last window up to a fixed-length graph's input; caus
 # --- onnxruntime ---------------------------------------------------------------------------------------
 
 
-def ort_session(model: str | Path | bytes):
-    """An onnxruntime CPU session with the default graph optimizations, as a user would run it.
+def ort_session(model: str | Path | bytes, optimize: bool = True):
+    """An onnxruntime CPU session; ``optimize``: all graph optimizations (the default a user gets), else none.
 
-    It uses as many threads as torch does, so that both sides of a comparison get the same machine share.
+    Without optimizations onnxruntime runs the graph node by node as written; with them it fuses nodes,
+    which sums in another float32 order. It uses as many threads as torch does.
     """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
     options.log_severity_level = 3  # onnxruntime warns about every unused initializer otherwise
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     source = model if isinstance(model, bytes) else str(model)
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
@@ -55,8 +58,8 @@ class OnnxLM:
     its quantizers are static, so positions before the padding are computed exactly as without it.
     """
 
-    def __init__(self, model: str | Path | bytes, seq_len: int | None = None):
-        self.session = ort_session(model)
+    def __init__(self, model: str | Path | bytes, seq_len: int | None = None, optimize: bool = True):
+        self.session = ort_session(model, optimize)
         inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
         if len(inputs) != 1 or len(outputs) != 1:
             raise QuadapterError(f"expected an ONNX LM with one input and one output, got {len(inputs)}/{len(outputs)}")
@@ -198,6 +201,33 @@ def graph_tensor_names(model) -> set[str]:
         names.update(node.output)
     names.discard("")
     return names
+
+
+def qdq_graph_encodings(model) -> list[Encoding]:
+    """The encoding of every QuantizeLinear node of a QDQ ``onnx.ModelProto``, named after its input tensor."""
+    from onnx import TensorProto, numpy_helper
+
+    constants = {t.name: t for t in model.graph.initializer}
+    constants.update({n.output[0]: n.attribute[0].t for n in model.graph.node if n.op_type == "Constant"})
+    out = []
+    for node in model.graph.node:
+        if node.op_type != "QuantizeLinear" or len(node.input) < 3 or node.input[2] not in constants:
+            continue
+        zero_point = constants[node.input[2]]
+        dtype = TensorProto.DataType.Name(zero_point.data_type).lower()  # "uint8", "int4", ...
+        axis = next((a.i for a in node.attribute if a.name == "axis"), None)
+        out.append(
+            Encoding(
+                node.input[0],
+                int(re.sub(r"\D", "", dtype) or 0),
+                numpy_helper.to_array(constants[node.input[1]]).astype(np.float32).reshape(-1),
+                numpy_helper.to_array(zero_point).astype(np.int64).reshape(-1),
+                dtype,
+                axis,
+                None,
+            )
+        )
+    return out
 
 
 def apply_encodings(model, encodings: Iterable[Encoding]):

@@ -10,6 +10,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import NullFormatter  # noqa: E402
 
 # Methods of the FP vs FP-fine-tuned comparison, in the order of the paper's Fig. 6.
 COMPARISON = ("fp", "fp_finetuned", "qat", "quadapter_bc_qat", "quadapter")
@@ -57,6 +58,9 @@ def plot_data_size(results: dict, path: Path) -> Path | None:
                 ax.axhline(value, ls=style, color="gray", lw=1, label=ref["label"])
         ax.set_xscale("log")
         ax.set_yscale("log")
+        sizes = sorted({c["size"] for c in cells})
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(column + (" (F-ID)" if column in in_fid else " (F-OOD)"), fontsize=10)
         ax.set_xlabel("fine-tuning sequences")
         ax.set_ylabel("perplexity")

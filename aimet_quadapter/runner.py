@@ -287,7 +287,10 @@ class RecipeRun:
         for i, ref in enumerate(refs):
             n = num // len(refs) + (1 if i < num % len(refs) else 0)
             if n:
-                parts.append(random_crops(self._tokens(ref.source, "train"), n, length, seed))
+                try:
+                    parts.append(random_crops(self._tokens(ref.source, "train"), n, length, seed))
+                except QuadapterError as exc:
+                    raise QuadapterError(f"{self.recipe.where()}: train split of {ref.label}: {exc}") from None
         crops = torch.cat(parts)
         if len(refs) > 1:  # mix the datasets within every batch
             crops = crops[torch.randperm(len(crops), generator=torch.Generator().manual_seed(seed))]
@@ -371,7 +374,14 @@ class RecipeRun:
 
         spec = self.registry[cell.method]
         cell_dir = self.out_dir / cell.folder
-        cell_dir.mkdir(parents=True, exist_ok=True)
+        fingerprint = self.fingerprint(cell)
+        # A phase-2 checkpoint left by an interrupted run resumes the cell, but only under the same settings.
+        checkpoints = cell_dir / "checkpoints"
+        stamp = checkpoints / "fingerprint.txt"
+        if checkpoints.exists() and not (stamp.is_file() and stamp.read_text() == fingerprint):
+            shutil.rmtree(checkpoints)
+        checkpoints.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(fingerprint)
         extra: dict = {}
         start = time.time()
         bc_state = self._bc_state(cell.calibration, extra) if spec.from_bc else None
@@ -401,7 +411,7 @@ class RecipeRun:
             "eval_time_s": eval_time,
             "wall_time_s": time.time() - start,
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "fingerprint": self.fingerprint(cell),
+            "fingerprint": fingerprint,
             "folder": cell.folder,
             "info": {**extra, **ctx.info.get(cell.method, {})},
         }
@@ -413,6 +423,13 @@ class RecipeRun:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         results = self._load_or_new()
         write_json_atomic(self.out_dir / RESULTS, results)
+        p2 = self.recipe.phase2
+        seen = max(p2.steps, 1) * p2.batch_size
+        if self.recipe.finetune_sizes and max(self.recipe.finetune_sizes) > seen:
+            self.log(
+                f"note: phase 2 sees at most {seen} sequences (phase2.steps x phase2.batch_size); "
+                f"finetune_sizes above that use only their first {seen}"
+            )
         pending = [c for c in self.cells if not self.is_done(results, c)]
         skipped = len(self.cells) - len(pending)
         if skipped:

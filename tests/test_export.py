@@ -56,10 +56,14 @@ def toy(request):
 
 
 def _exported_equals_sim(sim, out: Path, ids: torch.Tensor) -> float:
-    """Max |onnxruntime - sim| of the QDQ graph on ``ids``, computed here, not from the export's own report."""
+    """Max |onnxruntime - sim| / max |sim| of the QDQ graph on ``ids``, computed here, not by the export.
+
+    Run as written (no graph optimizations), the tiny graphs reproduce the sim to float32 rounding; the
+    optimized run may flip one rounding somewhere, which the export's own check measures as its floor.
+    """
     with torch.no_grad():
         reference = sim.model(ids)
-    return float((OnnxLM(out / QDQ_ONNX)(ids) - reference).abs().max() / reference.abs().max())
+    return float((OnnxLM(out / QDQ_ONNX, optimize=False)(ids) - reference).abs().max() / reference.abs().max())
 
 
 @pytest.mark.parametrize("version", ["1.0.0", "2.0.0"])

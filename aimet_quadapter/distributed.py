@@ -1,0 +1,87 @@
+"""Data parallelism through torch.distributed, for phase 2, QAT and evaluation (``torchrun``).
+
+The recipe stays the same: a step's global batch is split across the ranks, gradients of everything
+trained (alpha, quantizer ranges, weights) are averaged with an all-reduce, and evaluation windows are
+shared out and their NLL summed. So N processes compute what one process computes, up to float
+rounding. Without an initialised process group every function here is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_main() -> bool:
+    return rank_and_world()[0] == 0
+
+
+def init_from_env() -> bool:
+    """Join the process group ``torchrun`` describes in the environment (gloo on CPU, nccl on GPU)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or (dist.is_available() and dist.is_initialized()):
+        return False
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return True
+
+
+def local_part(batch: torch.Tensor) -> torch.Tensor:
+    """This rank's share of a global batch (rows split evenly; the batch size must divide)."""
+    rank, world = rank_and_world()
+    if world == 1:
+        return batch
+    if batch.shape[0] % world:
+        from .errors import QuadapterError
+
+        raise QuadapterError(f"batch size {batch.shape[0]} does not split over {world} processes")
+    return batch.tensor_split(world)[rank]
+
+
+def average_gradients(params: Iterable[torch.nn.Parameter]) -> None:
+    _, world = rank_and_world()
+    if world == 1:
+        return
+    for p in params:
+        if p.grad is None:  # this rank's data did not reach it: a zero contribution, but the same collective
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        p.grad.div_(world)
+
+
+def mean_over_ranks(value: float) -> float:
+    _, world = rank_and_world()
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.item() / world
+
+
+def sum_over_ranks(*values: float) -> tuple[float, ...]:
+    _, world = rank_and_world()
+    if world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return tuple(t.tolist())
+
+
+def shard(items: Sequence) -> Sequence:
+    rank, world = rank_and_world()
+    return items[rank::world]
+
+
+def barrier() -> None:
+    if rank_and_world()[1] > 1:
+        dist.barrier()

@@ -1,0 +1,63 @@
+"""Two CPU processes with the gloo backend compute what one process computes (phase 2 and perplexity)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from aimet_quadapter.api import attach_quadapters
+from aimet_quadapter.data import eval_windows
+from aimet_quadapter.evaluation import perplexity
+from aimet_quadapter.finetune import FinetuneParameters, apply_finetuning
+from aimet_quadapter.policy import build_sim, calibrate
+from aimet_quadapter.toy import sample_corpus, toy_model
+from aimet_quadapter.workflow import quiet_libraries
+
+
+def _run() -> dict:
+    """Phase 2 (alpha + ranges) for 3 steps on global batches of 2 sequences, then perplexity."""
+    quiet_libraries()
+    torch.manual_seed(0)
+    model = toy_model("gpt2")
+    corpus = sample_corpus(model, 10, 48, seed=1)
+    sim = build_sim(model)
+    calibrate(sim, [corpus[:2]])
+    qset = attach_quadapters(sim)
+    train = [corpus[2:4], corpus[4:6]]
+    result = apply_finetuning(
+        sim.model, qset, train, FinetuneParameters(steps=3, lr_alpha=1e-2, lr_ranges=1e-2), progress=False
+    )
+    windows = [w for row in corpus[6:] for w in eval_windows(row, 48)]
+    ppl = perplexity(sim.model, windows, progress=False)
+    return {
+        "losses": result.losses,
+        "theta": torch.cat([q.theta.detach().flatten() for q in qset]),
+        "ppl": ppl.ppl,
+        "tokens": ppl.tokens,
+    }
+
+
+def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        out = _run()
+        if rank == 0:
+            torch.save(out, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
+def test_two_gloo_processes_match_one(tmp_path):
+    single = _run()
+    out_file = tmp_path / "rank0.pt"
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(out_file)), nprocs=2, join=True)
+    double = torch.load(out_file)
+    assert double["tokens"] == single["tokens"]
+    assert double["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    assert torch.allclose(double["theta"], single["theta"], atol=1e-6)
+    assert (double["theta"] != 0).any(), "phase 2 should have moved alpha"
+    assert double["ppl"] == pytest.approx(single["ppl"], rel=1e-6)

@@ -1,0 +1,281 @@
+"""`aimet-quadapter run` and `report` end to end on a tiny planted-outlier GPT-2 saved as a model folder.
+
+The text is sampled from that model (words ``w0 .. w511``, one per token id), so the FP model is the best
+predictor of it and quantization damage shows up as a higher perplexity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import hf_tiny
+
+import aimet_quadapter.methods as methods
+from aimet_quadapter.cli import main
+from aimet_quadapter.recipes import load_recipe
+from aimet_quadapter.runner import RecipeRun
+from aimet_quadapter.workflow import quiet_libraries
+
+quiet_libraries()
+VOCAB = 512  # the tiny GPT-2 config's vocabulary
+
+RECIPE = """\
+model: ./model
+methods: [fp, ptq, cle, quadapter_bc, quadapter]
+fid: [a.txt]
+calibration: {samples: 2, length: 64}
+phase1: {steps: 8, decay_every: 4}
+phase2: {steps: 2, batch_size: 2, seq_len: 64}
+eval: {datasets: [a.txt, b.txt], seq_len: 64, max_tokens: 320}
+"""
+
+
+def word_tokenizer():
+    """One word per token id, so sampled ids survive the trip through text exactly."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+
+
+@torch.no_grad()
+def save_outlier_gpt2(folder: Path, factor: float = 40.0, channels: int = 3, seed: int = 0) -> Path:
+    """A tiny GPT-2 folder with outlier channels planted at every LayerNorm (FP function unchanged).
+
+    A PreparedLM cannot be saved back as GPT-2 (its Conv1D became Linear), so the scale goes straight into
+    the Hugging Face weights: LayerNorm gamma/beta times alpha, the next Conv1D's input rows (its weight is
+    (in, out)) and lm_head's columns divided by it. lm_head is untied so that the embedding stays as it is.
+    """
+    model = hf_tiny("gpt2", seed=seed, initializer_range=0.3, tie_word_embeddings=False)
+    hidden = model.config.n_embd
+    alpha = torch.ones(hidden)
+    alpha[torch.randperm(hidden, generator=torch.Generator().manual_seed(seed))[:channels]] = factor
+    for block in model.transformer.h:
+        for norm, consumer in ((block.ln_1, block.attn.c_attn), (block.ln_2, block.mlp.c_fc)):
+            norm.weight.mul_(alpha)
+            norm.bias.mul_(alpha)
+            consumer.weight.div_(alpha[:, None])
+    model.transformer.ln_f.weight.mul_(alpha)
+    model.transformer.ln_f.bias.mul_(alpha)
+    model.lm_head.weight.div_(alpha[None, :])
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    word_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def write_sampled_text(model_dir: Path, path: Path, num: int, length: int, seed: int, temperature: float) -> None:
+    from aimet_quadapter.models import load_model
+    from aimet_quadapter.toy import sample_corpus
+
+    model, _ = load_model(str(model_dir))
+    ids = sample_corpus(model, num, length, seed=seed, temperature=temperature)
+    path.write_text("\n".join(" ".join(f"w{i}" for i in row.tolist()) for row in ids) + "\n")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    """recipes/r.yaml, recipes/model/, recipes/a.txt (the F-ID) and recipes/b.txt (hotter sampling: F-OOD)."""
+    root = tmp_path_factory.mktemp("world")
+    save_outlier_gpt2(root / "model")
+    write_sampled_text(root / "model", root / "a.txt", 12, 128, seed=1, temperature=1.0)
+    write_sampled_text(root / "model", root / "b.txt", 6, 128, seed=2, temperature=1.5)
+    (root / "r.yaml").write_text(RECIPE)
+    return root
+
+
+@pytest.fixture(scope="module")
+def base_run(world, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "base"
+    assert main(["run", str(world / "r.yaml"), "--out", str(out), "--no-progress"]) == 0
+    return out
+
+
+def _results(run: Path) -> dict:
+    return json.loads((run / "results.json").read_text())
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(run, tmp_path / "run"))
+
+
+def _count_calls(monkeypatch) -> dict[str, int]:
+    """Wrap every registered method so that a test sees which ones ran."""
+    calls: dict[str, int] = {}
+    for name, spec in list(methods.REGISTRY.items()):
+
+        def counted(ctx, name=name, fn=spec.fn):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(ctx)
+
+        monkeypatch.setitem(methods.REGISTRY, name, dataclasses.replace(spec, fn=counted))
+    return calls
+
+
+def _markdown_rows(table: str) -> list[list[str]]:
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def _plain(cell: str) -> str:
+    return re.sub(r"</?ins>|\*\*", "", cell)
+
+
+def test_run_then_report_end_to_end(base_run, world, capsys):
+    results = _results(base_run)
+    cells = results["cells"]
+    assert set(cells) == {"fp", "calib:a/ptq", "calib:a/cle", "calib:a/quadapter_bc", "a/quadapter"}
+    for key, cell in cells.items():
+        assert set(cell["ppl"]) == {"a", "b"}, key
+        assert cell["wall_time_s"] > 0 and cell["method_time_s"] >= 0 and cell["eval_time_s"] > 0
+    assert cells["a/quadapter"]["fid"] == "a" and cells["a/quadapter"]["finetune_sequences"] == 4
+    assert [d["label"] for d in results["datasets"]] == ["a", "b"]
+    # the planted outliers hurt PTQ; the calibration-only Quadapter undoes much of it
+    ppl = {k: c["ppl"]["a"] for k, c in cells.items()}
+    assert ppl["calib:a/ptq"] > 1.5 * ppl["fp"]
+    assert ppl["calib:a/quadapter_bc"] < ppl["calib:a/ptq"]
+    # one phase 1 served both Quadapter cells; per-cell files are where the report looks for them
+    assert "bc_time_s" not in cells["a/quadapter"]["info"]
+    bc = base_run / "calib-a" / "quadapter_bc"
+    for name in ("quadapter_bc.safetensors", "phase1_curves.png", "channel_ranges.png", "phase1_losses.json"):
+        assert (bc / name).is_file(), name
+    assert (base_run / "a" / "quadapter" / "quadapter.safetensors").is_file()
+    assert not list(base_run.rglob("checkpoints"))
+
+    capsys.readouterr()
+    assert main(["report", str(base_run)]) == 0
+    printed = capsys.readouterr().out
+    report = (base_run / "report.md").read_text()
+    assert report in printed
+    main_table = report.split("## Perplexity (Table 1 layout)")[1].split("\n## ")[0]
+    rows = _markdown_rows(main_table)
+    labels = {c["label"]: c for c in cells.values()}
+    assert [r[1] for r in rows] == ["FP32", "PTQ", "CLE", "Quadapter BC", "Quadapter"]
+    for row in rows:
+        cell = labels[row[1]]
+        assert [_plain(v) for v in row[2:]] == [f"{cell['ppl'][d]:.2f}" for d in ("a", "b")], row
+    by_label = {r[1]: r for r in rows}
+    assert by_label["Quadapter"][2].startswith("<ins>") and "<ins>" not in by_label["Quadapter"][3]
+    assert "<ins>" not in "".join(by_label["PTQ"][2:])  # calibration-only rows have no F-ID
+    calib = [c for c in cells.values() if c["group"] == "calib:a"]
+    for col, index in (("a", 2), ("b", 3)):
+        best = min(calib, key=lambda c: c["ppl"][col])
+        assert by_label[best["label"]][index].startswith("**"), col
+        assert sum(by_label[c["label"]][index].startswith("**") for c in calib) == 1
+    assert not by_label["FP32"][2].startswith("**")
+    # Table 2 layout: F-ID = a, F-OOD = b; averages of one column each
+    food = _markdown_rows(report.split("F-ID = a (Table 2 layout)")[1].split("\n## ")[0])
+    quad = next(r for r in food if r[1] == "Quadapter")
+    assert _plain(quad[4]) == f"{cells['a/quadapter']['ppl']['a']:.2f}"
+    assert _plain(quad[5]) == f"{cells['a/quadapter']['ppl']['b']:.2f}"
+    for link in re.findall(r"\]\(([^)]+\.png)\)", report):
+        assert (base_run / link).is_file(), link
+
+
+def test_rerun_recomputes_only_a_missing_cell(base_run, world, tmp_path, monkeypatch):
+    run = _copy(base_run, tmp_path)
+    before = _results(run)
+    del before["cells"]["calib:a/cle"]
+    (run / "results.json").write_text(json.dumps(before))
+    calls = _count_calls(monkeypatch)
+    assert main(["run", str(world / "r.yaml"), "--out", str(run), "--no-progress"]) == 0
+    assert calls == {"cle": 1}
+    after = _results(run)["cells"]
+    assert set(after) == set(_results(base_run)["cells"])
+    for key, cell in before["cells"].items():
+        assert after[key]["finished"] == cell["finished"], key
+
+
+def test_changed_settings_recompute_only_the_cells_they_affect(base_run, world, tmp_path, monkeypatch):
+    run = _copy(base_run, tmp_path)
+    # a checkpoint left by an interrupted run under other settings must not be resumed
+    stale = run / "a" / "quadapter" / "checkpoints"
+    stale.mkdir(parents=True)
+    (stale / "phase2.pt").write_text("not a checkpoint")
+    (stale / "fingerprint.txt").write_text("other settings")
+    calls = _count_calls(monkeypatch)
+    args = ["run", str(world / "r.yaml"), "--out", str(run), "--no-progress", "--set", "phase1.steps=3"]
+    assert main(args) == 0
+    assert calls == {"quadapter_bc": 1, "quadapter": 1}  # ptq, cle and fp do not depend on phase 1
+    assert not stale.exists()
+    calls.clear()
+    assert main(args) == 0
+    assert calls == {}
+
+
+def test_phase1_is_shared_through_the_saved_state(world, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    common = ["run", str(world / "r.yaml"), "--out", str(run), "--no-progress"]
+    assert main([*common, "--set", "methods=[quadapter]"]) == 0
+    cells = _results(run)["cells"]
+    assert set(cells) == {"a/quadapter"}  # quadapter_bc ran on the side, not as a cell
+    assert cells["a/quadapter"]["info"]["bc_time_s"] > 0
+    assert (run / "calib-a" / "quadapter_bc" / "quadapter_bc.safetensors").is_file()
+
+    phase1_runs = []
+    original = methods.apply_blockwise_phase
+    monkeypatch.setattr(methods, "apply_blockwise_phase", lambda *a, **k: phase1_runs.append(1) or original(*a, **k))
+    assert main([*common, "--set", "methods=[quadapter,quadapter_bc_qat]"]) == 0
+    assert set(_results(run)["cells"]) == {"a/quadapter", "a/quadapter_bc_qat"}
+    assert phase1_runs == [], "the saved Quadapter BC state should have been reused"
+
+
+def test_interrupted_run_keeps_finished_cells(world, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    common = ["run", str(world / "r.yaml"), "--out", str(run), "--no-progress", "--set", "methods=[fp,ptq,cle]"]
+    spec = methods.REGISTRY["cle"]
+
+    def interrupted(ctx):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(methods.REGISTRY, "cle", methods.MethodSpec(interrupted, spec.label))
+    assert main(common) == 130
+    assert set(_results(run)["cells"]) == {"fp", "calib:a/ptq"}
+    monkeypatch.setitem(methods.REGISTRY, "cle", spec)
+    calls = _count_calls(monkeypatch)
+    assert main(common) == 0
+    assert calls == {"cle": 1}
+    assert set(_results(run)["cells"]) == {"fp", "calib:a/ptq", "calib:a/cle"}
+
+
+def test_lengths_beyond_the_model_name_the_field(world, tmp_path, capsys):
+    args = ["run", str(world / "r.yaml"), "--out", str(tmp_path / "run"), "--no-progress"]
+    assert main([*args, "--set", "eval.seq_len=512"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "seq_len: 512 exceeds the model's 256 positions" in err
+
+
+def test_plan_of_a_matrix_without_loading_anything(tmp_path):
+    """Calibration-only cells once per calibration set; fine-tuned cells per F-ID and per sweep size."""
+    recipe_file = tmp_path / "m.yaml"
+    recipe_file.write_text(
+        "model: gpt2\nmethods: [fp, ptq, quadapter_bc, qat, quadapter]\n"
+        "fid: [wikitext2, [ptb, lambada]]\nfinetune_sizes: [4, 16]\n"
+        "eval: {datasets: [wikitext2, ptb, lambada]}\n"
+    )
+    per_fid = RecipeRun(load_recipe(recipe_file), tmp_path / "out", progress=False)
+    keys = [c.key for c in per_fid.cells]
+    assert keys[:5] == ["fp", "calib:wikitext2/ptq", "calib:ptb+lambada/ptq", "calib:wikitext2/quadapter_bc",
+                        "calib:ptb+lambada/quadapter_bc"]  # fmt: skip
+    assert "ptb+lambada/quadapter@16" in keys and len(keys) == 5 + 2 * 2 * 2
+    shared = RecipeRun(load_recipe(recipe_file, ["calibration.dataset=wikitext2"]), tmp_path / "o", progress=False)
+    assert [c.key for c in shared.cells if c.group.startswith("calib:")] == [
+        "calib:wikitext2/ptq",
+        "calib:wikitext2/quadapter_bc",
+    ]
+    assert {c.calibration for c in shared.cells if c.fid} == {"wikitext2"}
+    # fingerprints: a phase-2 change leaves calibration-only cells alone, a policy change does not
+    changed = RecipeRun(load_recipe(recipe_file, ["phase2.steps=5"]), tmp_path / "out", progress=False)
+    same = {c.key for c in per_fid.cells if per_fid.fingerprint(c) == changed.fingerprint(c)}
+    assert same == {"fp", "calib:wikitext2/ptq", "calib:ptb+lambada/ptq", "calib:wikitext2/quadapter_bc",
+                    "calib:ptb+lambada/quadapter_bc"}  # fmt: skip
+    policy = RecipeRun(load_recipe(recipe_file, ["policy.weight_bits=4"]), tmp_path / "out", progress=False)
+    assert {c.key for c in per_fid.cells if per_fid.fingerprint(c) == policy.fingerprint(c)} == {"fp"}
