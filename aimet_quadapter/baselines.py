@@ -8,6 +8,7 @@ measure of what each one actually changed.
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ from aimet_torch.quantization.affine import QuantizeDequantize
 from aimet_torch.quantsim import QuantizationSimModel
 from torch import nn
 
+from . import distributed
 from .models import PreparedLM
 from .policy import _SCHEMES, QuantPolicy, build_sim, calibrate
 
@@ -86,9 +88,9 @@ def apply_adaround(
 
     batches = list(calibration)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(out_dir) if out_dir is not None else Path(tmp)
-        folder.mkdir(parents=True, exist_ok=True)
-        config = Path(tmp) / "quantsim_config.json"
+        # AIMET writes the encodings file; each process (torchrun) writes its own, the first one keeps a copy.
+        folder = Path(tmp)
+        config = folder / "quantsim_config.json"
         config.write_text(json.dumps(aimet_config(policy)))
         ada_params = AdaroundParameters(
             data_loader=batches,
@@ -110,6 +112,9 @@ def apply_adaround(
         )
         encodings = folder / "adaround.encodings"
         frozen = len(json.loads(encodings.read_text())["param_encodings"])
+        if out_dir is not None and distributed.is_main():
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(encodings, Path(out_dir) / "adaround.encodings")
         sim = build_sim(rounded, policy)
         sim.set_and_freeze_param_encodings(str(encodings))
     calibrate(sim, batches)

@@ -87,7 +87,7 @@ def _cmd_eval(args) -> int:
     from pathlib import Path
 
     from . import workflow
-    from .methods import LABELS, METHODS, MethodContext, run_method
+    from .methods import FINETUNE_METHODS, LABELS, METHODS, MethodContext, run_method
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
@@ -104,7 +104,7 @@ def _cmd_eval(args) -> int:
     calib_set = args.calib_dataset or args.dataset[0]
     calib = workflow.calibration_batches(tokenizer, calib_set, args.calib_samples, args.calib_len, args.seed)
     finetune = None
-    if "quadapter" in methods:
+    if any(m in FINETUNE_METHODS for m in methods):
         finetune = workflow.calibration_batches(
             tokenizer,
             args.finetune_dataset or calib_set,
@@ -186,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=_positive_int, default=1024, help="evaluation window (default 1024, the paper's)")
     p.add_argument("--stride", type=_positive_int, help="sliding-window stride (default: non-overlapping)")
     p.add_argument(
-        "--methods", default="fp,ptq", help="comma-separated: fp, ptq, cle, quadapter_bc, quadapter (default fp,ptq)"
+        "--methods",
+        default="fp,ptq",
+        help="comma-separated method names, e.g. fp,ptq,cle,quadapter_bc,quadapter (default fp,ptq)",
     )
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--out", help="folder for results.json, Quadapter states, checkpoints and figures")

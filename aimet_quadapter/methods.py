@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from aimet_torch.quantsim import QuantizationSimModel
 
+from . import distributed
 from .api import QuadapterParameters, QuadapterResult, apply_blockwise_phase, apply_cle, apply_finetune_phase
 from .baselines import BaselineParameters, apply_adaround, apply_seq_mse
 from .cle import channel_min_max
@@ -100,7 +101,7 @@ def _quadapter_bc(ctx: MethodContext) -> QuantizationSimModel:
     ctx._bc = (sim, result)
     ctx.bc_state = result.state
     _save(ctx, "quadapter_bc", result.state)
-    if ctx.out_dir is not None and result.phase1 is not None:
+    if _writes(ctx) and result.phase1 is not None:
         (ctx.out_dir / "phase1_losses.json").write_text(
             json.dumps(
                 {
@@ -153,7 +154,7 @@ def _quadapter_phase2(ctx: MethodContext, name: str, learn_ranges: bool | None) 
     sim, bc = _bc_start(ctx)
     result = apply_finetune_phase(sim, ctx.model, bc, ctx.finetune, params, ctx.progress)
     _save(ctx, name, result.state)
-    if ctx.out_dir is not None:
+    if _writes(ctx):
         losses = "phase2_losses.json" if name == "quadapter" else f"{name}_phase2_losses.json"
         (ctx.out_dir / losses).write_text(json.dumps(result.phase2.losses))
         _plot_head_site(ctx, result.state, f"channel_ranges_{name}.png")
@@ -238,13 +239,18 @@ def run_method(name: str, ctx: MethodContext):
     return out
 
 
+def _writes(ctx: MethodContext) -> bool:
+    """Whether this process writes files: there is an out_dir, and it is the first process under torchrun."""
+    return ctx.out_dir is not None and distributed.is_main()
+
+
 def _save(ctx: MethodContext, name: str, state: QuadapterState) -> None:
-    if ctx.out_dir is not None:
+    if _writes(ctx):
         state.save(ctx.out_dir / f"{name}.safetensors")
 
 
 def _write_losses(ctx: MethodContext, name: str, losses: list[float]) -> None:
-    if ctx.out_dir is not None:
+    if _writes(ctx):
         ctx.out_dir.mkdir(parents=True, exist_ok=True)
         (ctx.out_dir / f"{name}_phase2_losses.json").write_text(json.dumps(losses))
 

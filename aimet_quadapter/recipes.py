@@ -385,8 +385,12 @@ def validate_recipe(raw: dict, where: str = "recipe", overridden: list[str] | No
         recipe.baseline_parameters()
     except QuadapterError as exc:
         raise QuadapterError(f"{where}: {exc}") from None
-    if recipe.calibration.dataset is None and not recipe.fid:
-        raise QuadapterError(f"{where}: field fid: give at least one F-ID dataset, or set calibration.dataset")
+    calibrated = [m for m in recipe.methods if m != "fp"]
+    if calibrated and recipe.calibration.dataset is None and not recipe.fid:
+        raise QuadapterError(
+            f"{where}: field fid: {calibrated[0]} needs calibration data: give an F-ID dataset "
+            f"(its train split calibrates), or set calibration.dataset"
+        )
     from .methods import REGISTRY
 
     tuning = [m for m in recipe.methods if REGISTRY[m].finetunes]

@@ -156,7 +156,7 @@ def timing_table(results: dict) -> str:
 
 
 def _settings_lines(results: dict) -> list[str]:
-    lines = [f"Model: `{results.get('model', '?')}`."]
+    lines = [f"Model: `{results.get('model', '?')}`.", ""]
     for name, recipe in results.get("recipes", {}).items():
         s = recipe["settings"]
         p1, p2, cal = s["phase1"], s["phase2"], s["calibration"]

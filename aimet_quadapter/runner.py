@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from . import distributed
 from .errors import QuadapterError
 from .recipes import Recipe
 from .results_file import RESULTS, load_results, write_json_atomic
@@ -118,6 +119,11 @@ class RecipeRun:
         self._model = None
         self._tokenizer = None
         self._bc: dict[str, object] = {}
+        # Under torchrun every process computes every cell (data-parallel inside); only the first writes files.
+        self.main = distributed.is_main()
+        if not self.main:
+            self.progress = False
+            self.log = lambda _message: None
 
     # --- plan ---------------------------------------------------------------------------------------
     def _refs(self, names: list[str]) -> list[DatasetRef]:
@@ -364,7 +370,8 @@ class RecipeRun:
         folder.mkdir(parents=True, exist_ok=True)
         ctx = self._context(folder, cal, None, None)
         run_method("quadapter_bc", ctx)
-        stamp.write_text(self.bc_fingerprint(cal))
+        if self.main:
+            stamp.write_text(self.bc_fingerprint(cal))
         info["bc_time_s"] = time.time() - start
         self._bc[cal] = ctx.bc_state
         return ctx.bc_state
@@ -378,10 +385,12 @@ class RecipeRun:
         # A phase-2 checkpoint left by an interrupted run resumes the cell, but only under the same settings.
         checkpoints = cell_dir / "checkpoints"
         stamp = checkpoints / "fingerprint.txt"
-        if checkpoints.exists() and not (stamp.is_file() and stamp.read_text() == fingerprint):
-            shutil.rmtree(checkpoints)
-        checkpoints.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(fingerprint)
+        if self.main:
+            if checkpoints.exists() and not (stamp.is_file() and stamp.read_text() == fingerprint):
+                shutil.rmtree(checkpoints)
+            checkpoints.mkdir(parents=True, exist_ok=True)
+            stamp.write_text(fingerprint)
+        distributed.barrier()  # under torchrun: no process resumes from a checkpoint the first one removes
         extra: dict = {}
         start = time.time()
         bc_state = self._bc_state(cell.calibration, extra) if spec.from_bc else None
@@ -391,12 +400,14 @@ class RecipeRun:
         evaluated = run_method(cell.method, ctx)
         method_time = time.time() - method_start
         if cell.method == "quadapter_bc":
-            (cell_dir / "bc_fingerprint.txt").write_text(self.bc_fingerprint(cell.calibration))
+            if self.main:
+                (cell_dir / "bc_fingerprint.txt").write_text(self.bc_fingerprint(cell.calibration))
             self._bc[cell.calibration] = ctx.bc_state
         eval_start = time.time()
         ppl = evaluate(evaluated, self.eval_windows(), spec.label, self.progress)
         eval_time = time.time() - eval_start
-        shutil.rmtree(cell_dir / "checkpoints", ignore_errors=True)
+        if self.main:
+            shutil.rmtree(cell_dir / "checkpoints", ignore_errors=True)
         record = {
             "method": cell.method,
             "label": spec.label,
@@ -419,10 +430,14 @@ class RecipeRun:
         gc.collect()
         return record
 
+    def _write(self, results: dict) -> None:
+        if self.main:
+            write_json_atomic(self.out_dir / RESULTS, results)
+
     def run(self) -> dict:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         results = self._load_or_new()
-        write_json_atomic(self.out_dir / RESULTS, results)
+        self._write(results)
         p2 = self.recipe.phase2
         seen = max(p2.steps, 1) * p2.batch_size
         if self.recipe.finetune_sizes and max(self.recipe.finetune_sizes) > seen:
@@ -440,9 +455,10 @@ class RecipeRun:
             record = self.run_cell(cell)
             results["cells"][cell.key] = record
             results["updated"] = record["finished"]
-            write_json_atomic(self.out_dir / RESULTS, results)
+            self._write(results)
             values = ", ".join(f"{k} {v:.3f}" for k, v in record["ppl"].items())
-            tqdm.write(f"{cell.key} ({record['wall_time_s']:.0f} s): {values}")
+            if self.main:
+                tqdm.write(f"{cell.key} ({record['wall_time_s']:.0f} s): {values}")
         bar.close()
         return results
 

@@ -21,11 +21,10 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(dirname "$here")
 
-# The smoke command. Later: SMOKE_ARGS="run recipes/smoke.yaml --out /runs/smoke" with
-# SMOKE_OUTPUT/SMOKE_EXPECT pointing at what that run writes.
-SMOKE_ARGS=${SMOKE_ARGS:-"eval --model smollm2-135m --dataset ptb --max-tokens 2048 --seq-len 512 --calib-samples 2 --json /runs/smoke.json"}
-SMOKE_OUTPUT=${SMOKE_OUTPUT:-smoke.json}
-SMOKE_EXPECT=${SMOKE_EXPECT:-'"results"'}
+# The smoke command: the offline smoke recipe, its results written under the mounted /runs.
+SMOKE_ARGS=${SMOKE_ARGS:-"run recipes/smoke.yaml --out /runs/smoke"}
+SMOKE_OUTPUT=${SMOKE_OUTPUT:-smoke/results.json}
+SMOKE_EXPECT=${SMOKE_EXPECT:-'"ppl"'}
 IMAGE=${IMAGE:-aimet-quadapter:smoke}
 
 die() { echo "smoke: FAIL: $*" >&2; exit 1; }

@@ -166,17 +166,23 @@ def test_coverage_check_catches_a_missing_entry(gpt2_export, tmp_path):
         verify_export(sim, broken, windows)
 
 
-def test_value_check_catches_a_wrong_scale(gpt2_export, tmp_path):
-    """A wrong value is caught by running the FP graph with the encodings applied, as a converter would."""
+def test_value_checks_catch_a_wrong_scale_or_offset(gpt2_export, tmp_path):
+    """A wrong scale is caught by value; a wrong offset by running the FP graph with the encodings applied."""
     sim, out, windows = gpt2_export
 
-    def scale(enc):
-        entry = next(e for e in enc["activation_encodings"] if "ln_2" in e["name"])
-        entry["scale"] = [s * 1.5 for s in entry["scale"]]
+    def entry(enc):
+        return next(e for e in enc["activation_encodings"] if "ln_2" in e["name"])
 
-    broken = _broken_copy(out, tmp_path / "scaled", scale)
-    with pytest.raises(QuadapterError, match=r"fp\+encodings: perplexity"):
-        verify_export(sim, broken, windows)
+    def scale(enc):
+        entry(enc)["scale"] = [s * 1.5 for s in entry(enc)["scale"]]
+
+    def offset(enc):
+        entry(enc)["offset"] = [o + 40 for o in entry(enc)["offset"]]
+
+    with pytest.raises(QuadapterError, match=r"have no entry in the encodings file: .*c_fc\.input"):
+        verify_export(sim, _broken_copy(out, tmp_path / "scaled", scale), windows)
+    with pytest.raises(QuadapterError, match=r"does not compute what the sim computes: fp\+encodings: perplexity"):
+        verify_export(sim, _broken_copy(out, tmp_path / "shifted", offset), windows)
 
 
 def _corrupt_qdq_then_verify(monkeypatch):
@@ -185,10 +191,15 @@ def _corrupt_qdq_then_verify(monkeypatch):
 
     def corrupting(sim, folder, *args, **kwargs):
         model = onnx.load(str(Path(folder) / QDQ_ONNX))
-        node = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and "ln_1" in n.input[0])
-        scale = next(t for t in model.graph.initializer if t.name == node.input[1])
-        array = onnx.numpy_helper.to_array(scale) * 3
-        scale.CopyFrom(onnx.numpy_helper.from_array(array, scale.name))
+        # shift the zero point of a norm output's quantizer: its scale (checked by value) stays right
+        node = next(
+            n
+            for n in model.graph.node
+            if n.op_type == "QuantizeLinear" and n.input[0].endswith("ln_1/LayerNormalization_output_0")
+        )
+        zero_point = next(t for t in model.graph.initializer if t.name == node.input[2])
+        array = onnx.numpy_helper.to_array(zero_point) + 40
+        zero_point.CopyFrom(onnx.numpy_helper.from_array(array, zero_point.name))
         onnx.save(model, str(Path(folder) / QDQ_ONNX))
         return real(sim, folder, *args, **kwargs)
 

@@ -24,13 +24,13 @@ def head_layout(config) -> tuple[int, int, int]:
 
 def tiny_config(vocab_size: int = 512, hidden: int = 64, layers: int = 2, heads: int = 4, **kw) -> LlamaConfig:
     kw.setdefault("num_key_value_heads", max(1, heads // 2))
+    kw.setdefault("intermediate_size", hidden * 3)
+    kw.setdefault("max_position_embeddings", 256)
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=hidden * 3,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        max_position_embeddings=256,
         tie_word_embeddings=True,
         **kw,
     )
