@@ -86,7 +86,10 @@ def _quadapter_params(args):
 def _cmd_eval(args) -> int:
     from pathlib import Path
 
-    from . import workflow
+    from . import onnx_eval, workflow
+
+    if onnx_eval.is_export(args.model):  # an exported ONNX model: its perplexity in onnxruntime
+        return onnx_eval.eval_exported(args)
     from .methods import FINETUNE_METHODS, LABELS, METHODS, MethodContext, run_method
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -222,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="markdown tables and figures of a run folder (writes RUN_DIR/report.md)")
     p.add_argument("run_dir", help="a folder written by `run`")
     p.set_defaults(func=_cmd_report)
+    __import__("aimet_quadapter.cli_export", fromlist=["add_export_command"]).add_export_command(sub)
     return parser
 
 

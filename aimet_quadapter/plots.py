@@ -12,6 +12,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 
+def save_figure(fig, path: str | Path) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_phase1_curves(losses: dict[str, list[float]], path: str | Path, sites: Sequence[str] | None = None) -> Path:
     """Phase-1 loss per step for ``sites`` (default: the first and the last site, as in Fig. 5)."""
     names = list(sites) if sites else ([next(iter(losses)), list(losses)[-1]] if losses else [])
@@ -23,12 +32,7 @@ def plot_phase1_curves(losses: dict[str, list[float]], path: str | Path, sites: 
         ax.set_xlabel("step")
         ax.set_ylabel("block L2 error")
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_channel_ranges(
@@ -46,9 +50,4 @@ def plot_channel_ranges(
         ax.set_xlabel("channel")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -12,16 +12,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
+from .plots import save_figure  # noqa: E402
+
 # Methods of the FP vs FP-fine-tuned comparison, in the order of the paper's Fig. 6.
 COMPARISON = ("fp", "fp_finetuned", "qat", "quadapter_bc_qat", "quadapter")
-
-
-def _save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 def _finite(x) -> bool:
@@ -68,7 +62,7 @@ def plot_data_size(results: dict, path: Path) -> Path | None:
     for ax in list(axes.flat)[len(columns) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
-    return _save(fig, Path(path))
+    return save_figure(fig, Path(path))
 
 
 def comparison_rows(results: dict, fid: str) -> list[dict]:
@@ -105,4 +99,4 @@ def plot_fp_comparison(results: dict, fid: str, path: Path) -> Path | None:
     ax.set_title(f"fine-tuned on {fid}", fontsize=10)
     ax.grid(alpha=0.3, axis="y", which="both")
     ax.legend(fontsize=7)
-    return _save(fig, Path(path))
+    return save_figure(fig, Path(path))

@@ -1,0 +1,130 @@
+"""The ``export`` subcommand of the CLI. Light to import: the export itself is loaded when the command runs."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from .errors import QuadapterError
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_export_command(subparsers) -> None:
+    """The ``export`` subcommand, added to the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "export",
+        help="export a trained state to ONNX + AIMET encodings and a QDQ ONNX, verified in onnxruntime",
+        description=(
+            "Writes model.onnx + model.encodings (for a device converter's quantization overrides), "
+            "model_qdq.onnx and manifest.json into --out, after checking in onnxruntime that both compute "
+            "what the sim computes on held-out windows. Nothing is written if a check fails."
+        ),
+    )
+    p.add_argument("state", help="a Quadapter state (.safetensors), or a run folder holding exactly one")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="the FP model the state was trained on: hub id, local folder, or smollm2-135m (offline)",
+    )
+    p.add_argument("--out", required=True, help="export folder (must not exist unless --force)")
+    p.add_argument("--seq-len", type=_positive_int, default=128, help="the graph's fixed input length (default 128)")
+    p.add_argument(
+        "--encodings-version",
+        choices=("1.0.0", "2.0.0"),
+        default="1.0.0",
+        help="AIMET encodings format (default 1.0.0)",
+    )
+    p.add_argument(
+        "--dynamic-length",
+        action="store_true",
+        help="make the sequence length a dynamic axis of both graphs (batch stays 1); on-device graphs are "
+        "usually static",
+    )
+    p.add_argument("--opset", type=_positive_int, help="opset of model.onnx (default: torch's); the QDQ graph is 21")
+    p.add_argument("--verify-dataset", default="ptb", help="held-out text for the verification (default ptb)")
+    p.add_argument("--verify-split", default="test", help="its split (default test)")
+    p.add_argument("--verify-windows", type=_positive_int, default=4, help="windows of --seq-len tokens (default 4)")
+    p.add_argument(
+        "--merge-shared-ranges",
+        action="store_true",
+        help="where consumers of one tensor learned different ranges, give them the union (changes the model)",
+    )
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(func=_cmd_export)
+
+
+def _model_limit(model) -> int | None:
+    return getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+
+
+def _cmd_export(args) -> int:
+    from . import workflow
+    from .export import _sha256, export_quantized, resolve_state
+    from .state import QuadapterState
+
+    start = time.time()
+    state_path = resolve_state(args.state)
+    state = QuadapterState.load(state_path)
+    model, tokenizer = workflow.load(args.model)
+    limit = _model_limit(model)
+    if limit and args.seq_len > limit:
+        raise QuadapterError(f"--seq-len {args.seq_len} exceeds the model's {limit} positions")
+    sim = state.build_sim(model)
+    windows = workflow.eval_windows_for(
+        tokenizer, args.verify_dataset, args.verify_split, args.seq_len, None, args.seq_len * args.verify_windows
+    )
+    windows = [w for w in windows if len(w.ids) == args.seq_len][: args.verify_windows]
+    if not windows:
+        raise QuadapterError(f"--verify-dataset {args.verify_dataset} has fewer than {args.seq_len} tokens")
+    local = Path(args.model).expanduser()
+    model_name = str(local.resolve()) if local.exists() else args.model
+    result = export_quantized(
+        sim,
+        args.out,
+        args.seq_len,
+        args.encodings_version,
+        verify_windows=windows,
+        model_name=model_name,
+        method=state.metadata.get("method"),
+        dynamic_length=args.dynamic_length,
+        opset=args.opset,
+        overwrite=args.force,
+        merge_shared_ranges=args.merge_shared_ranges,
+        extra_manifest={
+            "state": {"path": str(state_path.resolve()), "sha256": _sha256(state_path), "metadata": state.metadata},
+            "verify_dataset": {"name": args.verify_dataset, "split": args.verify_split},
+        },
+        progress=True,
+    )
+    m, v = result.manifest, result.verification
+    print(f"exported {m['method'] or 'state'} of {args.model} to {result.out_dir}:")
+    for name, info in m["files"].items():
+        print(f"  {name:<20} {info['bytes'] / 1e6:10.2f} MB  sha256 {info['sha256'][:16]}")
+    if m["shared_ranges_merged"]:
+        print(f"  merged the ranges of {len(m['shared_ranges_merged'])} shared tensor(s) (see manifest.json)")
+    print(
+        f"verified on {v.windows} window(s), {v.tokens} scored tokens: sim perplexity {v.sim_ppl:.4f}; "
+        f"{v.quantizers} quantizers, {v.encoding_entries} encodings entries"
+    )
+    for a in v.agreements:
+        print(
+            f"  {a.graph:<16} perplexity {a.ppl:.4f} (rel. diff {a.ppl_rel_diff:.1e}), "
+            f"max |logit - sim| {a.max_abs_logit_diff:.2e}"
+        )
+    print(
+        f"  allowed: perplexity rel. diff {v.ppl_bound:.1e}, max |logit diff| {v.logit_bound:.2e} "
+        f"(max |sim logit| {v.max_abs_sim_logit:.3g}; float32 noise floor: {v.floor.ppl_rel_diff:.1e}, "
+        f"{v.floor.max_abs_logit_diff:.2e})"
+    )
+    print(f"export time {m['export_time_s']:.1f} s (total {time.time() - start:.1f} s)")
+    return 0
