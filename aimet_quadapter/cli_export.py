@@ -80,6 +80,7 @@ def _cmd_export(args) -> int:
     if limit and args.seq_len > limit:
         raise QuadapterError(f"--seq-len {args.seq_len} exceeds the model's {limit} positions")
     sim = state.build_sim(model)
+    del model  # the sim holds its own (folded) copy; a large model's FP weights are not needed again
     windows = workflow.eval_windows_for(
         tokenizer, args.verify_dataset, args.verify_split, args.seq_len, None, args.seq_len * args.verify_windows
     )

@@ -103,8 +103,8 @@ class Agreement:
 
 # The forms compared with the sim: (name, file or "fp+encodings", onnxruntime graph optimizations)
 FORMS = (
-    ("qdq", QDQ_ONNX, True),  # as `eval` and a user run it
     ("qdq/unoptimized", QDQ_ONNX, False),  # node by node, as written
+    ("qdq", QDQ_ONNX, True),  # as `eval` and a user run it
     ("fp+encodings", "fp+encodings", False),  # model.onnx with model.encodings applied, as written
 )
 
@@ -289,9 +289,10 @@ class _Comparison:
         self.nll = torch.zeros((), dtype=torch.float64)
         self.max_diff = 0.0
 
-    def add(self, logits: torch.Tensor, reference: torch.Tensor, window: Window, scored: slice) -> None:
+    def add(self, logits: torch.Tensor, other: torch.Tensor, window: Window, scored: slice) -> None:
+        """``logits`` of the whole window; ``other``: the other model's logits at the ``scored`` positions."""
         self.nll += window_nll(logits, window)
-        self.max_diff = max(self.max_diff, float((logits - reference)[0, scored].abs().max()))
+        self.max_diff = max(self.max_diff, float((logits[0, scored] - other).abs().max()))
 
 
 def verify_export(
@@ -309,6 +310,8 @@ def verify_export(
        optimizations) and of ``model.onnx`` with ``model.encodings`` applied (see
        :func:`~aimet_quadapter.onnx_eval.apply_encodings`) agree with the sim's within ``tolerance``.
     """
+    import gc
+
     import onnx
     from tqdm.auto import tqdm
 
@@ -319,34 +322,49 @@ def verify_export(
     entries = read_encodings(json.loads((folder / ENCODINGS).read_text()))
     check_encoding_names(fp_model, entries)
     n_quantizers = check_quantizer_coverage(sim, entries)
+    del fp_model
     qdq_model = onnx.load(str(folder / QDQ_ONNX))
     check_quantizer_coverage(sim, qdq_graph_encodings(qdq_model), where=f"the QDQ graph {QDQ_ONNX}")
     del qdq_model
-    emulated, applied = apply_encodings(fp_model, entries)
-    emulated_bytes = _serialized(emulated)
-    del fp_model, emulated
-    graphs = {
-        name: OnnxLM(emulated_bytes if source == "fp+encodings" else folder / source, optimize=optimize)
-        for name, source, optimize in FORMS
-    }
 
-    sim_nll = torch.zeros((), dtype=torch.float64)
-    vs_sim = {name: _Comparison() for name in graphs}
-    floor = _Comparison()
-    max_sim, tokens = 0.0, 0
+    # The sim first, then one onnxruntime session at a time: a 1024-token window of a 50k-vocabulary model
+    # has 200 MB of logits, and each session holds a copy of the weights and its own activation arena.
+    scored = [slice(w.first_target - 1, len(w.ids) - 1) for w in windows]  # logits that predict a scored token
+    bar = tqdm(total=len(windows) * (1 + len(FORMS)), desc="verify export", unit="run", disable=not progress)
+    references, sim_nll, max_sim, tokens = [], torch.zeros((), dtype=torch.float64), 0.0, 0
     with torch.no_grad(), prequantized_weights(sim.model):
         device = next(sim.model.parameters()).device
-        for window in tqdm(windows, desc="verify export", unit="win", disable=not progress, leave=False):
-            ids = window.ids.reshape(1, -1)
-            reference = sim.model(ids.to(device)).float().cpu()
-            scored = slice(window.first_target - 1, ids.shape[1] - 1)  # the logits that predict a scored token
-            max_sim = max(max_sim, float(reference[0, scored].abs().max()))
-            sim_nll += window_nll(reference, window)
-            outputs = {name: lm(ids) for name, lm in graphs.items()}
-            for name, logits in outputs.items():
-                vs_sim[name].add(logits, reference, window, scored)
-            floor.add(outputs["qdq"], outputs["qdq/unoptimized"], window, scored)
+        for window, keep in zip(windows, scored):
+            logits = sim.model(window.ids.reshape(1, -1).to(device)).float().cpu()
+            sim_nll += window_nll(logits, window)
+            references.append(logits[0, keep].clone())
+            max_sim = max(max_sim, float(references[-1].abs().max()))
             tokens += window.n_targets
+            bar.update()
+    del logits
+    vs_sim = {name: _Comparison() for name, _, _ in FORMS}
+    floor, unoptimized_logits, applied = _Comparison(), [], 0
+    for name, source, optimize in FORMS:
+        if source == "fp+encodings":
+            emulated, applied = apply_encodings(onnx.load(str(folder / FP_ONNX)), entries)
+            lm = OnnxLM(_serialized(emulated), optimize=optimize)
+            del emulated
+        else:
+            lm = OnnxLM(folder / source, optimize=optimize)
+        for i, (window, keep) in enumerate(zip(windows, scored)):
+            logits = lm(window.ids.reshape(1, -1))
+            vs_sim[name].add(logits, references[i], window, keep)
+            if name == "qdq/unoptimized":  # kept for the floor: the optimized run of the same graph comes next
+                unoptimized_logits.append(logits[0, keep].clone())
+            elif name == "qdq":
+                floor.add(logits, unoptimized_logits[i], window, keep)
+            bar.update()
+        if name == "qdq":
+            unoptimized_logits.clear()
+        del lm, logits
+        gc.collect()
+    bar.close()
+    del references
 
     def ppl(nll: torch.Tensor) -> float:
         return math.exp(nll.item() / tokens)
