@@ -23,6 +23,7 @@ import hashlib
 import importlib.metadata
 import json
 import math
+import os
 import platform
 import shutil
 import tempfile
@@ -77,7 +78,9 @@ class Tolerance:
     On the tiny test models the floor is about 1e-6 and the fixed terms decide: perplexity within
     0.1 %, logits within 1 % of the largest one. A wrong, missing or requantized encoding is far
     outside both (e.g. a tensor quantized twice moved a tiny Llama's logits by more than their range);
-    and the encodings themselves are checked exactly, by value, before any of this.
+    and the encodings themselves are checked exactly, by value, before any of this. On SmolLM2-135M at
+    W8A8 the floor is 2 % in perplexity, with a third of the top-1 tokens changed (docs/export.md):
+    the bounds widen with it, and the CLI says so.
     """
 
     ppl_rtol: float = 1e-3
@@ -99,6 +102,7 @@ class Agreement:
     ppl: float
     ppl_rel_diff: float
     max_abs_logit_diff: float
+    top1_agreement: float  # fraction of scored positions whose most likely next token is the same
 
 
 # The forms compared with the sim: (name, file or "fp+encodings", onnxruntime graph optimizations)
@@ -118,6 +122,9 @@ class Verification:
     max_abs_sim_logit: float
     agreements: list[Agreement]  # each form of FORMS against the sim
     floor: Agreement  # "qdq" against "qdq/unoptimized": float32 reordering alone
+    # model.onnx + model.encodings against AIMET's QDQ graph, both run as written: equal where the encodings file
+    # says exactly what AIMET's QDQ graph does (so far always to the bit), whatever the floor
+    encodings_vs_qdq: Agreement
     ppl_bound: float  # the relative perplexity difference allowed (Tolerance.ppl_bound)
     logit_bound: float  # the absolute logit difference allowed (Tolerance.logit_bound)
     quantizers: int  # quantizers in the sim, each matched by an entry of the encodings file and of the QDQ graph
@@ -288,11 +295,21 @@ class _Comparison:
     def __init__(self):
         self.nll = torch.zeros((), dtype=torch.float64)
         self.max_diff = 0.0
+        self.same_top1 = 0
+        self.positions = 0
 
     def add(self, logits: torch.Tensor, other: torch.Tensor, window: Window, scored: slice) -> None:
         """``logits`` of the whole window; ``other``: the other model's logits at the ``scored`` positions."""
         self.nll += window_nll(logits, window)
-        self.max_diff = max(self.max_diff, float((logits[0, scored] - other).abs().max()))
+        mine = logits[0, scored]
+        self.max_diff = max(self.max_diff, float((mine - other).abs().max()))
+        self.same_top1 += int((mine.argmax(-1) == other.argmax(-1)).sum())
+        self.positions += mine.shape[0]
+
+    def agreement(self, graph: str, ppl: float, reference_ppl: float) -> Agreement:
+        return Agreement(
+            graph, ppl, abs(ppl - reference_ppl) / reference_ppl, self.max_diff, self.same_top1 / self.positions
+        )
 
 
 def verify_export(
@@ -343,7 +360,7 @@ def verify_export(
             bar.update()
     del logits
     vs_sim = {name: _Comparison() for name, _, _ in FORMS}
-    floor, unoptimized_logits, applied = _Comparison(), [], 0
+    floor, encodings_vs_qdq, unoptimized_logits, applied = _Comparison(), _Comparison(), [], 0
     for name, source, optimize in FORMS:
         if source == "fp+encodings":
             emulated, applied = apply_encodings(onnx.load(str(folder / FP_ONNX)), entries)
@@ -354,28 +371,27 @@ def verify_export(
         for i, (window, keep) in enumerate(zip(windows, scored)):
             logits = lm(window.ids.reshape(1, -1))
             vs_sim[name].add(logits, references[i], window, keep)
-            if name == "qdq/unoptimized":  # kept for the floor: the optimized run of the same graph comes next
+            if name == "qdq/unoptimized":  # kept for the floor, and to compare the encodings file with AIMET's QDQ
                 unoptimized_logits.append(logits[0, keep].clone())
             elif name == "qdq":
                 floor.add(logits, unoptimized_logits[i], window, keep)
+            else:
+                encodings_vs_qdq.add(logits, unoptimized_logits[i], window, keep)
             bar.update()
-        if name == "qdq":
-            unoptimized_logits.clear()
         del lm, logits
         gc.collect()
     bar.close()
-    del references
+    del references, unoptimized_logits
 
     def ppl(nll: torch.Tensor) -> float:
         return math.exp(nll.item() / tokens)
 
     sim_ppl = ppl(sim_nll)
-    agreements = [
-        Agreement(name, ppl(c.nll), abs(ppl(c.nll) - sim_ppl) / sim_ppl, c.max_diff) for name, c in vs_sim.items()
-    ]
+    agreements = [c.agreement(name, ppl(c.nll), sim_ppl) for name, c in vs_sim.items()]
     unoptimized = ppl(vs_sim["qdq/unoptimized"].nll)
-    floor_row = Agreement(
-        "qdq vs qdq/unoptimized", ppl(floor.nll), abs(ppl(floor.nll) - unoptimized) / unoptimized, floor.max_diff
+    floor_row = floor.agreement("qdq vs qdq/unoptimized", ppl(floor.nll), unoptimized)
+    encodings_row = encodings_vs_qdq.agreement(
+        "fp+encodings vs qdq/unoptimized", ppl(encodings_vs_qdq.nll), unoptimized
     )
     ppl_bound, logit_bound = tolerance.ppl_bound(floor_row), tolerance.logit_bound(floor_row, max_sim)
     report = Verification(
@@ -386,6 +402,7 @@ def verify_export(
         max_abs_sim_logit=max_sim,
         agreements=agreements,
         floor=floor_row,
+        encodings_vs_qdq=encodings_row,
         ppl_bound=ppl_bound,
         logit_bound=logit_bound,
         quantizers=n_quantizers,
@@ -497,6 +514,9 @@ def export_quantized(
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private (0700); the export folder is an ordinary one
     try:
         device = next(sim.model.parameters()).device
         dummy = torch.zeros((1, seq_len), dtype=torch.long, device=device)

@@ -88,9 +88,12 @@ def test_export_after_ptq_matches_the_sim(toy, version, tmp_path):
     assert qdq.graph.input[0].type.tensor_type.shape.dim[1].dim_value == SEQ  # static by default
     report = result.verification
     assert report.quantizers == sum(1 for _ in quantizers(sim.model))
-    for agreement in report.agreements:
-        # float32 reassociation only: far inside the tolerance
+    for agreement in [*report.agreements, report.floor, report.encodings_vs_qdq]:
+        # float32 reassociation only, and no rounding flipped: far inside the tolerance
         assert agreement.ppl_rel_diff < 1e-5 and agreement.max_abs_logit_diff < 1e-4 * report.max_abs_sim_logit
+        assert agreement.top1_agreement == 1.0
+    # the encodings file applied to the FP graph computes what AIMET's QDQ graph computes, to the bit
+    assert report.encodings_vs_qdq.max_abs_logit_diff == 0.0
     assert _exported_equals_sim(sim, out, toy["held_out"]) < 1e-5
     assert not list(tmp_path.glob(".export.*"))
 
