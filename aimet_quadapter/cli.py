@@ -9,17 +9,9 @@ import sys
 import time
 from collections.abc import Sequence
 
+from .cli_export import add_export_command
+from .cli_export import positive_int as _positive_int
 from .errors import QuadapterError
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _add_policy_options(p: argparse.ArgumentParser) -> None:
@@ -225,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="markdown tables and figures of a run folder (writes RUN_DIR/report.md)")
     p.add_argument("run_dir", help="a folder written by `run`")
     p.set_defaults(func=_cmd_report)
-    __import__("aimet_quadapter.cli_export", fromlist=["add_export_command"]).add_export_command(sub)
+    add_export_command(sub)
     return parser
 
 

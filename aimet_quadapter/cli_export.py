@@ -9,7 +9,8 @@ from pathlib import Path
 from .errors import QuadapterError
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type of every count option of the CLI."""
     try:
         value = int(text)
     except ValueError:
@@ -37,7 +38,7 @@ def add_export_command(subparsers) -> None:
         help="the FP model the state was trained on: hub id, local folder, or smollm2-135m (offline)",
     )
     p.add_argument("--out", required=True, help="export folder (must not exist unless --force)")
-    p.add_argument("--seq-len", type=_positive_int, default=128, help="the graph's fixed input length (default 128)")
+    p.add_argument("--seq-len", type=positive_int, default=128, help="the graph's fixed input length (default 128)")
     p.add_argument(
         "--encodings-version",
         choices=("1.0.0", "2.0.0"),
@@ -50,10 +51,10 @@ def add_export_command(subparsers) -> None:
         help="make the sequence length a dynamic axis of both graphs (batch stays 1); on-device graphs are "
         "usually static",
     )
-    p.add_argument("--opset", type=_positive_int, help="opset of model.onnx (default: torch's); the QDQ graph is 21")
+    p.add_argument("--opset", type=positive_int, help="opset of model.onnx (default: torch's); the QDQ graph is 21")
     p.add_argument("--verify-dataset", default="ptb", help="held-out text for the verification (default ptb)")
     p.add_argument("--verify-split", default="test", help="its split (default test)")
-    p.add_argument("--verify-windows", type=_positive_int, default=4, help="windows of --seq-len tokens (default 4)")
+    p.add_argument("--verify-windows", type=positive_int, default=4, help="windows of --seq-len tokens (default 4)")
     p.add_argument(
         "--merge-shared-ranges",
         action="store_true",
