@@ -403,6 +403,8 @@ class RecipeRun:
             if self.main:
                 (cell_dir / "bc_fingerprint.txt").write_text(self.bc_fingerprint(cell.calibration))
             self._bc[cell.calibration] = ctx.bc_state
+        from .workflow import evaluate
+
         eval_start = time.time()
         ppl = evaluate(evaluated, self.eval_windows(), spec.label, self.progress)
         eval_time = time.time() - eval_start
@@ -461,19 +463,6 @@ class RecipeRun:
                 tqdm.write(f"{cell.key} ({record['wall_time_s']:.0f} s): {values}")
         bar.close()
         return results
-
-
-def evaluate(model, windows: dict[str, list], label: str, progress: bool = True) -> dict[str, float]:
-    """Perplexity per eval dataset (as ``workflow.evaluate``, with the progress bars optional)."""
-    from aimet_torch.quantsim import QuantizationSimModel
-
-    from .evaluation import perplexity
-    from .quantizers import prequantized_weights
-
-    if isinstance(model, QuantizationSimModel):
-        with prequantized_weights(model.model):
-            return evaluate(model.model, windows, label, progress)
-    return {name: perplexity(model, w, desc=f"{label} {name}", progress=progress).ppl for name, w in windows.items()}
 
 
 def run_recipe(recipe: Recipe, out_dir: Path | str | None = None, progress: bool = True) -> tuple[Path, dict]:

@@ -59,18 +59,16 @@ def ptq_sim(model: PreparedLM, policy: QuantPolicy, calib: list[torch.Tensor]) -
 
 
 def evaluate(
-    model: PreparedLM | QuantizationSimModel, windows: dict[str, list[data.Window]], label: str = ""
+    model: PreparedLM | QuantizationSimModel,
+    windows: dict[str, list[data.Window]],
+    label: str = "",
+    progress: bool = True,
 ) -> dict[str, float]:
     """Perplexity per dataset; a sim is evaluated with its weights quantized once."""
-    out = {}
     if isinstance(model, QuantizationSimModel):
         with prequantized_weights(model.model):
-            for name, w in windows.items():
-                out[name] = perplexity(model.model, w, desc=f"{label} {name}").ppl
-    else:
-        for name, w in windows.items():
-            out[name] = perplexity(model, w, desc=f"{label} {name}").ppl
-    return out
+            return evaluate(model.model, windows, label, progress)
+    return {name: perplexity(model, w, desc=f"{label} {name}", progress=progress).ppl for name, w in windows.items()}
 
 
 def format_table(results: dict[str, dict[str, float]], datasets: list[str]) -> str:
