@@ -22,7 +22,7 @@ from torch import nn
 
 from . import distributed
 from .models import PreparedLM
-from .policy import _SCHEMES, QuantPolicy, build_sim, calibrate
+from .policy import QUANT_SCHEMES, QuantPolicy, build_sim, calibrate
 
 
 @dataclass
@@ -107,7 +107,7 @@ def apply_adaround(
             path=str(folder),
             filename_prefix="adaround",
             default_param_bw=policy.weight_bits,
-            default_quant_scheme=_SCHEMES[policy.quant_scheme],
+            default_quant_scheme=QUANT_SCHEMES[policy.quant_scheme],
             default_config_file=str(config),
         )
         encodings = folder / "adaround.encodings"

@@ -27,7 +27,7 @@ from .errors import QuadapterError
 from .models import PreparedLM
 from .quantizers import quantizers
 
-_SCHEMES = {
+QUANT_SCHEMES = {
     "min_max": QuantScheme.min_max,
     "tf": QuantScheme.min_max,
     "tf_enhanced": QuantScheme.post_training_tf_enhanced,
@@ -49,9 +49,9 @@ class QuantPolicy:
             bits = getattr(self, name)
             if not isinstance(bits, int) or not 2 <= bits <= 16:
                 raise QuadapterError(f"policy field {name!r} must be an integer in 2..16, got {bits!r}")
-        if self.quant_scheme not in _SCHEMES:
+        if self.quant_scheme not in QUANT_SCHEMES:
             raise QuadapterError(
-                f"policy field 'quant_scheme' must be one of {', '.join(_SCHEMES)}, got {self.quant_scheme!r}"
+                f"policy field 'quant_scheme' must be one of {', '.join(QUANT_SCHEMES)}, got {self.quant_scheme!r}"
             )
 
     def to_dict(self) -> dict:
@@ -111,7 +111,7 @@ def build_sim(model: PreparedLM, policy: QuantPolicy = QuantPolicy(), seq_len: i
     sim = QuantizationSimModel(
         model,
         dummy,
-        quant_scheme=_SCHEMES[policy.quant_scheme],
+        quant_scheme=QUANT_SCHEMES[policy.quant_scheme],
         default_output_bw=policy.activation_bits,
         default_param_bw=policy.weight_bits,
     )
