@@ -118,6 +118,12 @@ class _SiteProblem:
         scope_modules = [self.q_scope] if site.scope else [self.q_modules[0], *self.q_modules[1]]
         self.quantizers = quantizers_in(scope_modules)
 
+    def target_features(self, call: Captured) -> int:
+        """Width of the block's output for one token."""
+        if self.site.scope:
+            return _first_input(call).shape[-1]
+        return sum(c.weight.shape[0] for c in self.fp_modules[1])
+
     def block(self, fp: bool, call: Captured) -> torch.Tensor:
         args, kwargs = call
         if self.site.scope:
@@ -125,6 +131,22 @@ class _SiteProblem:
         producer, consumers = self.fp_modules if fp else self.q_modules
         mid = producer(*args, **kwargs)
         return torch.cat([c(mid) for c in consumers], dim=-1)
+
+
+# FP targets of a site are computed once and kept while they fit in this budget; above it (the head site
+# with its vocabulary-wide output) each step recomputes the target of the tokens it samples.
+TARGET_CACHE_BYTES = 256 * 2**20
+
+
+@torch.no_grad()
+def fp_targets(problem: _SiteProblem, fp_inputs: list[Captured]) -> list[torch.Tensor] | None:
+    """The FP block's output for every captured call, or None where they would not fit the cache budget."""
+    if not fp_inputs:
+        return None
+    tokens = sum(_first_input(c).shape[:-1].numel() for c in fp_inputs)
+    if tokens * problem.target_features(fp_inputs[0]) * 4 > TARGET_CACHE_BYTES:
+        return None
+    return [problem.block(True, c) for c in fp_inputs]
 
 
 def _first_input(call: Captured) -> torch.Tensor:
@@ -144,8 +166,12 @@ def calibrate_site(
     params: BlockwiseParameters,
     isolated: bool,
     progress: bool = True,
+    targets: list[torch.Tensor] | None = None,
 ) -> list[float]:
-    """Adam on one site's alpha; returns the loss of every step."""
+    """Adam on one site's alpha; returns the loss of every step.
+
+    ``targets`` are the FP block outputs of ``fp_inputs`` (see :func:`fp_targets`); None recomputes them.
+    """
     site = problem.site
     quadapter = qset[site.name]
     optimizer = torch.optim.Adam([quadapter.theta], lr=params.lr)
@@ -155,6 +181,7 @@ def calibrate_site(
     if token_wise:  # the block acts on each token alone: pool all tokens, sample rows
         fp_rows = torch.cat([_token_rows(c) for c in fp_inputs])
         q_rows = torch.cat([_token_rows(c) for c in q_inputs])
+        target_rows = torch.cat([t.reshape(-1, t.shape[-1]) for t in targets]) if targets else None
     losses: list[float] = []
     # Adam at the paper's lr 0.1 can end above its best point: keep the alpha of the lowest loss seen
     # (each step's loss is that of the alpha before its update).
@@ -167,17 +194,19 @@ def calibrate_site(
                 n = fp_rows.shape[0]
                 take = params.tokens_per_step
                 idx = torch.randperm(n, generator=generator)[:take] if take and take < n else slice(None)
-                pairs = [(((fp_rows[idx],), {}), ((q_rows[idx],), {}))]
+                known = target_rows[idx] if target_rows is not None else None
+                pairs = [(((fp_rows[idx],), {}), ((q_rows[idx],), {}), known)]
             else:
                 order = torch.randperm(len(fp_inputs), generator=generator).tolist()
                 order = order[: params.sequences_per_step or len(order)]
-                pairs = [(fp_inputs[i], q_inputs[i]) for i in order]
+                pairs = [(fp_inputs[i], q_inputs[i], targets[i] if targets else None) for i in order]
             optimizer.zero_grad(set_to_none=True)
             before_step = quadapter.theta.detach().clone()
             total = 0.0
-            for fp_call, q_call in pairs:
-                with torch.no_grad():
-                    target = problem.block(True, fp_call)
+            for fp_call, q_call, target in pairs:
+                if target is None:
+                    with torch.no_grad():
+                        target = problem.block(True, fp_call)
                 out = problem.block(False, q_call)
                 loss = (out - target).pow(2).mean() / len(pairs)
                 loss.backward()
@@ -194,13 +223,21 @@ def calibrate_site(
 
 
 @torch.no_grad()
-def site_error(problem: _SiteProblem, qset: QuadapterSet, fp_inputs, q_inputs, isolated: bool) -> float:
+def site_error(
+    problem: _SiteProblem,
+    qset: QuadapterSet,
+    fp_inputs,
+    q_inputs,
+    isolated: bool,
+    targets: list[torch.Tensor] | None = None,
+) -> float:
     """The block's L2 error under dynamic quantization with the current alphas (all calibration data)."""
     scope = qset.only([problem.site.name]) if isolated else nullcontext()
     total = 0.0
     with scope, dynamic_quantization(problem.quantizers):
-        for fp_call, q_call in zip(fp_inputs, q_inputs):
-            total += (problem.block(False, q_call) - problem.block(True, fp_call)).pow(2).mean().item()
+        for i, (fp_call, q_call) in enumerate(zip(fp_inputs, q_inputs)):
+            target = targets[i] if targets else problem.block(True, fp_call)
+            total += (problem.block(False, q_call) - target).pow(2).mean().item()
     return total / max(len(fp_inputs), 1)
 
 
@@ -240,9 +277,10 @@ def apply_blockwise_calibration(
         problem = _SiteProblem(site, fp_model, sim_model)
         theta = qset[site.name].theta
         start = theta.detach().clone()
-        before = result.error_before[site.name] = site_error(problem, qset, fp_in, q_in, isolated)
-        result.losses[site.name] = calibrate_site(problem, qset, fp_in, q_in, params, isolated, progress)
-        after = site_error(problem, qset, fp_in, q_in, isolated)
+        targets = fp_targets(problem, fp_in)
+        before = result.error_before[site.name] = site_error(problem, qset, fp_in, q_in, isolated, targets)
+        result.losses[site.name] = calibrate_site(problem, qset, fp_in, q_in, params, isolated, progress, targets)
+        after = site_error(problem, qset, fp_in, q_in, isolated, targets)
         if after > before:  # sampled steps found nothing better on the whole data: keep the start
             with torch.no_grad():
                 theta.copy_(start)

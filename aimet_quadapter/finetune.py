@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from . import distributed
 from .errors import QuadapterError
 from .quadapter import QuadapterSet
-from .quantizers import range_parameters
+from .quantizers import gathered_embedding_quantization, range_parameters
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -117,42 +117,45 @@ def apply_finetuning(
         result.losses = list(state["losses"])
 
     trainable = [p for group in groups for p in group["params"]]
+    # named before gathered_embedding_quantization takes the embedding's quantizer out of the module tree
+    named = list(sim_model.named_parameters())
     progress = progress and distributed.is_main()
     bar = tqdm(range(start, params.steps), desc=desc, initial=start, total=params.steps, disable=not progress)
     try:
-        for step in bar:
-            optimizer.zero_grad(set_to_none=True)
-            # under torchrun each process takes its share of the global batch; gradients are averaged
-            loss = loss_fn(sim_model, distributed.local_part(batches[step % len(batches)]))
-            loss.backward()
-            distributed.average_gradients(trainable)
-            optimizer.step()
-            schedule.step()
-            value = distributed.mean_over_ranks(loss.item())
-            result.losses.append(value)
-            bar.set_postfix(loss=f"{value:.4f}")
-            due = (step + 1) % params.checkpoint_every == 0 or step + 1 == params.steps
-            if ckpt is not None and due and distributed.is_main():
-                ckpt.parent.mkdir(parents=True, exist_ok=True)
-                _save_atomic(
-                    {
-                        "step": step + 1,
-                        "losses": result.losses,
-                        "optimizer": optimizer.state_dict(),
-                        "schedule": schedule.state_dict(),
-                        **_trainable_state(sim_model, qset),
-                    },
-                    ckpt,
-                )
+        with gathered_embedding_quantization(sim_model):
+            for step in bar:
+                optimizer.zero_grad(set_to_none=True)
+                # under torchrun each process takes its share of the global batch; gradients are averaged
+                loss = loss_fn(sim_model, distributed.local_part(batches[step % len(batches)]))
+                loss.backward()
+                distributed.average_gradients(trainable)
+                optimizer.step()
+                schedule.step()
+                value = distributed.mean_over_ranks(loss.item())
+                result.losses.append(value)
+                bar.set_postfix(loss=f"{value:.4f}")
+                due = (step + 1) % params.checkpoint_every == 0 or step + 1 == params.steps
+                if ckpt is not None and due and distributed.is_main():
+                    ckpt.parent.mkdir(parents=True, exist_ok=True)
+                    _save_atomic(
+                        {
+                            "step": step + 1,
+                            "losses": result.losses,
+                            "optimizer": optimizer.state_dict(),
+                            "schedule": schedule.state_dict(),
+                            **_trainable_state(named, qset),
+                        },
+                        ckpt,
+                    )
     finally:
         for p in sim_model.parameters():
             p.requires_grad_(False)
     return result
 
 
-def _trainable_state(sim_model: nn.Module, qset: QuadapterSet | None) -> dict:
+def _trainable_state(named: list[tuple[str, nn.Parameter]], qset: QuadapterSet | None) -> dict:
     state = {"qset": qset.state_dict() if qset is not None else None}
-    trained = {name: p.detach().clone() for name, p in sim_model.named_parameters() if p.requires_grad}
+    trained = {name: p.detach().clone() for name, p in named if p.requires_grad}
     state["params"] = trained
     return state
 

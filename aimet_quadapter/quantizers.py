@@ -97,3 +97,34 @@ def prequantized_weights(sim_model: nn.Module) -> Iterator[None]:
         for module, name, q, data in saved:
             getattr(module, name).data = data
             module.param_quantizers[name] = q
+
+
+def _per_tensor(q: QuantizeDequantize) -> bool:
+    return all(s == 1 for s in q.shape)
+
+
+@contextmanager
+def gathered_embedding_quantization(sim_model: nn.Module) -> Iterator[None]:
+    """Fake-quantize only the embedding rows a batch looks up, not the whole table (training).
+
+    With a per-tensor range, quantizing rows after the lookup equals looking up rows of the quantized
+    table, element for element; with learned ranges the whole table's fake-quant and its backward are
+    a large share of a training step (50,257 x 768 for GPT-2). Static ranges only: a dynamic range
+    taken from the looked-up rows would differ from the table's.
+    """
+    saved = []
+    try:
+        for module in sim_model.modules():
+            if not isinstance(module, nn.Embedding) or not hasattr(module, "param_quantizers"):
+                continue
+            q = module.param_quantizers["weight"]
+            if q is None or not q.is_initialized() or not _per_tensor(q):
+                continue
+            module.param_quantizers["weight"] = None
+            handle = module.register_forward_hook(lambda _m, _args, out, q=q: q(out).as_subclass(torch.Tensor))
+            saved.append((module, q, handle))
+        yield
+    finally:
+        for module, q, handle in saved:
+            handle.remove()
+            module.param_quantizers["weight"] = q

@@ -138,6 +138,28 @@ def test_phase1_lowers_every_site_error(setup, source):
         assert result.error_after[site.name] < 0.5 * result.error_before[site.name], site.name
 
 
+def test_phase1_cached_targets_give_the_same_alphas(setup, monkeypatch):
+    """The FP targets kept between steps (a speed-up) change no result: same losses, same alphas."""
+    from aimet_quadapter import blockwise
+
+    model, calib = setup["model"], setup["calib"]
+    params = BlockwiseParameters(steps=6, decay_every=3, tokens_per_step=64, sequences_per_step=1)
+    runs = []
+    for budget in (blockwise.TARGET_CACHE_BYTES, 0):  # 0: every step recomputes its targets
+        monkeypatch.setattr(blockwise, "TARGET_CACHE_BYTES", budget)
+        sim = build_sim(model)
+        qset = attach_quadapters(sim)
+        result = apply_blockwise_calibration(sim.model, model, qset, calib, params, progress=False)
+        runs.append((result, qset.total_alpha()))
+    (cached, alphas_cached), (fresh, alphas_fresh) = runs
+    assert cached.losses.keys() == fresh.losses.keys()
+    for name in cached.losses:
+        assert cached.losses[name] == pytest.approx(fresh.losses[name], rel=1e-5), name
+        assert cached.error_after[name] == pytest.approx(fresh.error_after[name], rel=1e-5), name
+        assert torch.allclose(alphas_cached[name], alphas_fresh[name], rtol=1e-5, atol=1e-7), name
+    assert any(not torch.equal(a, torch.ones_like(a)) for a in alphas_cached.values())
+
+
 def test_perplexity_ordering_fp_quadapter_ptq(setup):
     model, calib, windows = setup["model"], setup["calib"], setup["windows"]
     fp = perplexity(model, windows, progress=False).ppl
@@ -182,6 +204,45 @@ def test_phase2_lowers_training_loss_and_keeps_weights(setup):
     for n, p in sim.model.named_parameters():
         if n in weights:
             assert torch.equal(p, weights[n]), f"weight {n} changed in phase 2"
+
+
+def test_gathered_embedding_quantization_is_exact(setup, monkeypatch):
+    """Quantizing only the looked-up embedding rows (a speed-up) gives the same logits, and phase 2 with
+    and without it the same losses and the same learned alphas and ranges."""
+    import contextlib
+
+    from aimet_quadapter import finetune
+    from aimet_quadapter.quantizers import gathered_embedding_quantization
+
+    model, calib, train = setup["model"], setup["calib"], setup["train"]
+    sim = build_sim(model)
+    calibrate(sim, calib)
+    with torch.no_grad():
+        plain = sim.model(train[0])
+        with gathered_embedding_quantization(sim.model):
+            gathered = sim.model(train[0])
+    assert torch.equal(plain, gathered)
+    assert sim.model.lm.get_input_embeddings().param_quantizers["weight"] is not None  # put back
+
+    runs = []
+    for use in (True, False):
+        if not use:
+            monkeypatch.setattr(finetune, "gathered_embedding_quantization", lambda _m: contextlib.nullcontext())
+        sim = build_sim(model)
+        calibrate(sim, calib)
+        qset = attach_quadapters(sim)
+        params = FinetuneParameters(steps=4, lr_alpha=1e-2, lr_ranges=1e-2)
+        result = apply_finetuning(sim.model, qset, train, params, progress=False)
+        ranges = {n: p.detach().clone() for n, p in sim.model.named_parameters() if n.endswith((".min", ".max"))}
+        runs.append((result.losses, qset.total_alpha(), ranges))
+    (losses_a, alphas_a, ranges_a), (losses_b, alphas_b, ranges_b) = runs
+    assert losses_a == pytest.approx(losses_b, rel=1e-5)
+    for name in alphas_a:
+        assert torch.allclose(alphas_a[name], alphas_b[name], rtol=1e-5, atol=1e-7), name
+    embedding_range = [n for n in ranges_a if "wte" in n or "embed_tokens" in n]
+    assert embedding_range, "the embedding's range should be learned too"
+    for name in ranges_a:
+        assert torch.allclose(ranges_a[name], ranges_b[name], rtol=1e-5, atol=1e-7), name
 
 
 def test_save_load_gives_the_same_perplexity(setup, tmp_path):

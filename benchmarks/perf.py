@@ -1,0 +1,398 @@
+"""What the simulation and Quadapter's two phases cost, measured against the FP model they simulate.
+
+Every measurement is taken side by side in one invocation and reported as a ratio:
+
+* evaluation throughput (tokens/s) of the W8A8 sim, as ``workflow.evaluate`` runs it, vs the FP model;
+* one phase-1 step of a site vs the FP forward+backward of the same layers on the same tokens;
+* one phase-2 step (alpha + learned ranges, weights frozen) vs one FP fine-tuning step of the same batch;
+* peak memory (RSS on CPU, CUDA peak on a GPU) of the whole Quadapter pipeline vs the FP training step.
+
+Each case runs in its own process, so that peak memory belongs to it alone. Prints a table and writes JSON.
+
+    python benchmarks/perf.py                                   # GPT-2-small-shaped model from config
+    python benchmarks/perf.py --models gpt2-small,smollm2-135m --json benchmarks/results/cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+CASES = ("eval", "phase1", "phase2", "memory_fp_train", "memory_pipeline")
+TARGETS = {"eval": 0.8, "phase1": 1.5, "phase2": 2.0}  # sim/FP throughput >=, step time ratio <=
+MEMORY_TARGET_GB = 4.0
+
+
+# --- helpers that run inside a case process -----------------------------------------------------------
+def _load(name: str):
+    """A PreparedLM: ``gpt2-small`` is GPT-2 small's shape built from config (random weights)."""
+    import torch
+
+    from aimet_quadapter import workflow
+    from aimet_quadapter.models import prepare_model
+
+    workflow.quiet_libraries()
+    torch.manual_seed(0)
+    if name.startswith("tiny-"):  # quick checks of this script
+        from aimet_quadapter.models import tiny_model
+
+        return tiny_model(name.removeprefix("tiny-"))
+    if name == "gpt2-small":
+        from transformers import AutoModelForCausalLM, GPT2Config
+
+        config = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return prepare_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    model, _ = workflow.load(name)
+    return model
+
+
+def _device():
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _ids(model, batch: int, length: int, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (batch, length), generator=g).to(_device())
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _median_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _calibrated_sim(model, length: int):
+    from aimet_quadapter.policy import build_sim, calibrate
+
+    sim = build_sim(model)
+    calibrate(sim, [_ids(model, 1, length, seed=1)])
+    return sim
+
+
+def _peak_memory() -> dict:
+    import torch
+
+    out = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if torch.cuda.is_available():
+        out["cuda_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+# --- the cases ------------------------------------------------------------------------------------------
+def case_eval(model, args) -> dict:
+    """Tokens/s of the FP model and of the sim as evaluate() runs it (weights quantized once)."""
+    import torch
+
+    from aimet_quadapter.quantizers import prequantized_weights
+
+    sim = _calibrated_sim(model, args.seq_len)
+    ids = _ids(model, 1, args.seq_len)
+    with torch.no_grad():
+        fp = _median_time(lambda: model(ids), args.reps)
+        with prequantized_weights(sim.model):
+            q = _median_time(lambda: sim.model(ids), args.reps)
+        raw = _median_time(lambda: sim.model(ids), args.reps)
+    return {
+        "tokens": args.seq_len,
+        "fp_tokens_per_s": args.seq_len / fp,
+        "sim_tokens_per_s": args.seq_len / q,
+        "sim_unprequantized_tokens_per_s": args.seq_len / raw,
+        "ratio": fp / q,  # sim throughput / FP throughput
+    }
+
+
+def case_phase1(model, args) -> dict:
+    """Per site kind of the first block (and the head site): a phase-1 step vs FP fwd+bwd of its layers."""
+    from aimet_quadapter import blockwise
+    from aimet_quadapter.blockwise import capture_inputs
+    from aimet_quadapter.quadapter import QuadapterSet
+
+    sim = _calibrated_sim(model, args.seq_len)
+    qset = QuadapterSet.for_model(sim.model).attach(sim.model)
+    blocks = sim.model.block_paths()
+    first_block = blocks[0]
+    sites = [q.site for q in qset if q.site.producer.startswith(first_block + ".")]
+    sites += [q.site for q in qset if not any(q.site.producer.startswith(b + ".") for b in blocks)]
+    ids = _ids(model, 1, args.seq_len)
+    out = {}
+    for site in sites:
+        entry = site.scope or site.producer
+        if site.producer.startswith(first_block + "."):
+            block = model.get_submodule(first_block)
+            calls = blockwise._run_capturing(block, capture_inputs(model, first_block, [ids]), model, [entry])[1][entry]
+        else:
+            calls = [((h,), {}) for h in _final_hidden(model, ids)]
+        kind = re.sub(r"^.*?\.\d+\.", "", site.name)  # the site's name within its block
+        out[kind] = {"site": site.name, "tokens": args.seq_len, **_phase1_site(model, sim, qset, site, calls, args)}
+    return out
+
+
+def _phase1_site(model, sim, qset, site, calls, args) -> dict:
+    import torch
+
+    from aimet_quadapter.blockwise import BlockwiseParameters, _SiteProblem, calibrate_site, fp_targets
+
+    problem = _SiteProblem(site, model, sim.model)
+    steps = args.phase1_steps
+    params = BlockwiseParameters(steps=steps, decay_every=max(1, steps))
+    targets = fp_targets(problem, calls)  # once per site in phase 1, as apply_blockwise_calibration does
+
+    def quadapter_steps():
+        calibrate_site(problem, qset, calls, calls, params, isolated=True, progress=False, targets=targets)
+
+    # the FP reference trains the same layers (norm and linears) on the same tokens
+    fp_layers = [problem.fp_scope] if site.scope else [problem.fp_modules[0], *problem.fp_modules[1]]
+    fp_params = [p for m in fp_layers for p in m.parameters()]
+    with torch.no_grad():
+        reference = [problem.block(True, c) * 1.01 for c in calls]
+
+    def fp_steps():
+        for p in fp_params:
+            p.requires_grad_(True)
+        try:
+            for _ in range(steps):
+                for c, t in zip(calls, reference):
+                    (problem.block(True, c) - t).pow(2).mean().backward()
+        finally:
+            for p in fp_params:
+                p.requires_grad_(False)
+                p.grad = None
+
+    q_time = _median_time(quadapter_steps, args.reps) / steps
+    fp_time = _median_time(fp_steps, args.reps) / steps
+    return {"step_s": q_time, "fp_step_s": fp_time, "ratio": q_time / fp_time}
+
+
+def _final_hidden(model, ids):
+    from aimet_quadapter.blockwise import capture_inputs
+
+    final_norm = next(s for s in model.sites() if not any(s.producer.startswith(b + ".") for b in model.block_paths()))
+    return [call[0][0] for call in capture_inputs(model, final_norm.producer, [ids])]
+
+
+def case_phase2(model, args) -> dict:
+    """A phase-2 step (alpha + ranges learned, weights frozen) vs an FP fine-tuning step, same batch."""
+    import torch
+
+    from aimet_quadapter.finetune import FinetuneParameters, apply_finetuning, lm_loss
+    from aimet_quadapter.quadapter import QuadapterSet
+
+    sim = _calibrated_sim(model, args.seq_len)
+    qset = QuadapterSet.for_model(sim.model).attach(sim.model)
+    batch = _ids(model, args.batch, args.seq_len)
+    steps = args.phase2_steps
+    params = FinetuneParameters(steps=steps, batch_size=args.batch, seq_len=args.seq_len)
+    q_time = _median_time(lambda: apply_finetuning(sim.model, qset, [batch], params, progress=False), args.reps)
+
+    weights = list(model.parameters())
+    optimizer = torch.optim.Adam(weights, lr=1e-5)
+
+    def fp_steps():
+        for p in weights:
+            p.requires_grad_(True)
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            lm_loss(model, batch).backward()
+            optimizer.step()
+
+    fp_time = _median_time(fp_steps, args.reps)
+    return {
+        "batch": list(batch.shape),
+        "step_s": q_time / steps,
+        "fp_step_s": fp_time / steps,
+        "ratio": q_time / fp_time,
+    }
+
+
+def case_memory_fp_train(model, args) -> dict:
+    """Peak memory of FP fine-tuning steps (the reference the pipeline is compared with)."""
+    import torch
+
+    from aimet_quadapter.finetune import lm_loss
+
+    batch = _ids(model, args.batch, args.seq_len)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-5)
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        lm_loss(model, batch).backward()
+        optimizer.step()
+    return _peak_memory()
+
+
+def case_memory_pipeline(model, args) -> dict:
+    """Peak memory of the whole pipeline: sim, phase 1 on every site, static calibration, phase 2, evaluation."""
+    from aimet_quadapter import workflow
+    from aimet_quadapter.api import QuadapterParameters, apply_quadapter
+    from aimet_quadapter.blockwise import BlockwiseParameters
+    from aimet_quadapter.data import eval_windows
+    from aimet_quadapter.finetune import FinetuneParameters
+    from aimet_quadapter.policy import build_sim
+
+    calib = [_ids(model, 1, args.seq_len, seed=i) for i in range(2)]
+    finetune = [_ids(model, args.batch, args.seq_len, seed=10)]
+    params = QuadapterParameters(
+        phase1=BlockwiseParameters(steps=2, decay_every=2),
+        phase2=FinetuneParameters(steps=2, batch_size=args.batch, seq_len=args.seq_len),
+    )
+    sim = build_sim(model)
+    apply_quadapter(sim, model, calib, finetune, params, progress=False)
+    windows = eval_windows(_ids(model, 1, args.seq_len, seed=20)[0].cpu(), args.seq_len)
+    workflow.evaluate(sim, {"random": windows}, progress=False)
+    return _peak_memory()
+
+
+def run_case(case: str, model_name: str, args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    model = _load(model_name).to(_device())
+    return globals()[f"case_{case}"](model, args)
+
+
+# --- the driver -------------------------------------------------------------------------------------------
+def _spawn(case: str, model_name: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--case", case, "--models", model_name, *_shared_flags(args)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"case {case} on {model_name} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _shared_flags(args) -> list[str]:
+    flags = [
+        "--seq-len",
+        str(args.seq_len),
+        "--batch",
+        str(args.batch),
+        "--reps",
+        str(args.reps),
+        "--phase1-steps",
+        str(args.phase1_steps),
+        "--phase2-steps",
+        str(args.phase2_steps),
+    ]
+    if args.threads:
+        flags += ["--threads", str(args.threads)]
+    return flags
+
+
+def format_table(results: dict) -> str:
+    lines = ["| model | measurement | Quadapter / sim | FP | ratio | target | met |", "|---|---|---|---|---|---|---|"]
+    for model_name, r in results["models"].items():
+        e = r["eval"]
+        met = e["ratio"] >= TARGETS["eval"]
+        lines.append(
+            f"| {model_name} | eval throughput, {e['tokens']} tokens | {e['sim_tokens_per_s']:.0f} tok/s "
+            f"| {e['fp_tokens_per_s']:.0f} tok/s | {e['ratio']:.2f}x | >= {TARGETS['eval']}x | {_yes(met)} |"
+        )
+        for kind, p in r["phase1"].items():
+            met = p["ratio"] <= TARGETS["phase1"]
+            lines.append(
+                f"| {model_name} | phase-1 step, site {kind} | {p['step_s'] * 1e3:.1f} ms "
+                f"| {p['fp_step_s'] * 1e3:.1f} ms | {p['ratio']:.2f}x | <= {TARGETS['phase1']}x | {_yes(met)} |"
+            )
+        p = r["phase2"]
+        met = p["ratio"] <= TARGETS["phase2"]
+        lines.append(
+            f"| {model_name} | phase-2 step, batch {p['batch'][0]}x{p['batch'][1]} | {p['step_s']:.2f} s "
+            f"| {p['fp_step_s']:.2f} s | {p['ratio']:.2f}x | <= {TARGETS['phase2']}x | {_yes(met)} |"
+        )
+        m, f = r["memory_pipeline"], r["memory_fp_train"]
+        ratio = m["peak_rss_gb"] / f["peak_rss_gb"]
+        met = m["peak_rss_gb"] <= MEMORY_TARGET_GB if model_name == "gpt2-small" else None
+        lines.append(
+            f"| {model_name} | peak RSS, pipeline vs FP training | {m['peak_rss_gb']:.2f} GB "
+            f"| {f['peak_rss_gb']:.2f} GB | {ratio:.2f}x | <= {MEMORY_TARGET_GB} GB (GPT-2-small) "
+            f"| {_yes(met)} |"
+        )
+    return "\n".join(lines)
+
+
+def _yes(met: bool | None) -> str:
+    return "-" if met is None else ("yes" if met else "no")
+
+
+def machine() -> dict:
+    import torch
+
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import aimet_torch
+
+        info["aimet_torch"] = aimet_torch.__version__
+    except Exception:  # the version is informative only
+        pass
+    return info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="gpt2-small", help="comma-separated: gpt2-small, smollm2-135m, a hub id ...")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=1, help="phase-2 and FP fine-tuning batch size")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--phase1-steps", type=int, default=3)
+    ap.add_argument("--phase2-steps", type=int, default=2)
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.case:  # inside a case process: one model, one JSON line on stdout
+        print(json.dumps(run_case(args.case, args.models, args)))
+        return
+    results = {"machine": machine(), "settings": vars(args), "models": {}}
+    start = time.time()
+    for name in args.models.split(","):
+        results["models"][name] = {}
+        for case in CASES:
+            print(f"[{time.time() - start:6.0f} s] {name}: {case}", file=sys.stderr)
+            results["models"][name][case] = _spawn(case, name, args)
+    results["wall_s"] = time.time() - start
+    table = format_table(results)
+    results["table"] = table
+    print(table)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
