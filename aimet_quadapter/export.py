@@ -53,7 +53,7 @@ from .onnx_eval import (
     read_encodings,
 )
 from .policy import sim_policy
-from .quantizers import dynamic_quantization, prequantized_weights, quantizers, quantizers_in
+from .quantizers import dynamic_quantization, fast_inference, quantizers, quantizers_in
 
 ENCODING_VERSIONS = ("1.0.0", "2.0.0")
 QDQ_OPSET = 21  # QuantizeLinear/DequantizeLinear with per-axis and 4/16-bit types; what AIMET recommends
@@ -349,7 +349,7 @@ def verify_export(
     scored = [slice(w.first_target - 1, len(w.ids) - 1) for w in windows]  # logits that predict a scored token
     bar = tqdm(total=len(windows) * (1 + len(FORMS)), desc="verify export", unit="run", disable=not progress)
     references, sim_nll, max_sim, tokens = [], torch.zeros((), dtype=torch.float64), 0.0, 0
-    with torch.no_grad(), prequantized_weights(sim.model):
+    with torch.no_grad(), fast_inference(sim.model):
         device = next(sim.model.parameters()).device
         for window, keep in zip(windows, scored):
             logits = sim.model(window.ids.reshape(1, -1).to(device)).float().cpu()

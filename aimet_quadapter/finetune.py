@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from . import distributed
 from .errors import QuadapterError
 from .quadapter import QuadapterSet
-from .quantizers import gathered_embedding_quantization, range_parameters
+from .quantizers import gathered_embedding_quantization, plain_tensors, range_parameters
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -122,7 +122,7 @@ def apply_finetuning(
     progress = progress and distributed.is_main()
     bar = tqdm(range(start, params.steps), desc=desc, initial=start, total=params.steps, disable=not progress)
     try:
-        with gathered_embedding_quantization(sim_model):
+        with gathered_embedding_quantization(sim_model), plain_tensors():
             for step in bar:
                 optimizer.zero_grad(set_to_none=True)
                 # under torchrun each process takes its share of the global batch; gradients are averaged

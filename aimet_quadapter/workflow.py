@@ -11,7 +11,7 @@ from . import data
 from .evaluation import perplexity
 from .models import PreparedLM, load_model
 from .policy import QuantPolicy, build_sim, calibrate
-from .quantizers import prequantized_weights
+from .quantizers import fast_inference
 
 
 def quiet_libraries() -> None:
@@ -66,7 +66,7 @@ def evaluate(
 ) -> dict[str, float]:
     """Perplexity per dataset; a sim is evaluated with its weights quantized once."""
     if isinstance(model, QuantizationSimModel):
-        with prequantized_weights(model.model):
+        with fast_inference(model.model):
             return evaluate(model.model, windows, label, progress)
     return {name: perplexity(model, w, desc=f"{label} {name}", progress=progress).ppl for name, w in windows.items()}
 

@@ -111,13 +111,16 @@ def case_eval(model, args) -> dict:
     """Tokens/s of the FP model and of the sim as evaluate() runs it (weights quantized once)."""
     import torch
 
-    from aimet_quadapter.quantizers import prequantized_weights
+    from aimet_quadapter import quantizers
+
+    # named prequantized_weights before the speed-ups: "before" runs
+    fast_inference = getattr(quantizers, "fast_inference", None) or quantizers.prequantized_weights
 
     sim = _calibrated_sim(model, args.seq_len)
     ids = _ids(model, 1, args.seq_len)
     with torch.no_grad():
         fp = _median_time(lambda: model(ids), args.reps)
-        with prequantized_weights(sim.model):
+        with fast_inference(sim.model):
             q = _median_time(lambda: sim.model(ids), args.reps)
         raw = _median_time(lambda: sim.model(ids), args.reps)
     return {
@@ -158,15 +161,19 @@ def case_phase1(model, args) -> dict:
 def _phase1_site(model, sim, qset, site, calls, args) -> dict:
     import torch
 
-    from aimet_quadapter.blockwise import BlockwiseParameters, _SiteProblem, calibrate_site, fp_targets
+    from aimet_quadapter import blockwise
+    from aimet_quadapter.blockwise import BlockwiseParameters, _SiteProblem, calibrate_site
+
+    fp_targets = getattr(blockwise, "fp_targets", None)  # absent before the speed-ups: "before" runs
 
     problem = _SiteProblem(site, model, sim.model)
     steps = args.phase1_steps
     params = BlockwiseParameters(steps=steps, decay_every=max(1, steps))
-    targets = fp_targets(problem, calls)  # once per site in phase 1, as apply_blockwise_calibration does
+    # once per site in phase 1, as apply_blockwise_calibration does
+    extra = {"targets": fp_targets(problem, calls)} if fp_targets else {}
 
     def quadapter_steps():
-        calibrate_site(problem, qset, calls, calls, params, isolated=True, progress=False, targets=targets)
+        calibrate_site(problem, qset, calls, calls, params, isolated=True, progress=False, **extra)
 
     # the FP reference trains the same layers (norm and linears) on the same tokens
     fp_layers = [problem.fp_scope] if site.scope else [problem.fp_modules[0], *problem.fp_modules[1]]

@@ -10,7 +10,7 @@ import torch
 from aimet_quadapter.data import Window, eval_windows
 from aimet_quadapter.evaluation import perplexity, window_nll
 from aimet_quadapter.policy import QuantPolicy, build_sim, calibrate
-from aimet_quadapter.quantizers import prequantized_weights
+from aimet_quadapter.quantizers import fast_inference
 from aimet_quadapter.toy import sample_corpus, toy_model
 
 
@@ -83,7 +83,7 @@ def test_quantization_raises_perplexity_on_toy_model():
     fp = perplexity(model, windows, progress=False).ppl
     sim = build_sim(model, QuantPolicy())
     calibrate(sim, [row[None] for row in sample_corpus(model, num=2, length=64, seed=2)])
-    with prequantized_weights(sim.model):
+    with fast_inference(sim.model):
         q = perplexity(sim.model, windows, progress=False).ppl
     assert math.isfinite(fp) and math.isfinite(q)
     assert q > fp * 1.01

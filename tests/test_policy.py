@@ -8,7 +8,7 @@ from torch import nn
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.policy import QuantPolicy, build_sim, calibrate, describe, format_description
-from aimet_quadapter.quantizers import prequantized_weights, quantizers
+from aimet_quadapter.quantizers import fast_inference, quantizers
 
 
 def _gpt2_expected(model, norm_weights: bool = True) -> set[str]:
@@ -129,14 +129,14 @@ def test_calibration_sets_every_range(tiny_gpt2):
 
 
 @pytest.mark.parametrize("per_channel", [False, True])
-def test_prequantized_weights_bit_identical(tiny_gpt2, per_channel):
+def test_fast_inference_bit_identical(tiny_gpt2, per_channel):
     sim = _calibrated_sim(tiny_gpt2, per_channel_weights=per_channel)
     ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(7))
     before = {(p, r): q for p, r, q in quantizers(sim.model)}
     weights = {n: p.detach().clone() for n, p in sim.model.named_parameters() if n.endswith("weight")}
     with torch.no_grad():
         expected = sim.model(ids)
-        with prequantized_weights(sim.model):
+        with fast_inference(sim.model):
             assert not any(r == "weight" for _, r, _ in quantizers(sim.model))
             fast = sim.model(ids)
         after = sim.model(ids)
@@ -152,10 +152,10 @@ def test_prequantized_weights_bit_identical(tiny_gpt2, per_channel):
         assert not torch.equal(expected, tiny_gpt2(ids))
 
 
-def test_prequantized_weights_restores_on_error(tiny_gpt2):
+def test_fast_inference_restores_on_error(tiny_gpt2):
     sim = _calibrated_sim(tiny_gpt2)
     before = list(quantizers(sim.model))
-    with pytest.raises(RuntimeError, match="boom"), prequantized_weights(sim.model):
+    with pytest.raises(RuntimeError, match="boom"), fast_inference(sim.model):
         raise RuntimeError("boom")
     assert [(p, r, id(q)) for p, r, q in quantizers(sim.model)] == [(p, r, id(q)) for p, r, q in before]
 

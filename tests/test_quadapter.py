@@ -245,6 +245,29 @@ def test_gathered_embedding_quantization_is_exact(setup, monkeypatch):
         assert torch.allclose(ranges_a[name], ranges_b[name], rtol=1e-5, atol=1e-7), name
 
 
+def test_plain_tensors_change_no_result(setup, monkeypatch):
+    """Phases 1 and 2 with AIMET's DequantizedTensor outputs switched off (a speed-up) give the same losses."""
+    import contextlib
+
+    from aimet_quadapter import blockwise, finetune
+
+    model, calib, train = setup["model"], setup["calib"], setup["train"]
+    runs = []
+    for plain in (True, False):
+        if not plain:
+            for module in (blockwise, finetune):
+                monkeypatch.setattr(module, "plain_tensors", contextlib.nullcontext)
+        sim = build_sim(model)
+        calibrate(sim, calib)
+        qset = attach_quadapters(sim)
+        p1 = apply_blockwise_calibration(
+            sim.model, model, qset, calib, BlockwiseParameters(steps=3, decay_every=2), progress=False
+        )
+        p2 = apply_finetuning(sim.model, qset, train, FinetuneParameters(steps=3), progress=False)
+        runs.append((p1.losses, p2.losses))
+    assert runs[0] == runs[1]
+
+
 def test_save_load_gives_the_same_perplexity(setup, tmp_path):
     model, calib, train, windows = setup["model"], setup["calib"], setup["train"], setup["windows"]
     sim = build_sim(model)
