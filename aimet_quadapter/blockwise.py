@@ -22,8 +22,8 @@ model's, and each site's FP targets are computed once, not at every step.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext, suppress
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from .models import PreparedLM, Site
 from .quadapter import QuadapterSet
-from .quantizers import dynamic_quantization, plain_tensors, quantizers_in
+from .quantizers import dynamic_quantization, elementwise_fake_quant, plain_tensors, quantizers_in
 
 Captured = tuple[tuple, dict]  # (args, kwargs) of one call
 
@@ -121,6 +121,12 @@ class _SiteProblem:
         self.q_modules = (sim_model.get_submodule(site.producer), [sim_model.get_submodule(c) for c in site.consumers])
         scope_modules = [self.q_scope] if site.scope else [self.q_modules[0], *self.q_modules[1]]
         self.quantizers = quantizers_in(scope_modules)
+
+    @contextmanager
+    def quantizing(self) -> Iterator[None]:
+        """The block's quantizers in the paper's dynamic mode (ranges from each batch), on the fast path."""
+        with elementwise_fake_quant(self.quantizers), dynamic_quantization(self.quantizers), plain_tensors():
+            yield
 
     def target_features(self, call: Captured) -> int:
         """Width of the block's output for one token."""
@@ -215,7 +221,7 @@ def calibrate_site(
     best_loss, best_theta = math.inf, quadapter.theta.detach().clone()
     scope = qset.only([site.name]) if isolated else nullcontext()
     bar = tqdm(range(params.steps), desc=f"phase 1 {site.name}", leave=False, disable=not progress)
-    with scope, dynamic_quantization(problem.quantizers), plain_tensors():
+    with scope, problem.quantizing():
         for _ in bar:
             if token_wise:
                 n = fp_rows.shape[0]
@@ -261,7 +267,7 @@ def site_error(
     """The block's L2 error under dynamic quantization with the current alphas (all calibration data)."""
     scope = qset.only([problem.site.name]) if isolated else nullcontext()
     total = 0.0
-    with scope, dynamic_quantization(problem.quantizers), plain_tensors():
+    with scope, problem.quantizing():
         for i, (fp_call, q_call) in enumerate(zip(fp_inputs, q_inputs)):
             target = targets[i] if targets is not None else problem.block(True, fp_call)
             total += (problem.block(False, q_call) - target).pow(2).mean().item()

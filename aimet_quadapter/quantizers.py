@@ -109,7 +109,7 @@ def fast_inference(sim_model: nn.Module) -> Iterator[None]:
             for _, _, q in quantizers(sim_model):
                 if q.is_initialized():
                     stack.enter_context(q._precompute_encodings(dtype=q.min.dtype))
-                    stack.enter_context(_elementwise_fake_quant(q))
+            stack.enter_context(elementwise_fake_quant(q for _, _, q in quantizers(sim_model)))
             stack.enter_context(plain_tensors())
             yield
     finally:
@@ -118,33 +118,59 @@ def fast_inference(sim_model: nn.Module) -> Iterator[None]:
             module.param_quantizers[name] = q
 
 
+def _zero_point(offset: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # as AIMET hands it to torch.fake_quantize_per_tensor_affine: -offset as int32
+    return (-offset.to(torch.int32)).to(dtype)
+
+
+class _FakeQuantSTE(torch.autograd.Function):
+    """Per-tensor fake-quant with the straight-through gradient of ATen's kernel (grad where in range)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int):
+        q = x.mul(1.0 / scale).round_().add_(zero_point)
+        if x.requires_grad:
+            ctx.save_for_backward((q >= qmin) & (q <= qmax))
+        return q.clamp_(qmin, qmax).sub_(zero_point).mul_(scale)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (mask,) = ctx.saved_tensors
+        return grad * mask, None, None, None, None
+
+
 @contextmanager
-def _elementwise_fake_quant(q: QuantizeDequantize) -> Iterator[None]:
-    """Inference only: per-tensor fake-quant as five vectorised tensor ops instead of ATen's kernel.
+def elementwise_fake_quant(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
+    """While inside, per-tensor fake-quant with fixed ranges runs as five vectorised tensor ops.
 
-    On a CPU, ``torch.fake_quantize_per_tensor_affine`` (what AIMET calls) also writes a gradient mask and
-    is not vectorised: profiled on SmolLM2-135M it was a quarter of the sim's forward, about 20x the
-    cost of the ops below, which compute the same float32 arithmetic (x * (1 / scale), round half to
-    even, + zero point, clamp, - zero point, * scale) and give bit-identical outputs (tested).
+    On a CPU, ``torch.fake_quantize_per_tensor_affine`` (what AIMET calls) is not vectorised and also
+    writes a gradient mask: profiled on SmolLM2-135M it was a quarter of the sim's forward, about 20x
+    the cost of the same float32 arithmetic written as tensor ops (x * (1 / scale), round half to even,
+    + zero point, clamp, - zero point, * scale), which gives bit-identical outputs; the gradient is
+    ATen's straight-through one (tested). Learned ranges and per-channel encodings keep AIMET's path.
+    Enter it before :func:`dynamic_quantization`, which wraps the ``forward`` it finds.
     """
-    enc = q.get_encodings()
-    if enc is None or enc.scale.numel() != 1 or enc.block_size is not None or enc.zero_point_shift != 0:
-        yield
-        return
-    scale = enc.scale.detach().reshape(())
-    inv_scale = 1.0 / scale
-    zero_point = -enc.offset.detach().reshape(()).to(scale.dtype)
-    qmin, qmax = enc.qmin, enc.qmax
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        x = x.as_subclass(torch.Tensor)
-        return x.mul(inv_scale).round_().add_(zero_point).clamp_(qmin, qmax).sub_(zero_point).mul_(scale)
-
-    q.forward = forward  # an instance attribute shadows the class's forward while inside this block
+    patched = []
     try:
+        for q in qs:
+            original = q.forward
+
+            def forward(x: torch.Tensor, q=q, original=original) -> torch.Tensor:
+                enc = q.get_encodings()
+                if enc is None or enc.scale.numel() != 1 or enc.block_size is not None or enc.zero_point_shift != 0:
+                    return original(x)
+                if torch.is_grad_enabled() and (enc.scale.requires_grad or enc.offset.requires_grad):
+                    return original(x)  # learned ranges: AIMET's gradient for min/max
+                scale = enc.scale.detach().reshape(())
+                zero_point = _zero_point(enc.offset.detach().reshape(()), scale.dtype)
+                return _FakeQuantSTE.apply(x.as_subclass(torch.Tensor), scale, zero_point, enc.qmin, enc.qmax)
+
+            q.forward = forward
+            patched.append(q)
         yield
     finally:
-        del q.forward
+        for q in patched:
+            q.__dict__.pop("forward", None)  # AIMET's own patch of `forward`, inside, may have removed it already
 
 
 def _per_tensor(q: QuantizeDequantize) -> bool:

@@ -345,6 +345,31 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _ratios(results: dict) -> dict[tuple[str, str], float]:
+    """(model, measurement) -> the ratio that the targets speak of."""
+    out = {}
+    for model_name, r in results["models"].items():  # a run with --cases has only some of them
+        if "eval" in r:
+            out[(model_name, "eval throughput, sim / FP")] = r["eval"]["ratio"]
+        for kind, p in r.get("phase1", {}).items():
+            out[(model_name, f"phase-1 step / FP fwd+bwd, {kind}")] = p["ratio"]
+        if "phase2" in r:
+            out[(model_name, "phase-2 step / FP fine-tuning step")] = r["phase2"]["ratio"]
+        if "memory_pipeline" in r:
+            out[(model_name, "peak RSS of the pipeline, GB")] = r["memory_pipeline"]["peak_rss_gb"]
+    return out
+
+
+def compare_table(before: dict, after: dict) -> str:
+    """Before/after table of two JSON files written by this script."""
+    old, new = _ratios(before), _ratios(after)
+    lines = ["| model | measurement | before | after |", "|---|---|---|---|"]
+    for key, value in new.items():
+        previous = f"{old[key]:.2f}" if key in old else "-"
+        lines.append(f"| {key[0]} | {key[1]} | {previous} | {value:.2f} |")
+    return "\n".join(lines)
+
+
 def _yes(met: bool | None) -> str:
     return "-" if met is None else ("yes" if met else "no")
 
@@ -379,9 +404,14 @@ def main() -> None:
     ap.add_argument("--phase1-steps", type=int, default=3)
     ap.add_argument("--phase2-steps", type=int, default=2)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="print a before/after table of two JSONs")
     ap.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.compare:
+        print(compare_table(*(json.loads(Path(f).read_text()) for f in args.compare)))
+        return
     if args.case:  # inside a case process: one model, one JSON line on stdout
         print(json.dumps(run_case(args.case, args.models, args)))
         return
@@ -389,11 +419,12 @@ def main() -> None:
     start = time.time()
     for name in args.models.split(","):
         results["models"][name] = {}
-        for case in CASES:
+        for case in args.cases.split(","):
             print(f"[{time.time() - start:6.0f} s] {name}: {case}", file=sys.stderr)
             results["models"][name][case] = _spawn(case, name, args)
     results["wall_s"] = time.time() - start
-    table = format_table(results)
+    complete = set(args.cases.split(",")) == set(CASES)
+    table = format_table(results) if complete else json.dumps(results["models"], indent=1)
     results["table"] = table
     print(table)
     if args.json:
