@@ -249,12 +249,16 @@ def test_elementwise_fake_quant_changes_no_result(setup, monkeypatch):
     """Phase 1 with the vectorised fake-quant (a speed-up) gives the same losses and alphas as AIMET's kernel."""
     import contextlib
 
-    from aimet_quadapter import blockwise
+    from aimet_quadapter import blockwise, quantizers
 
     model, calib = setup["model"], setup["calib"]
+    calls = []
+    fake_quant = quantizers._FakeQuantSTE.apply
+    monkeypatch.setattr(quantizers._FakeQuantSTE, "apply", lambda *a: calls.append(1) or fake_quant(*a))
     runs = []
     for lean in (True, False):
         if not lean:
+            assert calls, "the vectorised path was not taken"
             monkeypatch.setattr(blockwise, "elementwise_fake_quant", lambda _qs: contextlib.nullcontext())
         sim = build_sim(model)
         qset = attach_quadapters(sim)
