@@ -149,37 +149,38 @@ TARGET_CACHE_BYTES = 256 * 2**20
 
 
 class FPTargets:
-    """The FP block's outputs for every captured call, kept in one (tokens, features) buffer.
+    """The FP block's output for each captured call, or for sampled token rows.
 
-    One buffer serves both uses without a copy: token-wise sites sample rows of it, the others take the
-    output of one call (a view).
+    Within :data:`TARGET_CACHE_BYTES` all of it is computed once into one (tokens, features) buffer, which
+    serves both uses without a copy; above it each request recomputes what it asks for.
     """
 
-    def __init__(self, problem: _SiteProblem, fp_inputs: list[Captured], tokens: int):
-        first = problem.block(True, fp_inputs[0])
-        self.rows = first.new_empty((tokens, first.shape[-1]))
+    @torch.no_grad()
+    def __init__(self, problem: _SiteProblem, fp_inputs: list[Captured]):
+        self.problem, self.fp_inputs = problem, fp_inputs
+        self.rows: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
+        tokens = sum(_first_input(c).shape[:-1].numel() for c in fp_inputs)
+        if not fp_inputs or tokens * problem.target_features(fp_inputs[0]) * 4 > TARGET_CACHE_BYTES:
+            return
         start = 0
-        for i, call in enumerate(fp_inputs):
-            out = first if i == 0 else problem.block(True, call)
+        for call in fp_inputs:
+            out = problem.block(True, call)
+            if self.rows is None:
+                self.rows = out.new_empty((tokens, out.shape[-1]))
             n = out.shape[:-1].numel()
             self.rows[start : start + n].copy_(out.reshape(n, -1))
             self._views.append(self.rows[start : start + n].view(out.shape))
             start += n
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self._views[i]
+    @torch.no_grad()
+    def of_call(self, i: int) -> torch.Tensor:
+        return self._views[i] if self.rows is not None else self.problem.block(True, self.fp_inputs[i])
 
-
-@torch.no_grad()
-def fp_targets(problem: _SiteProblem, fp_inputs: list[Captured]) -> FPTargets | None:
-    """The FP targets of a site, or None where they would not fit :data:`TARGET_CACHE_BYTES`."""
-    if not fp_inputs:
-        return None
-    tokens = sum(_first_input(c).shape[:-1].numel() for c in fp_inputs)
-    if tokens * problem.target_features(fp_inputs[0]) * 4 > TARGET_CACHE_BYTES:
-        return None
-    return FPTargets(problem, fp_inputs, tokens)
+    @torch.no_grad()
+    def of_rows(self, fp_rows: torch.Tensor, idx) -> torch.Tensor:
+        """Targets of the token rows ``fp_rows[idx]`` (token-wise sites; rows in the order of the calls)."""
+        return self.rows[idx] if self.rows is not None else self.problem.block(True, ((fp_rows[idx],), {}))
 
 
 def _first_input(call: Captured) -> torch.Tensor:
@@ -203,8 +204,10 @@ def calibrate_site(
 ) -> list[float]:
     """Adam on one site's alpha; returns the loss of every step.
 
-    ``targets`` are the FP block outputs of ``fp_inputs`` (see :func:`fp_targets`); None recomputes them.
+    ``targets``: the FP block outputs of ``fp_inputs``, when the caller already has them.
     """
+    if targets is None:
+        targets = FPTargets(problem, fp_inputs)
     site = problem.site
     quadapter = qset[site.name]
     optimizer = torch.optim.Adam([quadapter.theta], lr=params.lr)
@@ -214,7 +217,6 @@ def calibrate_site(
     if token_wise:  # the block acts on each token alone: pool all tokens, sample rows
         fp_rows = torch.cat([_token_rows(c) for c in fp_inputs])
         q_rows = torch.cat([_token_rows(c) for c in q_inputs])
-        target_rows = targets.rows if targets is not None else None
     losses: list[float] = []
     # Adam at the paper's lr 0.1 can end above its best point: keep the alpha of the lowest loss seen
     # (each step's loss is that of the alpha before its update).
@@ -227,19 +229,15 @@ def calibrate_site(
                 n = fp_rows.shape[0]
                 take = params.tokens_per_step
                 idx = torch.randperm(n, generator=generator)[:take] if take and take < n else slice(None)
-                known = target_rows[idx] if target_rows is not None else None
-                pairs = [(((fp_rows[idx],), {}), ((q_rows[idx],), {}), known)]
+                pairs = [(((q_rows[idx],), {}), targets.of_rows(fp_rows, idx))]
             else:
                 order = torch.randperm(len(fp_inputs), generator=generator).tolist()
                 order = order[: params.sequences_per_step or len(order)]
-                pairs = [(fp_inputs[i], q_inputs[i], targets[i] if targets is not None else None) for i in order]
+                pairs = [(q_inputs[i], targets.of_call(i)) for i in order]
             optimizer.zero_grad(set_to_none=True)
             before_step = quadapter.theta.detach().clone()
             total = 0.0
-            for fp_call, q_call, target in pairs:
-                if target is None:
-                    with torch.no_grad():
-                        target = problem.block(True, fp_call)
+            for q_call, target in pairs:
                 out = problem.block(False, q_call)
                 loss = (out - target).pow(2).mean() / len(pairs)
                 loss.backward()
@@ -265,12 +263,13 @@ def site_error(
     targets: FPTargets | None = None,
 ) -> float:
     """The block's L2 error under dynamic quantization with the current alphas (all calibration data)."""
+    if targets is None:
+        targets = FPTargets(problem, fp_inputs)
     scope = qset.only([problem.site.name]) if isolated else nullcontext()
     total = 0.0
     with scope, problem.quantizing():
-        for i, (fp_call, q_call) in enumerate(zip(fp_inputs, q_inputs)):
-            target = targets[i] if targets is not None else problem.block(True, fp_call)
-            total += (problem.block(False, q_call) - target).pow(2).mean().item()
+        for i, q_call in enumerate(q_inputs):
+            total += (problem.block(False, q_call) - targets.of_call(i)).pow(2).mean().item()
     return total / max(len(fp_inputs), 1)
 
 
@@ -310,7 +309,7 @@ def apply_blockwise_calibration(
         problem = _SiteProblem(site, fp_model, sim_model)
         theta = qset[site.name].theta
         start = theta.detach().clone()
-        targets = fp_targets(problem, fp_in)
+        targets = FPTargets(problem, fp_in)
         before = result.error_before[site.name] = site_error(problem, qset, fp_in, q_in, isolated, targets)
         result.losses[site.name] = calibrate_site(problem, qset, fp_in, q_in, params, isolated, progress, targets)
         after = site_error(problem, qset, fp_in, q_in, isolated, targets)

@@ -90,7 +90,8 @@ def fast_inference(sim_model: nn.Module) -> Iterator[None]:
 
     Weight fake-quant dominates a sim forward (the embedding and lm_head above all) and gives the
     same result on every call while nothing trains; activation encodings are otherwise rebuilt from
-    min/max at every call; and quantizer outputs are plain tensors (:func:`plain_tensors`).
+    min/max at every call; activations go through :func:`elementwise_fake_quant`, and quantizer outputs
+    are plain tensors (:func:`plain_tensors`).
     """
     saved = []
     try:
@@ -106,10 +107,10 @@ def fast_inference(sim_model: nn.Module) -> Iterator[None]:
                         saved.append((module, name, q, param.data))
                         param.data = q(param).as_subclass(torch.Tensor).detach().clone()
                         module.param_quantizers[name] = None
-            for _, _, q in quantizers(sim_model):
-                if q.is_initialized():
-                    stack.enter_context(q._precompute_encodings(dtype=q.min.dtype))
-            stack.enter_context(elementwise_fake_quant(q for _, _, q in quantizers(sim_model)))
+            active = [q for _, _, q in quantizers(sim_model) if q.is_initialized()]
+            for q in active:
+                stack.enter_context(q._precompute_encodings(dtype=q.min.dtype))
+            stack.enter_context(elementwise_fake_quant(active))
             stack.enter_context(plain_tensors())
             yield
     finally:

@@ -64,7 +64,7 @@ def evaluate(
     label: str = "",
     progress: bool = True,
 ) -> dict[str, float]:
-    """Perplexity per dataset; a sim is evaluated with its weights quantized once."""
+    """Perplexity per dataset; a sim is evaluated under :func:`~aimet_quadapter.quantizers.fast_inference`."""
     if isinstance(model, QuantizationSimModel):
         with fast_inference(model.model):
             return evaluate(model.model, windows, label, progress)

@@ -164,13 +164,13 @@ def _phase1_site(model, sim, qset, site, calls, args) -> dict:
     from aimet_quadapter import blockwise
     from aimet_quadapter.blockwise import BlockwiseParameters, _SiteProblem, calibrate_site
 
-    fp_targets = getattr(blockwise, "fp_targets", None)  # absent before the speed-ups: "before" runs
+    targets_cls = getattr(blockwise, "FPTargets", None)  # absent before the speed-ups: "before" runs
 
     problem = _SiteProblem(site, model, sim.model)
     steps = args.phase1_steps
     params = BlockwiseParameters(steps=steps, decay_every=max(1, steps))
     # once per site in phase 1, as apply_blockwise_calibration does
-    extra = {"targets": fp_targets(problem, calls)} if fp_targets else {}
+    extra = {"targets": targets_cls(problem, calls)} if targets_cls else {}
 
     def quadapter_steps():
         calibrate_site(problem, qset, calls, calls, params, isolated=True, progress=False, **extra)
