@@ -18,10 +18,11 @@ from aimet_torch.quantsim import QuantizationSimModel
 from .blockwise import BlockwiseParameters, BlockwiseResult, apply_blockwise_calibration
 from .cle import init_with_cle
 from .errors import QuadapterError
-from .finetune import FinetuneParameters, FinetuneResult, apply_finetuning
+from .finetune import FinetuneParameters, FinetuneResult, apply_finetuning, mean_lm_loss
 from .models import PreparedLM
 from .policy import calibrate
 from .quadapter import QuadapterSet
+from .quantizers import fast_inference
 from .state import QuadapterState
 
 
@@ -32,7 +33,8 @@ class QuadapterParameters:
     phase1: BlockwiseParameters = field(default_factory=BlockwiseParameters)
     phase2: FinetuneParameters = field(default_factory=FinetuneParameters)
     init: str = "ones"  # "ones" (the paper) or "cle": start phase 1 from the analytic CLE alpha
-    extra_sites: bool | None = None  # beyond-paper sites (v->o, up->down); None: the family's default
+    # beyond-paper site groups ("linear": v->o, up->down; "qk": Q . K^T), True for all; None: the family's default
+    extra_sites: bool | list[str] | None = None
 
     def __post_init__(self):
         if self.init not in ("ones", "cle"):
@@ -53,7 +55,7 @@ def _model_of(sim: QuantizationSimModel) -> PreparedLM:
     return sim.model
 
 
-def attach_quadapters(sim: QuantizationSimModel, extra_sites: bool | None = None) -> QuadapterSet:
+def attach_quadapters(sim: QuantizationSimModel, extra_sites: bool | Sequence[str] | None = None) -> QuadapterSet:
     """A Quadapter (alpha = 1) at every site of the sim's model, hooked into its forward."""
     return QuadapterSet.for_model(_model_of(sim), extra_sites).attach(sim.model)
 
@@ -62,7 +64,7 @@ def apply_cle(
     sim: QuantizationSimModel,
     fp_model: PreparedLM,
     calibration_batches: Sequence[torch.Tensor],
-    extra_sites: bool | None = None,
+    extra_sites: bool | Sequence[str] | None = None,
 ) -> QuadapterSet:
     """LayerNorm-aware CLE: analytic alphas folded into the sim, then AIMET's static calibration."""
     qset = attach_quadapters(sim, extra_sites)
@@ -73,6 +75,24 @@ def apply_cle(
     return qset
 
 
+def _fold_and_calibrate(
+    sim: QuantizationSimModel,
+    fp_model: PreparedLM,
+    qset: QuadapterSet,
+    alphas: dict[str, torch.Tensor],
+    calibration_batches: Sequence[torch.Tensor],
+) -> None:
+    """The sim with exactly ``alphas`` folded into its weights (from the FP ones), statically calibrated."""
+    qset.set_total(alphas)
+    qset.fold(sim.model, reference=fp_model)
+    calibrate(sim, calibration_batches)
+
+
+def _validation_loss(sim: QuantizationSimModel, batches: Sequence[torch.Tensor]) -> float:
+    with fast_inference(sim.model):
+        return mean_lm_loss(sim.model, batches)
+
+
 def apply_quadapter(
     sim: QuantizationSimModel,
     fp_model: PreparedLM,
@@ -80,17 +100,20 @@ def apply_quadapter(
     finetune_batches: Sequence[torch.Tensor] | None = None,
     params: QuadapterParameters | None = None,
     progress: bool = True,
+    validation_batches: Sequence[torch.Tensor] | None = None,
 ) -> QuadapterResult:
     """Quadapter on ``sim`` (built from ``fp_model``, which stays untouched), Algorithm 1 of the paper.
 
     1. a Quadapter per site, alpha = 1 (or CLE's alpha); phase 1 block-wise calibration under dynamic
        quantization on ``calibration_batches``;
     2. static encodings with AIMET's ``compute_encodings`` on the same calibration data, through alpha;
+       with ``validation_batches`` (held-out text), phase 1's result is kept only if its LM loss there is
+       no worse than the start's, both with static ranges;
     3. phase 2 on ``finetune_batches``: alpha and quantizer ranges on the LM loss, weights frozen;
     4. fold alpha into the sim's weights. The sim then holds the final weights and encodings.
     """
     params = params or QuadapterParameters()
-    result = apply_blockwise_phase(sim, fp_model, calibration_batches, params, progress)
+    result = apply_blockwise_phase(sim, fp_model, calibration_batches, params, progress, validation_batches)
     if params.phase2.steps > 0:
         if not finetune_batches:
             raise QuadapterError("phase 2 needs fine-tuning data (finetune_batches), or set phase2.steps = 0")
@@ -104,22 +127,41 @@ def apply_blockwise_phase(
     calibration_batches: Sequence[torch.Tensor],
     params: QuadapterParameters | None = None,
     progress: bool = True,
+    validation_batches: Sequence[torch.Tensor] | None = None,
 ) -> QuadapterResult:
     """Steps 1-2 alone: Quadapter BC, a PTQ method. The sim is folded and statically calibrated."""
     params = params or QuadapterParameters()
     qset = attach_quadapters(sim, params.extra_sites)
     if params.init == "cle":
         init_with_cle(qset, fp_model, calibration_batches)
+    start = qset.total_alpha()
     phase1 = None
+    kept = start
     if params.phase1.steps > 0:
+        start_loss = None
+        if validation_batches:
+            _fold_and_calibrate(sim, fp_model, qset, start, calibration_batches)
+            start_loss = _validation_loss(sim, validation_batches)
+            qset.set_total({})
+            qset.fold(sim.model, reference=fp_model)  # back to the FP weights: phase 1 scales them through hooks
+            qset.set_total(start)
         phase1 = apply_blockwise_calibration(
             sim.model, fp_model, qset, calibration_batches, params.phase1, progress=progress
         )
-    # Fold from the FP weights now: the sim then holds exactly the weights a fresh sim of the folded
-    # FP model holds, and static calibration and phase 2 start from the model that will be deployed.
-    qset.fold(sim.model, reference=fp_model)
+        kept = qset.total_alpha()
+        if start_loss is not None:
+            # Fold from the FP weights: the sim then holds exactly the weights a fresh sim of the folded FP
+            # model holds, and static calibration and phase 2 start from the model that will be deployed.
+            _fold_and_calibrate(sim, fp_model, qset, kept, calibration_batches)
+            end_loss = _validation_loss(sim, validation_batches)
+            phase1.validation = {"start": start_loss, "end": end_loss, "kept": "end"}
+            if end_loss > start_loss:  # phase 1 made the model worse on held-out text: keep the start
+                phase1.validation["kept"] = "start"
+                kept = start
+                _fold_and_calibrate(sim, fp_model, qset, kept, calibration_batches)
+    if phase1 is None or phase1.validation is None:
+        _fold_and_calibrate(sim, fp_model, qset, kept, calibration_batches)
     qset.detach()
-    calibrate(sim, calibration_batches)
     state = QuadapterState.from_sim(sim, qset.total_alpha(), method="quadapter_bc")
     return QuadapterResult(qset, state, phase1, None)
 

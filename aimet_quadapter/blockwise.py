@@ -1,22 +1,31 @@
 """Phase 1: block-wise calibration of the Quadapters ("Quadapter BC", Section 3.2 of the paper).
 
 Each site is trained on its own, bottom to top, to minimise the L2 error between the FP output of its
-Quadapter block and the quantized block's output, with dynamic (per-batch) quantization of weights
-and activations. A block is the producer followed by its consumers, or, for a site whose producer and
-consumers are not directly chained, the architecture's scope module (the attention, the MLP).
+Quadapter block and the quantized block's output, with dynamic quantization of weights and activations.
+A block is the producer followed by its consumers, or, for a site whose producer and consumers are not
+directly chained, the architecture's scope module (the attention, the MLP).
 
-The block's input is taken from one of two places (``input_source``):
+What makes the block's loss agree with the model that is deployed:
 
-* ``"fp"``: the FP model's activations, every site calibrated in isolation (the others at alpha=1);
-* ``"quantized"``: the activations of the sim in which every lower site is already calibrated and
-  in effect, as AdaRound does, so a site also corrects for the error arriving from below.
+* **Ranges as static calibration sets them.** Every step runs the block on the whole calibration set at
+  once, so each dynamic range is the min-max range of all calibration data: exactly what AIMET's
+  ``compute_encodings`` will set. ``loss_tokens`` subsamples only the rows the loss is computed on
+  (token-wise blocks), never the rows a range is taken from.
+* **A gradient that sees the ranges** (``range_gradient``): min and max are computed where autograd sees
+  them, with straight-through rounding (:class:`~aimet_quadapter.quantizers.DynamicRanges`).
+* **A fair choice.** The loss rows are one fixed sample, so every step's loss scores its alpha on the
+  same tokens; the alpha with the lowest loss is kept, the start included.
+* **Reach at any budget.** The paper's schedule, x ``lr_decay`` at ``lr_stages - 1`` equal intervals
+  (x0.2 every 100 of 500 steps), keeps its shape in a shorter run, and the learning rate is scaled by
+  ``reach_steps / steps`` so that the first stage reaches as far as the paper's. Every stage restarts from
+  the best alpha so far: the large first steps may explore, the later, smaller ones refine what was
+  best, and a start that was already good (CLE's) is never lost.
 
-The target is always the FP block on FP inputs. Measured on SmolLM2-135M (README, "Quadapter on
-SmolLM2-135M"), neither source is better on all text: quantized inputs were 2.7 % worse on PTB test
-and 6 % better on Austen, at more cost; "fp" is the default.
-
-The model is walked one transformer block at a time, so each step costs a block's forward, not the
-model's, and each site's FP targets are computed once, not at every step.
+The block's input comes from one of two places (``input_source``): ``"fp"``, the FP model's activations,
+or ``"quantized"``, the sim with every lower site calibrated and in effect, as AdaRound does. The target is
+always the FP block on FP inputs. With FP inputs, a token-wise block (a norm and its linears) has only its
+own site in effect; a scope block (the attention, the MLP) has every site at its current alpha (those
+calibrated already, the others at their start), its FP input scaled by the norm's alpha before it.
 """
 
 from __future__ import annotations
@@ -30,9 +39,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .errors import QuadapterError
 from .models import PreparedLM, Site
 from .quadapter import QuadapterSet
-from .quantizers import dynamic_quantization, elementwise_fake_quant, plain_tensors, quantizers_in
+from .quantizers import DynamicRanges, plain_tensors, quantizers_in
 
 Captured = tuple[tuple, dict]  # (args, kwargs) of one call
 
@@ -66,6 +76,10 @@ def _hidden(output) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
+def _first_input(call: Captured) -> torch.Tensor:
+    return call[0][0] if call[0] else call[1]["hidden_states"]
+
+
 def _with_hidden(call: Captured, hidden: torch.Tensor) -> Captured:
     args, kwargs = call
     if args:
@@ -73,20 +87,33 @@ def _with_hidden(call: Captured, hidden: torch.Tensor) -> Captured:
     return args, {**kwargs, "hidden_states": hidden}
 
 
-def _run_capturing(block: nn.Module, calls: list[Captured], model: nn.Module, paths: list[str]):
-    """Run ``block`` on every call; return its outputs and the inputs each module in ``paths`` received."""
-    got: dict[str, list[Captured]] = {p: [] for p in paths}
+def batched(calls: list[Captured]) -> Captured:
+    """The calls of every calibration batch as one call, so that a dynamic range covers all the data.
+
+    The other arguments (mask, positions) are those of the first call: calibration sequences have one length.
+    """
+    hidden = [_first_input(c) for c in calls]
+    if any(h.shape[1:] != hidden[0].shape[1:] for h in hidden):
+        raise QuadapterError("phase 1 needs calibration sequences of one length")
+    return _with_hidden(calls[0], torch.cat(hidden))
+
+
+def _run_capturing(block: nn.Module, call: Captured, model: nn.Module, paths: list[str]):
+    """Run ``block`` on ``call``; return its output and the call each module in ``paths`` received."""
+    got: dict[str, Captured] = {}
     handles = [
-        model.get_submodule(p).register_forward_pre_hook(lambda _m, a, k, p=p: got[p].append((a, k)), with_kwargs=True)
+        model.get_submodule(p).register_forward_pre_hook(
+            lambda _m, a, k, p=p: got.__setitem__(p, (a, k)), with_kwargs=True
+        )
         for p in paths
     ]
     try:
         with torch.no_grad():
-            outs = [_hidden(block(*a, **k)) for a, k in calls]
+            out = _hidden(block(*call[0], **call[1]))
     finally:
         for h in handles:
             h.remove()
-    return outs, got
+    return out, got
 
 
 @dataclass
@@ -94,190 +121,175 @@ class BlockwiseParameters:
     """Phase-1 settings; defaults are the paper's (Appendix, "Block-wise Calibration")."""
 
     steps: int = 500
-    lr: float = 0.1
-    lr_decay: float = 0.2  # multiply the learning rate by this ...
-    decay_every: int = 100  # ... every this many steps
+    lr: float = 0.1  # the paper's, for its 500 steps; see reach_steps
+    # Adam moves theta = log(alpha) by about the learning rate per step, so the number of steps caps how far
+    # alpha can travel. A run shorter than reach_steps has its learning rate scaled by reach_steps / steps,
+    # so that its first stage reaches as far as the paper's; each later stage restarts from the best alpha
+    # so far, so a start that was already good is refined, not lost. None: the learning rate as given.
+    reach_steps: int | None = 500
+    lr_decay: float = 0.2  # the learning rate is multiplied by this ...
+    lr_stages: int = 5  # ... at each of lr_stages - 1 equal intervals (the paper: every 100 of 500 steps)
+    range_gradient: bool = True  # min/max seen by autograd; False: AIMET's no-gradient ranges (ablation)
     input_source: str = "fp"  # "fp" or "quantized", see the module docstring
-    sequences_per_step: int | None = None  # calibration sequences per step (None: all, the paper's)
-    tokens_per_step: int | None = None  # token subsample for token-wise blocks (None: all)
+    loss_tokens: int | None = None  # token-wise blocks: the loss on this many calibration tokens (None: all)
     seed: int = 0
 
     def __post_init__(self):
         if self.input_source not in ("fp", "quantized"):
-            from .errors import QuadapterError
-
             raise QuadapterError(f"phase1.input_source must be 'fp' or 'quantized', got {self.input_source!r}")
+        for name in ("steps", "lr_stages", "loss_tokens", "reach_steps"):
+            value = getattr(self, name)
+            if value is not None and value < (0 if name == "steps" else 1):
+                raise QuadapterError(f"phase1.{name} must be positive, got {value}")
+        if not self.lr > 0 or not self.lr_decay > 0:
+            raise QuadapterError(f"phase1.lr and phase1.lr_decay must be > 0, got {self.lr} and {self.lr_decay}")
+
+    @property
+    def first_lr(self) -> float:
+        if self.reach_steps is None or self.steps == 0:
+            return self.lr
+        return self.lr * max(1.0, self.reach_steps / self.steps)
+
+    @property
+    def decay_every(self) -> int:
+        return max(1, math.ceil(self.steps / self.lr_stages))
 
 
-class _SiteProblem:
-    """One site's calibration data and its FP and quantized block functions."""
+class SiteBlock:
+    """One site's block on the whole calibration set: the FP target, and the quantized block's loss."""
 
-    def __init__(self, site: Site, fp_model: nn.Module, sim_model: nn.Module):
+    def __init__(
+        self,
+        site: Site,
+        fp_model: nn.Module,
+        sim_model: nn.Module,
+        fp_input: Captured,
+        q_input: Captured,
+        params: BlockwiseParameters,
+    ):
         self.site = site
-        self.entry = site.scope or site.producer
-        self.fp_scope = fp_model.get_submodule(self.entry)
-        self.q_scope = sim_model.get_submodule(self.entry)
-        self.fp_modules = (fp_model.get_submodule(site.producer), [fp_model.get_submodule(c) for c in site.consumers])
-        self.q_modules = (sim_model.get_submodule(site.producer), [sim_model.get_submodule(c) for c in site.consumers])
-        scope_modules = [self.q_scope] if site.scope else [self.q_modules[0], *self.q_modules[1]]
-        self.quantizers = quantizers_in(scope_modules)
+        entry = site.scope or site.producer
+        fp_consumers = [fp_model.get_submodule(c) for c in site.consumers]
+        self.q_producer = sim_model.get_submodule(site.producer)
+        self.q_consumers = [sim_model.get_submodule(c) for c in site.consumers]
+        self.q_scope = sim_model.get_submodule(entry)
+        modules = [self.q_scope] if site.scope else [self.q_producer, *self.q_consumers]
+        self.ranges = DynamicRanges(quantizers_in(modules), params.range_gradient)
+        # the consumers' input quantizers all read the producer's output: one range, from every row
+        self.shared_input = [c.input_quantizers[0] for c in self.q_consumers if c.input_quantizers[0] is not None]
+        with torch.no_grad():
+            if site.scope:  # the scope mixes tokens (attention): the whole batch, loss on all of it
+                self.q_input = q_input
+                self.rows = None
+                self.target = _hidden(fp_model.get_submodule(entry)(*fp_input[0], **fp_input[1]))
+            else:  # token-wise: all rows feed the ranges, a fixed sample of them the loss
+                fp_rows = _rows(_first_input(fp_input))
+                self.q_input = ((_rows(_first_input(q_input)),), {})
+                n = fp_rows.shape[0]
+                take = params.loss_tokens
+                generator = torch.Generator().manual_seed(params.seed)
+                self.rows = torch.randperm(n, generator=generator)[:take].sort().values if take and take < n else None
+                picked = fp_rows if self.rows is None else fp_rows[self.rows]
+                mid = fp_model.get_submodule(site.producer)(picked)
+                self.target = torch.cat([c(mid) for c in fp_consumers], dim=-1)
 
     @contextmanager
     def quantizing(self) -> Iterator[None]:
-        """The block's quantizers in the paper's dynamic mode (ranges from each batch), on the fast path."""
-        with elementwise_fake_quant(self.quantizers), dynamic_quantization(self.quantizers), plain_tensors():
+        with self.ranges, plain_tensors():
             yield
 
-    def target_features(self, call: Captured) -> int:
-        """Width of the block's output for one token."""
+    def output(self) -> torch.Tensor:
+        """The quantized block's output on the loss rows (inside :meth:`quantizing`)."""
+        args, kwargs = self.q_input
         if self.site.scope:
-            return _first_input(call).shape[-1]
-        return sum(c.weight.shape[0] for c in self.fp_modules[1])
+            return _hidden(self.q_scope(*args, **kwargs))
+        mid = self.q_producer(*args, **kwargs)
+        self.ranges.pin(self.shared_input, mid)
+        if self.rows is not None:
+            mid = mid[self.rows]
+        return torch.cat([c(mid) for c in self.q_consumers], dim=-1)
 
-    def block(self, fp: bool, call: Captured) -> torch.Tensor:
-        args, kwargs = call
-        if self.site.scope:
-            return _hidden((self.fp_scope if fp else self.q_scope)(*args, **kwargs))
-        producer, consumers = self.fp_modules if fp else self.q_modules
-        mid = producer(*args, **kwargs)
-        return torch.cat([c(mid) for c in consumers], dim=-1)
-
-
-# FP targets of a site are computed once and kept while they fit in this budget; above it (the head site
-# with its vocabulary-wide output) each step recomputes the target of the tokens it samples.
-TARGET_CACHE_BYTES = 256 * 2**20
+    def loss(self) -> torch.Tensor:
+        return (self.output() - self.target).pow(2).mean()
 
 
-class FPTargets:
-    """The FP block's output for each captured call, or for sampled token rows.
-
-    Within :data:`TARGET_CACHE_BYTES` all of it is computed once into one (tokens, features) buffer, which
-    serves both uses without a copy; above it each request recomputes what it asks for.
-    """
-
-    @torch.no_grad()
-    def __init__(self, problem: _SiteProblem, fp_inputs: list[Captured]):
-        self.problem, self.fp_inputs = problem, fp_inputs
-        self.rows: torch.Tensor | None = None
-        self._views: list[torch.Tensor] = []
-        tokens = sum(_first_input(c).shape[:-1].numel() for c in fp_inputs)
-        if not fp_inputs or tokens * problem.target_features(fp_inputs[0]) * 4 > TARGET_CACHE_BYTES:
-            return
-        start = 0
-        for call in fp_inputs:
-            out = problem.block(True, call)
-            if self.rows is None:
-                self.rows = out.new_empty((tokens, out.shape[-1]))
-            n = out.shape[:-1].numel()
-            self.rows[start : start + n].copy_(out.reshape(n, -1))
-            self._views.append(self.rows[start : start + n].view(out.shape))
-            start += n
-
-    @torch.no_grad()
-    def of_call(self, i: int) -> torch.Tensor:
-        return self._views[i] if self.rows is not None else self.problem.block(True, self.fp_inputs[i])
-
-    @torch.no_grad()
-    def of_rows(self, fp_rows: torch.Tensor, idx) -> torch.Tensor:
-        """Targets of the token rows ``fp_rows[idx]`` (token-wise sites; rows in the order of the calls)."""
-        return self.rows[idx] if self.rows is not None else self.problem.block(True, ((fp_rows[idx],), {}))
-
-
-def _first_input(call: Captured) -> torch.Tensor:
-    return call[0][0] if call[0] else call[1]["hidden_states"]
-
-
-def _token_rows(call: Captured) -> torch.Tensor:
-    x = _first_input(call)
+def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+@dataclass
+class SiteResult:
+    losses: list[float]  # the loss of every step's alpha (before its update), then of the last alpha
+    best: float  # the lowest of them: the kept alpha's
+
+
 def calibrate_site(
-    problem: _SiteProblem,
-    qset: QuadapterSet,
-    fp_inputs: list[Captured],
-    q_inputs: list[Captured],
-    params: BlockwiseParameters,
-    isolated: bool,
-    progress: bool = True,
-    targets: FPTargets | None = None,
-) -> list[float]:
-    """Adam on one site's alpha; returns the loss of every step.
-
-    ``targets``: the FP block outputs of ``fp_inputs``, when the caller already has them.
-    """
-    if targets is None:
-        targets = FPTargets(problem, fp_inputs)
-    site = problem.site
-    quadapter = qset[site.name]
-    optimizer = torch.optim.Adam([quadapter.theta], lr=params.lr)
-    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=params.decay_every, gamma=params.lr_decay)
-    generator = torch.Generator().manual_seed(params.seed)
-    token_wise = site.scope is None
-    if token_wise:  # the block acts on each token alone: pool all tokens, sample rows
-        fp_rows = torch.cat([_token_rows(c) for c in fp_inputs])
-        q_rows = torch.cat([_token_rows(c) for c in q_inputs])
+    block: SiteBlock, qset: QuadapterSet, params: BlockwiseParameters, isolated: bool, progress: bool = True
+) -> SiteResult:
+    """Adam on one site's alpha, in ``lr_stages`` stages of falling learning rate, each from the best alpha
+    so far; keeps the alpha of the lowest loss seen (the start included)."""
+    quadapter = qset[block.site.name]
+    theta = quadapter.theta
     losses: list[float] = []
-    # Adam at the paper's lr 0.1 can end above its best point: keep the alpha of the lowest loss seen
-    # (each step's loss is that of the alpha before its update).
-    best_loss, best_theta = math.inf, quadapter.theta.detach().clone()
-    scope = qset.only([site.name]) if isolated else nullcontext()
-    bar = tqdm(range(params.steps), desc=f"phase 1 {site.name}", leave=False, disable=not progress)
-    with scope, problem.quantizing():
-        for _ in bar:
-            if token_wise:
-                n = fp_rows.shape[0]
-                take = params.tokens_per_step
-                idx = torch.randperm(n, generator=generator)[:take] if take and take < n else slice(None)
-                pairs = [(((q_rows[idx],), {}), targets.of_rows(fp_rows, idx))]
-            else:
-                order = torch.randperm(len(fp_inputs), generator=generator).tolist()
-                order = order[: params.sequences_per_step or len(order)]
-                pairs = [(q_inputs[i], targets.of_call(i)) for i in order]
+    best, best_theta = math.inf, theta.detach().clone()
+    scope = qset.only([block.site.name]) if isolated else nullcontext()
+    bar = tqdm(total=params.steps, desc=f"phase 1 {block.site.name}", leave=False, disable=not progress)
+
+    def score(value: float) -> None:
+        nonlocal best, best_theta
+        losses.append(value)
+        if math.isfinite(value) and value < best:
+            best, best_theta = value, theta.detach().clone()
+
+    optimizer = None
+    with scope, block.quantizing():
+        for step in range(params.steps):
+            if step % params.decay_every == 0:  # a new stage
+                stage = step // params.decay_every
+                with torch.no_grad():
+                    theta.copy_(best_theta)
+                optimizer = torch.optim.Adam([theta], lr=params.first_lr * params.lr_decay**stage)
             optimizer.zero_grad(set_to_none=True)
-            before_step = quadapter.theta.detach().clone()
-            total = 0.0
-            for q_call, target in pairs:
-                out = problem.block(False, q_call)
-                loss = (out - target).pow(2).mean() / len(pairs)
-                loss.backward()
-                total += loss.item()
-            if total < best_loss:
-                best_loss, best_theta = total, before_step
+            loss = block.loss()
+            score(loss.item())
+            if not math.isfinite(losses[-1]):  # diverged: on to the next stage, from the best alpha
+                continue
+            loss.backward()
             optimizer.step()
-            schedule.step()
-            losses.append(total)
-            bar.set_postfix(loss=f"{total:.4g}")
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.4g}")
+        else:
+            with torch.no_grad():
+                score(block.loss().item())  # the alpha of the last update
+    bar.close()
     with torch.no_grad():
-        quadapter.theta.copy_(best_theta)
-    return losses
-
-
-@torch.no_grad()
-def site_error(
-    problem: _SiteProblem,
-    qset: QuadapterSet,
-    fp_inputs,
-    q_inputs,
-    isolated: bool,
-    targets: FPTargets | None = None,
-) -> float:
-    """The block's L2 error under dynamic quantization with the current alphas (all calibration data)."""
-    if targets is None:
-        targets = FPTargets(problem, fp_inputs)
-    scope = qset.only([problem.site.name]) if isolated else nullcontext()
-    total = 0.0
-    with scope, problem.quantizing():
-        for i, q_call in enumerate(q_inputs):
-            total += (problem.block(False, q_call) - targets.of_call(i)).pow(2).mean().item()
-    return total / max(len(fp_inputs), 1)
+        theta.copy_(best_theta)
+    return SiteResult(losses, best)
 
 
 @dataclass
 class BlockwiseResult:
     losses: dict[str, list[float]]  # site name -> loss per step
-    error_before: dict[str, float]  # L2 error at alpha = 1 (or the initial alpha)
-    error_after: dict[str, float]
+    error_before: dict[str, float]  # the block's error at the starting alpha
+    error_after: dict[str, float]  # ... and at the kept one
+    # LM loss on held-out text with static ranges, of the start and of phase 1's result, and which was kept
+    validation: dict | None = None
+
+
+@torch.no_grad()
+def _input_scale(qset: QuadapterSet, scope: str) -> torch.Tensor | float:
+    """The scale the sites feeding ``scope`` from outside (a norm before the attention) put on its input.
+
+    In a scope block every site acts at its current alpha, as in the model that will be deployed (a v->o
+    alpha is worth what it is next to the q/k/v columns the norm's alpha has already scaled); the FP input
+    is then scaled as that norm's scaled output would be.
+    """
+    scale: torch.Tensor | float = 1.0
+    for q in qset:
+        inside = [c for c in q.site.consumers if c.startswith(scope + ".")]
+        if inside and not q.site.producer.startswith(scope + "."):
+            scale = scale * q.site.producer_scale(q.alpha)
+    return scale
 
 
 def apply_blockwise_calibration(
@@ -291,11 +303,14 @@ def apply_blockwise_calibration(
 ) -> BlockwiseResult:
     """Phase 1 on every site of ``qset`` (attached to ``sim_model``), bottom to top."""
     params = params or BlockwiseParameters()
-    isolated = params.input_source == "fp"
+    from_fp = params.input_source == "fp"
     blocks = sim_model.block_paths()
-    fp_calls = capture_inputs(fp_model, blocks[0], calibration_batches)
-    with dynamic_quantization(quantizers_in([sim_model])):
-        q_calls = fp_calls if isolated else capture_inputs(sim_model, blocks[0], calibration_batches)
+    fp_call = batched(capture_inputs(fp_model, blocks[0], calibration_batches))
+    if from_fp:
+        q_call = fp_call
+    else:
+        with DynamicRanges(quantizers_in([sim_model])), torch.no_grad():
+            q_call = batched(capture_inputs(sim_model, blocks[0], calibration_batches))
     by_block: dict[str, list[Site]] = {b: [] for b in blocks}
     head_sites: list[Site] = []
     for q in qset:
@@ -305,50 +320,44 @@ def apply_blockwise_calibration(
     result = BlockwiseResult({}, {}, {})
     outer = tqdm(total=len(qset), desc="phase 1 (block-wise calibration)", unit="site", disable=not progress)
 
-    def calibrate(site: Site, fp_in: list[Captured], q_in: list[Captured]) -> None:
-        problem = _SiteProblem(site, fp_model, sim_model)
-        theta = qset[site.name].theta
-        start = theta.detach().clone()
-        targets = FPTargets(problem, fp_in)
-        before = result.error_before[site.name] = site_error(problem, qset, fp_in, q_in, isolated, targets)
-        result.losses[site.name] = calibrate_site(problem, qset, fp_in, q_in, params, isolated, progress, targets)
-        after = site_error(problem, qset, fp_in, q_in, isolated, targets)
-        if after > before:  # sampled steps found nothing better on the whole data: keep the start
-            with torch.no_grad():
-                theta.copy_(start)
-            after = before
-        result.error_after[site.name] = after
+    def calibrate(site: Site, fp_in: Captured, q_in: Captured) -> None:
+        isolated = from_fp and not site.scope
+        if from_fp and site.scope:
+            q_in = _with_hidden(q_in, _first_input(q_in) * _input_scale(qset, site.scope))
+        block = SiteBlock(site, fp_model, sim_model, fp_in, q_in, params)
+        done = calibrate_site(block, qset, params, isolated=isolated, progress=progress)
+        result.losses[site.name] = done.losses
+        result.error_before[site.name] = done.losses[0] if done.losses else math.nan
+        result.error_after[site.name] = done.best
         if on_site_done:
-            on_site_done(site, result.losses[site.name])
+            on_site_done(site, done.losses)
         outer.update(1)
-        outer.set_postfix(
-            site=site.name, err=f"{result.error_before[site.name]:.3g}->{result.error_after[site.name]:.3g}"
-        )
+        outer.set_postfix(site=site.name, err=f"{result.error_before[site.name]:.3g}->{done.best:.3g}")
 
     for path in blocks:
         fp_block, q_block = fp_model.get_submodule(path), sim_model.get_submodule(path)
         sites = by_block[path]
         entries = [s.scope or s.producer for s in sites]
-        fp_out, fp_seen = _run_capturing(fp_block, fp_calls, fp_model, entries)
+        fp_out, fp_seen = _run_capturing(fp_block, fp_call, fp_model, entries)
         for site in sites:
             entry = site.scope or site.producer
-            if isolated:
+            if from_fp:
                 q_in = fp_seen[entry]
             else:  # rerun the sim block: the sites below in this block changed its input
-                with dynamic_quantization(quantizers_in([q_block])):
-                    _, q_seen = _run_capturing(q_block, q_calls, sim_model, [entry])
+                with DynamicRanges(quantizers_in([q_block])):
+                    _, q_seen = _run_capturing(q_block, q_call, sim_model, [entry])
                 q_in = q_seen[entry]
             calibrate(site, fp_seen[entry], q_in)
-        fp_calls = [_with_hidden(c, h) for c, h in zip(fp_calls, fp_out)]
-        if isolated:
-            q_calls = fp_calls
+        fp_call = _with_hidden(fp_call, fp_out)
+        if from_fp:
+            q_call = fp_call
         else:
-            with dynamic_quantization(quantizers_in([q_block])):
-                q_out, _ = _run_capturing(q_block, q_calls, sim_model, [])
-            q_calls = [_with_hidden(c, h) for c, h in zip(q_calls, q_out)]
+            with DynamicRanges(quantizers_in([q_block])):
+                q_out, _ = _run_capturing(q_block, q_call, sim_model, [])
+            q_call = _with_hidden(q_call, q_out)
 
     # The head site's producer (the final norm) takes the last block's output.
     for site in head_sites:
-        calibrate(site, [((_first_input(c),), {}) for c in fp_calls], [((_first_input(c),), {}) for c in q_calls])
+        calibrate(site, ((_first_input(fp_call),), {}), ((_first_input(q_call),), {}))
     outer.close()
     return result

@@ -18,28 +18,38 @@ from .models import Site
 from .quadapter import QuadapterSet
 
 
-def _per_producer_channel(values: torch.Tensor, site: Site) -> torch.Tensor:
-    """Consumer-column statistics reduced to one value per producer channel (max over a head group)."""
-    if site.expand is None:
+def _reduce_rotary(values: torch.Tensor, site: Site) -> torch.Tensor:
+    if not site.rotary_head_dim:
         return values
-    repeat, head_dim = site.expand
-    return values.view(-1, repeat, head_dim).amax(dim=1).reshape(-1)
+    half = site.rotary_head_dim // 2
+    return values.view(-1, 2, half).amax(dim=1).reshape(-1)
+
+
+def _per_alpha(values: torch.Tensor, site: Site) -> torch.Tensor:
+    """Statistics laid out along the consumers' scaled channels, reduced to one value per free alpha (the max
+    over a head group, then over a rotated pair)."""
+    if site.expand is not None:
+        repeat, head_dim = site.expand
+        values = values.view(-1, repeat, head_dim).amax(dim=1).reshape(-1)
+    return _reduce_rotary(values, site)
 
 
 @torch.no_grad()
-def activation_ranges(
-    model: nn.Module, sites: Sequence[Site], batches: Sequence[torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Per-channel absmax of each site's quantized activation (its first consumer's input) over ``batches``."""
-    ranges: dict[str, torch.Tensor] = {}
+def _absmax(model: nn.Module, points: dict[str, tuple[str, bool]], batches: Sequence[torch.Tensor]):
+    """Per-channel absmax over ``batches`` of each point: name -> (module path, True for its output, else input)."""
+    found: dict[str, torch.Tensor] = {}
     handles = []
-    for site in sites:
+    for name, (path, output) in points.items():
 
-        def hook(_module, args, site=site):
-            x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0)
-            ranges[site.name] = x if site.name not in ranges else torch.maximum(ranges[site.name], x)
+        def record(x: torch.Tensor, name=name) -> None:
+            x = x.detach().abs().reshape(-1, x.shape[-1]).amax(dim=0)
+            found[name] = x if name not in found else torch.maximum(found[name], x)
 
-        handles.append(model.get_submodule(site.consumers[0]).register_forward_pre_hook(hook))
+        module = model.get_submodule(path)
+        if output:
+            handles.append(module.register_forward_hook(lambda _m, _a, out, record=record: record(out)))
+        else:
+            handles.append(module.register_forward_pre_hook(lambda _m, args, record=record: record(args[0])))
     try:
         device = next(model.parameters()).device
         for batch in batches:
@@ -47,7 +57,37 @@ def activation_ranges(
     finally:
         for h in handles:
             h.remove()
-    return {s.name: _per_producer_channel(ranges[s.name], s) for s in sites}
+    return found
+
+
+@torch.no_grad()
+def cle_alphas(model: nn.Module, sites: Sequence[Site], batches: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The analytic alpha of every site, from FP ``model`` and calibration ``batches``.
+
+    A site whose consumers take the activation (norm -> linears, ...): r1 the per-channel range of that
+    activation, r2 the per-column range of the consumers' weights. A product of two projections (Q . K^T):
+    r1 and r2 the per-channel ranges of the two outputs. alpha = sqrt(r2 / r1) makes both sqrt(r1 * r2).
+    """
+    points = {}
+    for site in sites:
+        if site.consumer_rows:
+            points[site.name + "/producer"] = (site.producer, True)
+            points[site.name + "/consumer"] = (site.consumers[0], True)
+        else:
+            points[site.name] = (site.consumers[0], False)
+    act = _absmax(model, points, batches)
+    out = {}
+    for site in sites:
+        if site.consumer_rows:
+            r1 = _reduce_rotary(act[site.name + "/producer"], site)
+            r2 = _per_alpha(act[site.name + "/consumer"], site)
+        else:
+            r1 = _per_alpha(act[site.name], site)
+            weights = torch.cat([model.get_submodule(c).weight.detach().abs() for c in site.consumers], dim=0)
+            r2 = _per_alpha(weights.amax(dim=0), site)
+        # A channel that never fires (r1 = 0) or has all-zero columns keeps alpha = 1.
+        out[site.name] = torch.where((r1 > 0) & (r2 > 0), (r2 / r1.clamp_min(1e-12)).sqrt(), torch.ones_like(r1))
+    return out
 
 
 @torch.no_grad()
@@ -69,21 +109,6 @@ def channel_min_max(model: nn.Module, site: Site, batches: Sequence[torch.Tensor
     finally:
         handle.remove()
     return torch.stack(lo).amin(dim=0), torch.stack(hi).amax(dim=0)
-
-
-@torch.no_grad()
-def cle_alphas(model: nn.Module, sites: Sequence[Site], batches: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The analytic alpha of every site, from FP ``model`` and calibration ``batches``."""
-    act = activation_ranges(model, sites, batches)
-    out = {}
-    for site in sites:
-        weights = torch.cat([model.get_submodule(c).weight.detach().abs() for c in site.consumers], dim=0)
-        r2 = _per_producer_channel(weights.amax(dim=0), site)
-        r1 = act[site.name]
-        # A channel that never fires (r1 = 0) or has all-zero columns keeps alpha = 1.
-        alpha = torch.where((r1 > 0) & (r2 > 0), (r2 / r1.clamp_min(1e-12)).sqrt(), torch.ones_like(r1))
-        out[site.name] = alpha
-    return out
 
 
 def init_with_cle(qset: QuadapterSet, fp_model: nn.Module, batches: Sequence[torch.Tensor]) -> None:

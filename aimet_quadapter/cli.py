@@ -60,10 +60,12 @@ def _quadapter_params(args):
 
     p1 = BlockwiseParameters(
         steps=args.phase1_steps,
-        decay_every=max(1, args.phase1_decay_every or args.phase1_steps // 5),
+        lr=args.phase1_lr,
+        lr_stages=args.phase1_lr_stages,
+        reach_steps=args.phase1_reach_steps or None,
+        range_gradient=not args.phase1_no_range_gradient,
         input_source=args.phase1_input,
-        sequences_per_step=args.phase1_sequences,
-        tokens_per_step=args.phase1_tokens,
+        loss_tokens=args.phase1_loss_tokens,
     )
     p2 = FinetuneParameters(
         steps=args.phase2_steps,
@@ -71,8 +73,17 @@ def _quadapter_params(args):
         seq_len=args.phase2_len,
         learn_ranges=not args.fixed_ranges,
     )
-    extra = None if args.extra_sites is None else args.extra_sites == "on"
-    return QuadapterParameters(phase1=p1, phase2=p2, init=args.init, extra_sites=extra)
+    return QuadapterParameters(phase1=p1, phase2=p2, init=args.init, extra_sites=_extra_sites(args.extra_sites))
+
+
+def _extra_sites(value: str | None) -> bool | list[str] | None:
+    if value is None or value in ("on", "off"):
+        return None if value is None else value == "on"
+    groups = [g.strip() for g in value.split(",") if g.strip()]
+    unknown = sorted(set(groups) - {"linear", "qk"})
+    if unknown:
+        raise QuadapterError(f"--extra-sites: unknown group(s) {', '.join(unknown)}; known: linear, qk (or on, off)")
+    return groups
 
 
 def _cmd_eval(args) -> int:
@@ -111,7 +122,10 @@ def _cmd_eval(args) -> int:
     out_dir = Path(args.out) if args.out else None
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = MethodContext(model, _policy(args), calib, finetune, params, out_dir)
+    validation = None
+    if args.holdout:
+        validation = workflow.calibration_batches(tokenizer, calib_set, args.holdout, args.calib_len, args.seed + 7919)
+    ctx = MethodContext(model, _policy(args), calib, finetune, params, out_dir, validation=validation)
     results: dict[str, dict[str, float]] = {}
     eval_time: dict[str, float] = {}
     for name in methods:
@@ -246,17 +260,28 @@ def _cmd_report(args) -> int:
 def _add_quadapter_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Quadapter (defaults: the paper's)")
     g.add_argument("--phase1-steps", type=int, default=500)
-    g.add_argument("--phase1-decay-every", type=_positive_int, help="lr x0.2 every N steps (default steps/5)")
+    g.add_argument("--phase1-lr", type=float, default=0.1, help="phase-1 learning rate (of log alpha)")
+    g.add_argument("--phase1-lr-stages", type=_positive_int, default=5, help="lr x0.2 at each of N-1 equal intervals")
+    g.add_argument(
+        "--phase1-reach-steps",
+        type=_positive_int,
+        default=500,
+        help="a run of fewer steps scales the lr by N / steps, so that alpha can travel as far",
+    )
     g.add_argument("--phase1-input", choices=("fp", "quantized"), default="fp", help="where a site's input comes from")
-    g.add_argument("--phase1-sequences", type=_positive_int, help="calibration sequences per phase-1 step")
-    g.add_argument("--phase1-tokens", type=_positive_int, help="tokens per phase-1 step for token-wise sites")
+    g.add_argument("--phase1-loss-tokens", type=_positive_int, help="token-wise sites: the loss on this many tokens")
+    g.add_argument("--phase1-no-range-gradient", action="store_true", help="ranges without gradient (ablation)")
+    g.add_argument("--holdout", type=int, default=2, help="held-out calibration crops phase 1 is checked on (0: none)")
     g.add_argument("--phase2-steps", type=int, default=10_000)
     g.add_argument("--phase2-batch", type=_positive_int, default=4)
     g.add_argument("--phase2-len", type=_positive_int, default=512)
     g.add_argument("--fixed-ranges", action="store_true", help="phase 2 without LSQ+ range learning")
     g.add_argument("--finetune-dataset", help="phase-2 data (train split; default: the calibration dataset)")
     g.add_argument("--init", choices=("ones", "cle"), default="ones", help="phase-1 start: alpha = 1 or CLE's")
-    g.add_argument("--extra-sites", choices=("on", "off"), help="v->o and up->down sites (default: on for Llama)")
+    g.add_argument(
+        "--extra-sites",
+        help="beyond-paper sites: on, off, or groups linear (v->o, up->down), qk (Q.K^T) (default: linear for Llama)",
+    )
 
 
 def _add_calibration_options(p: argparse.ArgumentParser, default_dataset: str | None = None) -> None:

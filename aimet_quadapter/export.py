@@ -53,7 +53,7 @@ from .onnx_eval import (
     read_encodings,
 )
 from .policy import sim_policy
-from .quantizers import dynamic_quantization, fast_inference, quantizers, quantizers_in
+from .quantizers import DynamicRanges, fast_inference, quantizers, quantizers_in
 
 ENCODING_VERSIONS = ("1.0.0", "2.0.0")
 QDQ_OPSET = 21  # QuantizeLinear/DequantizeLinear with per-axis and 4/16-bit types; what AIMET recommends
@@ -180,7 +180,7 @@ def shared_activation_groups(sim: QuantizationSimModel, seq_len: int = 8) -> lis
     device = next(sim.model.parameters()).device
     try:
         # in dynamic mode an uncalibrated sim runs too; every quantizer's state is put back afterwards
-        with torch.no_grad(), dynamic_quantization(quantizers_in([sim.model])):
+        with torch.no_grad(), DynamicRanges(quantizers_in([sim.model])):
             sim.model(torch.zeros((1, seq_len), dtype=torch.long, device=device))
     finally:
         for handle in handles:

@@ -34,6 +34,12 @@ def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
 
 
+@torch.no_grad()
+def mean_lm_loss(model: nn.Module, batches: Sequence[torch.Tensor]) -> float:
+    """The mean of :func:`lm_loss` over ``batches``."""
+    return sum(lm_loss(model, b).item() for b in batches) / max(len(batches), 1)
+
+
 @dataclass
 class FinetuneParameters:
     """Phase-2 settings; defaults are the paper's (Appendix, "End-to-end Fine-tuning")."""

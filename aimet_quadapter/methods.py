@@ -49,6 +49,8 @@ class MethodContext:
     checkpoints: bool = True
     # What a method measured about itself (e.g. how many encodings AdaRound froze), keyed by method name.
     info: dict[str, dict] = field(default_factory=dict)
+    # Held-out calibration text: phase 1 keeps its result only if no worse there than its start.
+    validation: list[torch.Tensor] | None = None
     _bc: tuple[QuantizationSimModel, QuadapterResult] | None = None
 
 
@@ -97,10 +99,12 @@ def _cle(ctx: MethodContext) -> QuantizationSimModel:
 
 def _quadapter_bc(ctx: MethodContext) -> QuantizationSimModel:
     sim = build_sim(ctx.model, ctx.policy)
-    result = apply_blockwise_phase(sim, ctx.model, ctx.calibration, ctx.params, ctx.progress)
+    result = apply_blockwise_phase(sim, ctx.model, ctx.calibration, ctx.params, ctx.progress, ctx.validation)
     ctx._bc = (sim, result)
     ctx.bc_state = result.state
     _save(ctx, "quadapter_bc", result.state)
+    if result.phase1 is not None and result.phase1.validation is not None:
+        ctx.info["quadapter_bc"] = {f"validation_{k}": v for k, v in result.phase1.validation.items()}
     if _writes(ctx) and result.phase1 is not None:
         (ctx.out_dir / "phase1_losses.json").write_text(
             json.dumps(
@@ -108,6 +112,7 @@ def _quadapter_bc(ctx: MethodContext) -> QuantizationSimModel:
                     "losses": result.phase1.losses,
                     "error_before": result.phase1.error_before,
                     "error_after": result.phase1.error_after,
+                    "validation": result.phase1.validation,
                 }
             )
         )

@@ -20,6 +20,12 @@ import torch
 from aimet_common.defs import QuantScheme
 from aimet_torch.nn.modules.custom import MatMul
 from aimet_torch.quantization.affine import QuantizeDequantize
+from aimet_torch.quantization.encoding_analyzer import (
+    EncodingAnalyzer,
+    MinMaxEncodingAnalyzer,
+    PercentileEncodingAnalyzer,
+    TfEnhancedEncodingAnalyzer,
+)
 from aimet_torch.quantsim import QuantizationSimModel
 from torch import nn
 
@@ -31,7 +37,18 @@ QUANT_SCHEMES = {
     "min_max": QuantScheme.min_max,
     "tf": QuantScheme.min_max,
     "tf_enhanced": QuantScheme.post_training_tf_enhanced,
+    "percentile": QuantScheme.post_training_percentile,
 }
+
+
+def encoding_analyzer(policy: QuantPolicy, shape: tuple[int, ...]) -> EncodingAnalyzer:
+    """The AIMET encoding analyzer ``compute_encodings`` uses under ``policy.quant_scheme``, as AIMET's own
+    quantsim builder picks it: min-max, SQNR-based clipping (tf_enhanced), or a percentile of the values."""
+    if policy.quant_scheme == "tf_enhanced":
+        return TfEnhancedEncodingAnalyzer(shape)
+    if policy.quant_scheme == "percentile":
+        return PercentileEncodingAnalyzer(shape, percentile=policy.percentile)
+    return MinMaxEncodingAnalyzer(shape)
 
 
 @dataclass(frozen=True)
@@ -42,7 +59,9 @@ class QuantPolicy:
     symmetric_weights: bool = False
     quantize_norm_weights: bool = True  # the norms' gamma, as the paper's W1 of the LayerNorm -> Linear block
     quantize_logits: bool = False  # the lm_head output: a choice the paper leaves open
-    quant_scheme: str = "min_max"  # how compute_encodings sets initial ranges
+    # how compute_encodings sets ranges: min_max (alias tf), tf_enhanced (SQNR-based clipping) or percentile
+    quant_scheme: str = "min_max"
+    percentile: float = 99.99  # the kept share of values under quant_scheme "percentile", in percent
 
     def __post_init__(self):
         for name in ("weight_bits", "activation_bits"):
@@ -53,6 +72,8 @@ class QuantPolicy:
             raise QuadapterError(
                 f"policy field 'quant_scheme' must be one of {', '.join(QUANT_SCHEMES)}, got {self.quant_scheme!r}"
             )
+        if not 50 <= self.percentile <= 100:
+            raise QuadapterError(f"policy field 'percentile' must be in 50..100, got {self.percentile!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,14 +91,18 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(weight, torch.Tensor) and weight.dim() == 1 and not isinstance(module, (nn.Linear, nn.Embedding))
 
 
+def _quantizer(policy: QuantPolicy, shape: tuple[int, ...], bits: int, symmetric: bool) -> QuantizeDequantize:
+    return QuantizeDequantize(shape, bits, symmetric, encoding_analyzer=encoding_analyzer(policy, shape))
+
+
 def _weight_quantizer(module: nn.Module, policy: QuantPolicy) -> QuantizeDequantize:
     channels = module.weight.shape[0]
     shape = (channels, 1) if policy.per_channel_weights else ()
-    return QuantizeDequantize(shape, bitwidth=policy.weight_bits, symmetric=policy.symmetric_weights)
+    return _quantizer(policy, shape, policy.weight_bits, policy.symmetric_weights)
 
 
 def _activation_quantizer(policy: QuantPolicy) -> QuantizeDequantize:
-    return QuantizeDequantize((), bitwidth=policy.activation_bits, symmetric=False)
+    return _quantizer(policy, (), policy.activation_bits, False)
 
 
 def apply_policy(sim_model: nn.Module, policy: QuantPolicy, logits_module: nn.Module | None = None) -> None:
@@ -98,9 +123,7 @@ def apply_policy(sim_model: nn.Module, policy: QuantPolicy, logits_module: nn.Mo
             )
             if quantize and _is_norm(module):
                 # gamma is a vector: one range for all of it, whatever the weight granularity
-                module.param_quantizers[name] = QuantizeDequantize(
-                    (), bitwidth=policy.weight_bits, symmetric=policy.symmetric_weights
-                )
+                module.param_quantizers[name] = _quantizer(policy, (), policy.weight_bits, policy.symmetric_weights)
             else:
                 module.param_quantizers[name] = _weight_quantizer(module, policy) if quantize else None
 

@@ -25,15 +25,23 @@ from .models import PreparedLM, Site
 
 @torch.no_grad()
 def fold_site(model: nn.Module, site: Site, alpha: torch.Tensor) -> None:
-    """Eq. 3: the producer's rows (or gamma) and bias times alpha, the consumers' columns divided by it."""
+    """Eq. 3: the producer's rows (or gamma) and bias times alpha, the consumers' columns (or rows) divided by it."""
     producer = model.get_submodule(site.producer)
-    w = producer.weight
-    w.mul_(alpha if w.dim() == 1 else alpha[:, None])
-    if getattr(producer, "bias", None) is not None:
-        producer.bias.mul_(alpha)
+    _scale_rows(producer, site.producer_scale(alpha))
     scale = site.consumer_scale(alpha)
     for path in site.consumers:
-        model.get_submodule(path).weight.div_(scale[None, :])
+        consumer = model.get_submodule(path)
+        if site.consumer_rows:
+            _scale_rows(consumer, 1 / scale)
+        else:
+            consumer.weight.div_(scale[None, :])
+
+
+def _scale_rows(module: nn.Module, scale: torch.Tensor) -> None:
+    w = module.weight
+    w.mul_(scale if w.dim() == 1 else scale[:, None])
+    if getattr(module, "bias", None) is not None:
+        module.bias.mul_(scale)
 
 
 def fold_alphas(model: nn.Module, sites: Iterable[Site], alphas: dict[str, torch.Tensor]) -> None:
@@ -83,13 +91,17 @@ class _ModulePatch:
     def scaled(self, module: nn.Module) -> dict[str, torch.Tensor]:
         weight, bias = module.weight, getattr(module, "bias", None)
         row = col = None
-        for q in self.rows:
+        for q in self.rows:  # producer: rows times alpha
             if self.qset.is_active(q):
-                row = q.alpha if row is None else row * q.alpha
-        for q in self.cols:
+                scale = q.site.producer_scale(q.alpha)
+                row = scale if row is None else row * scale
+        for q in self.cols:  # consumer: columns (or, for a product of two projections, rows) divided by alpha
             if self.qset.is_active(q):
                 scale = q.site.consumer_scale(q.alpha)
-                col = scale if col is None else col * scale
+                if q.site.consumer_rows:
+                    row = 1 / scale if row is None else row / scale
+                else:
+                    col = scale if col is None else col * scale
         out = {}
         if row is None and col is None:
             return out
@@ -127,13 +139,13 @@ class QuadapterSet(nn.Module):
         self.adapters = nn.ModuleDict()
         for site in self.sites:
             producer = model.get_submodule(site.producer)
-            self.adapters[_key(site.name)] = Quadapter(site, producer.weight.shape[0])
+            self.adapters[_key(site.name)] = Quadapter(site, site.channels(producer.weight.shape[0]))
         self._only: set[str] | None = None
         self._handles: list = []
         self._patches: dict[int, _ModulePatch] = {}
 
     @classmethod
-    def for_model(cls, model: PreparedLM, extra_sites: bool | None = None) -> QuadapterSet:
+    def for_model(cls, model: PreparedLM, extra_sites: bool | Iterable[str] | None = None) -> QuadapterSet:
         return cls(model, model.sites(extra=extra_sites))
 
     def __getitem__(self, site_name: str) -> Quadapter:
@@ -160,10 +172,10 @@ class QuadapterSet(nn.Module):
             self._only = before
 
     # --- hooks ------------------------------------------------------------------------------------
-    def attach(self, model: nn.Module) -> QuadapterSet:
-        """Make ``model``'s forward use the scaled weights (model: the sim's or the FP PreparedLM)."""
+    def attach(self, *models: nn.Module) -> QuadapterSet:
+        """Make each model's forward use the scaled weights (the sim's model, the FP PreparedLM, or both)."""
         self.detach()
-        for q in self:
+        for model, q in ((m, q) for m in models for q in self):
             for path, role in [(q.site.producer, "rows")] + [(c, "cols") for c in q.site.consumers]:
                 module = model.get_submodule(path)
                 patch = self._patches.get(id(module))
@@ -203,13 +215,21 @@ class QuadapterSet(nn.Module):
             q.folded.mul_(q.alpha)
             q.theta.zero_()
 
-    @torch.no_grad()
-    def fold_into(self, model: nn.Module) -> None:
-        """Apply every alpha folded so far (and the current one) to another model, e.g. the FP model."""
-        for q in self:
-            fold_site(model, q.site, q.folded * q.alpha.detach())
-
     # --- state ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def set_total(self, alphas: dict[str, torch.Tensor]) -> None:
+        """Make ``alphas`` the whole scale of each site (a site not named: 1), nothing counted as folded.
+
+        Followed by :meth:`fold` with ``reference``, the model then holds exactly these alphas.
+        """
+        for q in self:
+            q.folded.fill_(1.0)
+            alpha = alphas.get(q.site.name)
+            if alpha is None:
+                q.theta.zero_()
+            else:
+                q.set_alpha(alpha)
+
     def total_alpha(self) -> dict[str, torch.Tensor]:
         """Site name -> the whole scale relative to the original FP model (folded x current)."""
         return {q.site.name: (q.folded * q.alpha).detach().clone() for q in self}

@@ -36,24 +36,100 @@ def quantizers_in(modules: Iterable[nn.Module]) -> list[QuantizeDequantize]:
     return list(seen.values())
 
 
-@contextmanager
-def dynamic_quantization(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
-    """Each call of each quantizer uses the min/max of its own input (weights and activations alike).
+# AIMET's smallest quantization scale (float32 eps; ``aimet_torch.common.quantsim._get_minimum_scale`` for 8 bits).
+_MIN_SCALE = float(torch.finfo(torch.float32).eps)
 
-    This is the paper's dynamic mode for phase 1. AIMET provides it as each quantizer's
-    ``compute_encodings`` context, which on exit overwrites the ranges with statistics gathered over
-    all calls: the ranges held before are put back, so static encodings survive.
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    return x + (x.round() - x).detach()
+
+
+def _reduce(x: torch.Tensor, shape: tuple[int, ...], fn) -> torch.Tensor:
+    """``fn`` (amin / amax) of ``x`` over every dimension where the quantizer's encoding ``shape`` is 1."""
+    if all(s == 1 for s in shape):
+        return fn(x).reshape(shape)
+    full = (1,) * (x.dim() - len(shape)) + tuple(shape)
+    return fn(x, dim=[i for i, s in enumerate(full) if s == 1], keepdim=True).reshape(shape)
+
+
+def min_max_encoding(q: QuantizeDequantize, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, offset) that AIMET's min-max analyzer and ``q`` derive from an observed range, differentiably.
+
+    As AIMET does: the range is widened to hold zero; an asymmetric grid puts its offset on an integer
+    (rounded with a straight-through gradient); a symmetric one is centred on zero with the larger half.
     """
-    qs = list(qs)
-    # The state dict carries AIMET's "initialized" flags too, so an uncalibrated quantizer stays so.
-    saved = [_clone_state(q.state_dict()) for q in qs]
-    try:
-        with ExitStack() as stack:
-            for q in qs:
-                stack.enter_context(q.compute_encodings())
-            yield
-    finally:
-        for q, state in zip(qs, saved):
+    lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+    if q.symmetric:
+        scale = torch.maximum(hi / q.qmax, lo / q.qmin).clamp_min(_MIN_SCALE)
+        return scale, torch.full_like(scale, float(-round((q.qmin + q.qmax) / 2)))
+    scale = ((hi - lo) / (q.qmax - q.qmin)).clamp_min(_MIN_SCALE)
+    return scale, (_round_ste(lo / scale) - q.qmin).clamp(-q.qmax, -q.qmin)
+
+
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    """Quantize-dequantize with straight-through rounding: the gradient reaches ``x`` (inside the grid) and the
+    encoding (LSQ's (Q(x) - x) / scale for the scale), so that whatever set the range is trained too."""
+    shape = (1,) * (x.dim() - scale.dim()) + tuple(scale.shape)
+    scale, offset = scale.reshape(shape), offset.reshape(shape)
+    return (_round_ste(x / scale) - offset).clamp(qmin, qmax).add(offset).mul(scale)
+
+
+class DynamicRanges:
+    """The paper's dynamic quantization (phase 1), with ranges that autograd sees.
+
+    While entered, each quantizer of ``qs`` quantizes a tensor with the min-max range of that same tensor
+    (weights and activations alike), as AIMET's own dynamic mode does. AIMET computes that range under
+    ``no_grad``, so a gradient only sees the rounding; here, with ``range_gradient``, the min and max are
+    part of the graph: shrinking an outlier channel is seen to narrow the range for every other channel,
+    which is how a Quadapter helps. ``range_gradient=False`` gives AIMET's behaviour (for ablations).
+
+    :meth:`pin` makes quantizers use the range of a larger tensor (the whole step batch) while they
+    quantize part of it (the rows a loss is computed on), so subsampling the loss does not change the
+    ranges. The quantizers' own state is not touched.
+    """
+
+    def __init__(self, qs: Iterable[QuantizeDequantize], range_gradient: bool = True):
+        self.quantizers = list(dict.fromkeys(qs))
+        self.range_gradient = range_gradient
+        self._pinned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def observed_range(self, q: QuantizeDequantize, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.as_subclass(torch.Tensor)
+        lo, hi = _reduce(x, tuple(q.shape), torch.amin), _reduce(x, tuple(q.shape), torch.amax)
+        return (lo, hi) if self.range_gradient else (lo.detach(), hi.detach())
+
+    def pin(self, qs: Iterable[QuantizeDequantize], x: torch.Tensor) -> None:
+        """Until :meth:`unpin`, each of ``qs`` uses the range of ``x`` whatever it is given."""
+        for q in qs:
+            self._pinned[id(q)] = self.observed_range(q, x)
+
+    def unpin(self) -> None:
+        self._pinned.clear()
+
+    def _forward(self, q: QuantizeDequantize, x: torch.Tensor) -> torch.Tensor:
+        lo, hi = self._pinned.get(id(q)) or self.observed_range(q, x)
+        scale, offset = min_max_encoding(q, lo, hi)
+        return fake_quantize(x.as_subclass(torch.Tensor), scale, offset, q.qmin, q.qmax)
+
+    def __enter__(self) -> DynamicRanges:
+        # An AIMET module calibrates a parameter quantizer that has no range yet at its first call, inside
+        # its own compute-encodings context, which on exit deletes the ``forward`` patched below: the
+        # quantizer would then quantize with the range of the unscaled weight for the rest of the context.
+        # A placeholder range, put back on exit, keeps AIMET from doing that.
+        self._uninitialized = [(q, _clone_state(q.state_dict())) for q in self.quantizers if not q.is_initialized()]
+        for q, _ in self._uninitialized:
+            q.set_range(-1.0, 1.0)
+        for q in self.quantizers:
+            if q.block_size is not None or q.zero_point_shift != 0:
+                raise NotImplementedError("dynamic ranges: block-wise or shifted grids are not supported")
+            q.forward = lambda x, q=q: self._forward(q, x)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.unpin()
+        for q in self.quantizers:
+            q.__dict__.pop("forward", None)
+        for q, state in self._uninitialized:
             q.load_state_dict(state)
 
 
@@ -149,7 +225,6 @@ def elementwise_fake_quant(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
     the cost of the same float32 arithmetic written as tensor ops (x * (1 / scale), round half to even,
     + zero point, clamp, - zero point, * scale), which gives bit-identical outputs; the gradient is
     ATen's straight-through one (tested). Learned ranges and per-channel encodings keep AIMET's path.
-    Enter it before :func:`dynamic_quantization`, which wraps the ``forward`` it finds.
     """
     patched = []
     try:

@@ -61,7 +61,8 @@ def _policy_model() -> type[BaseModel]:
         {
             "weight_bits": bits,
             "activation_bits": bits,
-            "quant_scheme": {"annotation": Literal["min_max", "tf", "tf_enhanced"]},
+            "quant_scheme": {"annotation": Literal["min_max", "tf", "tf_enhanced", "percentile"]},
+            "percentile": {"ge": 50, "le": 100},
         },
     )
 
@@ -76,10 +77,10 @@ def _phase1_model() -> type[BaseModel]:
             "steps": {"ge": 0},
             "lr": {"gt": 0},
             "lr_decay": {"gt": 0},
-            "decay_every": {"ge": 1},
+            "lr_stages": {"ge": 1},
             "input_source": {"annotation": Literal["fp", "quantized"]},
-            "sequences_per_step": {"ge": 1},
-            "tokens_per_step": {"ge": 1},
+            "loss_tokens": {"ge": 1},
+            "reach_steps": {"ge": 1},
         },
     )
 
@@ -141,7 +142,10 @@ MethodName = Annotated[str, AfterValidator(_known_method)]
 
 class QuadapterSection(_Section):
     init: Literal["ones", "cle"] = "ones"
-    extra_sites: bool | None = None
+    extra_sites: bool | list[Literal["linear", "qk"]] | None = None
+    # crops of the calibration length drawn from the calibration set's train split with another seed: phase 1
+    # keeps its result only if the LM loss there (static ranges) is no worse than its start's; 0: no check
+    holdout: int = Field(2, ge=0)
 
 
 class CalibrationSection(_Section):

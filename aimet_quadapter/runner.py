@@ -310,6 +310,14 @@ class RecipeRun:
         return batches(self._crops(self.calibration_sets[cal], c.samples, c.length, c.seed), 1)
 
     @cache  # noqa: B019
+    def validation_batches(self, cal: str) -> list[torch.Tensor]:
+        """Held-out crops of the calibration set (another seed), for phase 1's check against its start."""
+        from .data import batches
+
+        c, n = self.recipe.calibration, self.recipe.quadapter.holdout
+        return batches(self._crops(self.calibration_sets[cal], n, c.length, c.seed + 7919), 1) if n else []
+
+    @cache  # noqa: B019
     def _finetune_pool(self, fid: str) -> torch.Tensor:
         p2 = self.recipe.phase2
         sizes = self.recipe.finetune_sizes or [max(p2.steps, 1) * p2.batch_size]
@@ -346,6 +354,7 @@ class RecipeRun:
             self.progress,
             baselines=self.recipe.baseline_parameters(),
             checkpoints=p2.checkpoint_every < p2.steps,
+            validation=self.validation_batches(cal) if cal else None,
         )
         return ctx
 

@@ -150,7 +150,8 @@ def case_phase1(model, args) -> dict:
         entry = site.scope or site.producer
         if site.producer.startswith(first_block + "."):
             block = model.get_submodule(first_block)
-            calls = blockwise._run_capturing(block, capture_inputs(model, first_block, [ids]), model, [entry])[1][entry]
+            call = blockwise.batched(capture_inputs(model, first_block, [ids]))
+            calls = [blockwise._run_capturing(block, call, model, [entry])[1][entry]]
         else:
             calls = [((h,), {}) for h in _final_hidden(model, ids)]
         kind = re.sub(r"^.*?\.\d+\.", "", site.name)  # the site's name within its block
@@ -161,33 +162,37 @@ def case_phase1(model, args) -> dict:
 def _phase1_site(model, sim, qset, site, calls, args) -> dict:
     import torch
 
-    from aimet_quadapter import blockwise
-    from aimet_quadapter.blockwise import BlockwiseParameters, _SiteProblem, calibrate_site
+    from aimet_quadapter.blockwise import BlockwiseParameters, SiteBlock, batched, calibrate_site
 
-    targets_cls = getattr(blockwise, "FPTargets", None)  # absent before the speed-ups: "before" runs
-
-    problem = _SiteProblem(site, model, sim.model)
     steps = args.phase1_steps
-    params = BlockwiseParameters(steps=steps, decay_every=max(1, steps))
-    # once per site in phase 1, as apply_blockwise_calibration does
-    extra = {"targets": targets_cls(problem, calls)} if targets_cls else {}
+    params = BlockwiseParameters(steps=steps)
+    call = batched(calls)
+    block = SiteBlock(site, model, sim.model, call, call, params)  # once per site, as phase 1 does
 
     def quadapter_steps():
-        calibrate_site(problem, qset, calls, calls, params, isolated=True, progress=False, **extra)
+        calibrate_site(block, qset, params, isolated=True, progress=False)
 
     # the FP reference trains the same layers (norm and linears) on the same tokens
-    fp_layers = [problem.fp_scope] if site.scope else [problem.fp_modules[0], *problem.fp_modules[1]]
+    entry = site.scope or site.producer
+    fp_layers = [model.get_submodule(p) for p in ([entry] if site.scope else [site.producer, *site.consumers])]
     fp_params = [p for m in fp_layers for p in m.parameters()]
+
+    def fp_block():
+        if site.scope:
+            out = fp_layers[0](*call[0], **call[1])
+            return out[0] if isinstance(out, tuple) else out
+        mid = fp_layers[0](*call[0], **call[1])
+        return torch.cat([c(mid) for c in fp_layers[1:]], dim=-1)
+
     with torch.no_grad():
-        reference = [problem.block(True, c) * 1.01 for c in calls]
+        reference = fp_block() * 1.01
 
     def fp_steps():
         for p in fp_params:
             p.requires_grad_(True)
         try:
             for _ in range(steps):
-                for c, t in zip(calls, reference):
-                    (problem.block(True, c) - t).pow(2).mean().backward()
+                (fp_block() - reference).pow(2).mean().backward()
         finally:
             for p in fp_params:
                 p.requires_grad_(False)
@@ -268,7 +273,7 @@ def case_memory_pipeline(model, args) -> dict:
     calib = [_ids(model, 1, args.seq_len, seed=i) for i in range(2)]
     finetune = [_ids(model, args.batch, args.seq_len, seed=10)]
     params = QuadapterParameters(
-        phase1=BlockwiseParameters(steps=2, decay_every=2),
+        phase1=BlockwiseParameters(steps=2),
         phase2=FinetuneParameters(steps=2, batch_size=args.batch, seq_len=args.seq_len),
     )
     sim = build_sim(model)

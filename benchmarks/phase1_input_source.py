@@ -23,7 +23,7 @@ from aimet_quadapter.policy import build_sim, calibrate
 from aimet_quadapter.toy import sample_corpus, toy_model
 
 
-def compare(model, calib, windows, steps: int, tokens: int | None, sequences: int | None) -> dict:
+def compare(model, calib, windows, steps: int, tokens: int | None) -> dict:
     out = {"fp32": perplexity(model, windows, progress=False).ppl}
     sim = build_sim(model)
     calibrate(sim, calib)
@@ -31,13 +31,7 @@ def compare(model, calib, windows, steps: int, tokens: int | None, sequences: in
     for source in ("fp", "quantized"):
         start = time.time()
         sim = build_sim(model)
-        p1 = BlockwiseParameters(
-            steps=steps,
-            decay_every=max(1, steps // 5),
-            input_source=source,
-            tokens_per_step=tokens,
-            sequences_per_step=sequences,
-        )
+        p1 = BlockwiseParameters(steps=steps, input_source=source, loss_tokens=tokens)
         apply_blockwise_phase(sim, model, calib, QuadapterParameters(phase1=p1, phase2=FinetuneParameters(steps=0)))
         out[f"bc_{source}"] = workflow.evaluate(sim, {"d": windows})["d"]
         out[f"bc_{source}_time_s"] = round(time.time() - start, 1)
@@ -49,8 +43,7 @@ def main() -> None:
     ap.add_argument("--model", help="a real model (hub id, folder, smollm2-135m); default: the toy models")
     ap.add_argument("--dataset", default="ptb")
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--tokens", type=int, help="phase-1 tokens per step for token-wise sites")
-    ap.add_argument("--sequences", type=int, help="phase-1 calibration sequences per step")
+    ap.add_argument("--tokens", type=int, help="phase-1 loss tokens for token-wise sites")
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
@@ -60,14 +53,14 @@ def main() -> None:
         model, tok = workflow.load(args.model)
         windows = workflow.eval_windows_for(tok, args.dataset, "test", 1024, None, args.max_tokens)
         calib = workflow.calibration_batches(tok, args.dataset, 10, 512, 0)
-        results[args.model] = compare(model, calib, windows, args.steps, args.tokens, args.sequences)
+        results[args.model] = compare(model, calib, windows, args.steps, args.tokens)
     else:
         for family in ("gpt2", "llama"):
             model = toy_model(family)
             corpus = sample_corpus(model, 24, 128, seed=1)
             windows = [w for row in corpus[4:] for w in eval_windows(row, 128)]
             calib = [corpus[i : i + 1] for i in range(4)]
-            results[f"toy-{family}"] = compare(model, calib, windows, args.steps, args.tokens, args.sequences)
+            results[f"toy-{family}"] = compare(model, calib, windows, args.steps, args.tokens)
     print(json.dumps(results, indent=2))
     if args.json:
         with open(args.json, "w") as f:

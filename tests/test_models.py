@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -125,10 +126,47 @@ def test_sites_resolve_to_modules(tiny_gpt2, tiny_llama):
             model.get_submodule(site.producer)
             for consumer in site.consumers:
                 assert isinstance(model.get_submodule(consumer), nn.Linear)
-    # Llama: two paper sites per block plus the head; the extra sites add two more per block.
+    # Llama: two paper sites per block plus the head; the extra groups add two ("linear") and one ("qk") per block.
     layers = tiny_llama.config.num_hidden_layers
     assert len(tiny_llama.sites(extra=False)) == 2 * layers + 1
-    assert len(tiny_llama.sites(extra=True)) == 4 * layers + 1
+    assert len(tiny_llama.sites()) == 4 * layers + 1  # the family's default: "linear"
+    assert len(tiny_llama.sites(extra=["qk"])) == 3 * layers + 1
+    assert len(tiny_llama.sites(extra=True)) == 5 * layers + 1
+
+
+def test_qk_site_is_exact_under_rope_and_grouped_query_attention(tiny_llama):
+    """Random alphas at every Q . K^T site (one per rotated pair, shared by a KV head's query heads) keep the
+    FP function; the same alphas without the pair tie do not, so the test sees RoPE."""
+    from aimet_quadapter.quadapter import QuadapterSet
+
+    model = copy.deepcopy(tiny_llama)
+    config = model.config
+    assert config.num_key_value_heads < config.num_attention_heads  # grouped-query attention is exercised
+    sites = [s for s in model.sites(extra=["qk"]) if s.consumer_rows]
+    assert len(sites) == config.num_hidden_layers
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert sites[0].rotary_head_dim == head_dim
+    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(ids)
+    qset = QuadapterSet(model, sites).attach(model)
+    assert next(iter(qset)).theta.numel() == config.num_key_value_heads * head_dim // 2
+    generator = torch.Generator().manual_seed(1)
+    for q in qset:
+        q.set_alpha(torch.exp(2 * torch.randn(q.theta.shape, generator=generator)))
+    with torch.no_grad():
+        scaled = model(ids)
+    assert (scaled - plain).abs().max() < 1e-4 * plain.abs().max()
+    # the same alphas on each channel separately (no pair tie) break the rotation
+    untied = {q.site.name: q.site.producer_scale(q.alpha.detach()) for q in qset}
+    qset.detach()
+    broken = [dataclasses.replace(s, rotary_head_dim=None) for s in sites]
+    loose = QuadapterSet(model, broken).attach(model)
+    generator = torch.Generator().manual_seed(2)
+    for q in loose:
+        q.set_alpha(untied[q.site.name] * torch.exp(torch.randn(q.theta.shape, generator=generator)))
+    with torch.no_grad():
+        assert (model(ids) - plain).abs().max() > 1e-2 * plain.abs().max()
 
 
 def test_unknown_hub_model_offline_names_model_and_local_folder(offline):

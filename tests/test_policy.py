@@ -166,7 +166,8 @@ def test_fast_inference_restores_on_error(tiny_gpt2):
         ("weight_bits", {"weight_bits": 1}),
         ("weight_bits", {"weight_bits": 8.0}),
         ("activation_bits", {"activation_bits": 17}),
-        ("quant_scheme", {"quant_scheme": "percentile"}),
+        ("quant_scheme", {"quant_scheme": "mse"}),
+        ("percentile", {"quant_scheme": "percentile", "percentile": 120}),
     ],
 )
 def test_policy_validation(field, kwargs):
@@ -177,3 +178,24 @@ def test_policy_validation(field, kwargs):
 def test_policy_label():
     assert QuantPolicy().label().startswith("W8A8 (asymmetric per-tensor")
     assert QuantPolicy(weight_bits=4, per_channel_weights=True).label().startswith("W4A8 (asymmetric per-channel")
+
+
+@pytest.mark.parametrize(
+    "scheme, analyzer",
+    [
+        ("min_max", "MinMaxEncodingAnalyzer"),
+        ("tf_enhanced", "TfEnhancedEncodingAnalyzer"),
+        ("percentile", "PercentileEncodingAnalyzer"),
+    ],
+)
+def test_quant_scheme_chooses_aimets_encoding_analyzer(tiny_gpt2, scheme, analyzer):
+    """Every quantizer the policy places calibrates with the analyzer of the scheme asked for, and the
+    clipping schemes really set narrower activation ranges than min-max on text with outliers."""
+    sim = _calibrated_sim(tiny_gpt2, quant_scheme=scheme, percentile=99.0)
+    found = {type(q.encoding_analyzer).__name__ for _, _, q in quantizers(sim.model)}
+    assert found == {analyzer}
+    if scheme != "min_max":
+        minmax = _calibrated_sim(tiny_gpt2)
+        widths = {r["tensor"]: r["max"] - r["min"] for r in describe(minmax.model)}
+        rows = [r for r in describe(sim.model) if r["kind"] == "activation"]
+        assert any(r["max"] - r["min"] < 0.99 * widths[r["tensor"]] for r in rows)

@@ -30,7 +30,7 @@ model: ./model
 methods: [fp, ptq, cle, quadapter_bc, quadapter]
 fid: [a.txt]
 calibration: {samples: 2, length: 64}
-phase1: {steps: 8, decay_every: 4}
+phase1: {steps: 8}
 phase2: {steps: 2, batch_size: 2, seq_len: 64}
 eval: {datasets: [a.txt, b.txt], seq_len: 64, max_tokens: 320}
 """

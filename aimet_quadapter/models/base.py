@@ -8,7 +8,7 @@ Nothing outside ``aimet_quadapter.models`` should know which family it is runnin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,8 +20,9 @@ class SiteSpec:
     """A place where a per-channel scale can move between two layers without changing the FP function.
 
     ``producer``'s output channels are multiplied by alpha (a norm's weight and bias, or a linear's
-    rows and bias); each of ``consumers`` has its input columns divided by alpha. Paths are relative
-    to the block (or to the HF model for the head site).
+    rows and bias); each of ``consumers`` has its input columns divided by alpha, or, with
+    ``consumer_rows``, its output rows: two linears whose outputs meet in a product (Q . K^T). Paths
+    are relative to the block (or to the HF model for the head site).
     """
 
     producer: str
@@ -29,11 +30,16 @@ class SiteSpec:
     # A module whose forward goes from the producer to the consumers when they are not chained directly
     # (e.g. the attention between v_proj and o_proj); phase 1 reconstructs its output.
     scope: str | None = None
-    # Beyond the paper's norm -> linear rule: exact only through an op that is linear per channel.
-    extra: bool = False
-    # Grouped-query attention: each producer channel feeds `repeat` consumer columns, one per head in its
+    # Beyond the paper's norm -> linear rule: the name of the group of such sites ("linear": through an op
+    # that is linear per channel; "qk": the two inputs of Q . K^T), switched on and off together.
+    extra: str | None = None
+    # Grouped-query attention: each producer channel feeds `repeat` consumer channels, one per head in its
     # group, laid out as (kv_heads, repeat, head_dim). Filled from the model config by the architecture.
     repeat_heads: bool = False
+    consumer_rows: bool = False  # the consumers' output rows are divided (a product of two projections)
+    # Rotary embeddings rotate channel i with channel i + head_dim / 2 of each head: one alpha per such pair
+    # keeps the rotation exact.
+    rotary_pairs: bool = False
 
 
 @dataclass(frozen=True)
@@ -44,12 +50,26 @@ class Site:
     producer: str
     consumers: tuple[str, ...]
     scope: str | None = None
-    extra: bool = False
-    # (repeat, head_dim) when consumer columns are a per-head expansion of producer channels.
+    extra: str | None = None
+    # (repeat, head_dim) when consumer channels are a per-head expansion of producer channels.
     expand: tuple[int, int] | None = None
+    consumer_rows: bool = False
+    rotary_head_dim: int | None = None  # head_dim when one alpha serves each rotated pair of channels
+
+    def channels(self, producer_channels: int) -> int:
+        """The number of free alphas: one per producer channel, or per rotated pair."""
+        return producer_channels // 2 if self.rotary_head_dim else producer_channels
+
+    def producer_scale(self, alpha: torch.Tensor) -> torch.Tensor:
+        """alpha laid out along the producer's output channels."""
+        if not self.rotary_head_dim:
+            return alpha
+        half = self.rotary_head_dim // 2
+        return alpha.view(-1, 1, half).expand(-1, 2, half).reshape(-1)
 
     def consumer_scale(self, alpha: torch.Tensor) -> torch.Tensor:
-        """alpha laid out along the consumers' input columns."""
+        """alpha laid out along the consumers' scaled channels (input columns, or output rows)."""
+        alpha = self.producer_scale(alpha)
         if self.expand is None:
             return alpha
         repeat, head_dim = self.expand
@@ -69,8 +89,8 @@ class Architecture:
     prepare: Callable[[nn.Module], None]
     # (kv_heads, heads, head_dim) of the model, for sites with repeat_heads.
     head_layout: Callable[[object], tuple[int, int, int]] | None = None
-    # Extra sites are on by default for this family (see SiteSpec.extra).
-    extra_sites_default: bool = False
+    # The groups of extra sites that are on by default for this family (see SiteSpec.extra).
+    extra_sites_default: tuple[str, ...] = ()
     tiny_config: Callable[..., object] | None = field(default=None, repr=False)
 
 
@@ -102,9 +122,10 @@ class PreparedLM(nn.Module):
         blocks = self.get_submodule(f"lm.{self.arch.blocks}")
         return [f"lm.{self.arch.blocks}.{i}" for i in range(len(blocks))]
 
-    def sites(self, extra: bool | None = None) -> list[Site]:
-        """All Quadapter sites, bottom to top; ``extra`` adds the beyond-paper sites (default per family)."""
-        extra = self.arch.extra_sites_default if extra is None else extra
+    def sites(self, extra: bool | Iterable[str] | None = None) -> list[Site]:
+        """All Quadapter sites, bottom to top, with the beyond-paper groups ``extra`` names (True: all of them;
+        None: the family's default)."""
+        groups = extra_groups(self.arch, extra)
         expand = None
         if self.arch.head_layout is not None:
             kv_heads, heads, head_dim = self.arch.head_layout(self.config)
@@ -112,11 +133,21 @@ class PreparedLM(nn.Module):
         out = []
         for block in self.block_paths():
             for spec in self.arch.block_sites:
-                if spec.extra and not extra:
+                if spec.extra and spec.extra not in groups:
                     continue
                 out.append(_resolve(spec, block, expand))
         out.append(_resolve(self.arch.head_site, "lm", None))
         return out
+
+
+def extra_groups(arch: Architecture, extra: bool | Iterable[str] | None) -> frozenset[str]:
+    """The beyond-paper site groups that ``extra`` switches on for ``arch``."""
+    known = {s.extra for s in arch.block_sites if s.extra}
+    if extra is None:
+        return frozenset(arch.extra_sites_default)
+    if isinstance(extra, bool):
+        return frozenset(known) if extra else frozenset()
+    return frozenset(extra) & known
 
 
 def _resolve(spec: SiteSpec, prefix: str, expand: tuple[int, int] | None) -> Site:
@@ -131,6 +162,8 @@ def _resolve(spec: SiteSpec, prefix: str, expand: tuple[int, int] | None) -> Sit
         scope=f"{prefix}.{spec.scope}" if spec.scope else None,
         extra=spec.extra,
         expand=expand if spec.repeat_heads and expand and expand[0] > 1 else None,
+        consumer_rows=spec.consumer_rows,
+        rotary_head_dim=expand[1] if spec.rotary_pairs and expand else None,
     )
 
 

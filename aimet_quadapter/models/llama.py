@@ -44,16 +44,27 @@ LLAMA = Architecture(
     lm_head="lm_head",
     block_sites=(
         SiteSpec("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        # Q . K^T is unchanged when a K channel is scaled by alpha and the matching Q channel (of every query
+        # head in the KV head's group) by 1/alpha; alpha equal on the two channels RoPE rotates together.
+        SiteSpec(
+            "self_attn.k_proj",
+            ("self_attn.q_proj",),
+            scope="self_attn",
+            extra="qk",
+            repeat_heads=True,
+            consumer_rows=True,
+            rotary_pairs=True,
+        ),
         # Attention is linear in V: a V channel scaled by alpha leaves the attention output scaled the
         # same way, per head, so o_proj's matching columns can take 1/alpha.
-        SiteSpec("self_attn.v_proj", ("self_attn.o_proj",), scope="self_attn", extra=True, repeat_heads=True),
+        SiteSpec("self_attn.v_proj", ("self_attn.o_proj",), scope="self_attn", extra="linear", repeat_heads=True),
         SiteSpec("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
         # silu(gate) * up is linear in up per channel.
-        SiteSpec("mlp.up_proj", ("mlp.down_proj",), scope="mlp", extra=True),
+        SiteSpec("mlp.up_proj", ("mlp.down_proj",), scope="mlp", extra="linear"),
     ),
     head_site=SiteSpec("model.norm", ("lm_head",)),
     prepare=prepare,
     head_layout=head_layout,
-    extra_sites_default=True,
+    extra_sites_default=("linear",),
     tiny_config=tiny_config,
 )
