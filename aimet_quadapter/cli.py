@@ -79,10 +79,13 @@ def _quadapter_params(args):
 def _extra_sites(value: str | None) -> bool | list[str] | None:
     if value is None or value in ("on", "off"):
         return None if value is None else value == "on"
+    from .models import EXTRA_SITE_GROUPS
+
     groups = [g.strip() for g in value.split(",") if g.strip()]
-    unknown = sorted(set(groups) - {"linear", "qk"})
+    unknown = sorted(set(groups) - set(EXTRA_SITE_GROUPS))
     if unknown:
-        raise QuadapterError(f"--extra-sites: unknown group(s) {', '.join(unknown)}; known: linear, qk (or on, off)")
+        known = ", ".join(EXTRA_SITE_GROUPS)
+        raise QuadapterError(f"--extra-sites: unknown group(s) {', '.join(unknown)}; known: {known} (or on, off)")
     return groups
 
 
@@ -124,7 +127,10 @@ def _cmd_eval(args) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
     validation = None
     if args.holdout:
-        validation = workflow.calibration_batches(tokenizer, calib_set, args.holdout, args.calib_len, args.seed + 7919)
+        from .data import holdout_seed
+
+        seed = holdout_seed(args.seed)
+        validation = workflow.calibration_batches(tokenizer, calib_set, args.holdout, args.calib_len, seed)
     ctx = MethodContext(model, _policy(args), calib, finetune, params, out_dir, validation=validation)
     results: dict[str, dict[str, float]] = {}
     eval_time: dict[str, float] = {}

@@ -44,6 +44,11 @@ ALIASES = {"wikitext-2": "wikitext2", "wikitext": "wikitext2", "penn": "ptb", "c
 SPLITS = ("train", "valid", "test")
 
 
+def holdout_seed(seed: int) -> int:
+    """The crop seed of the held-out calibration text phase 1 is checked on: never the calibration seed."""
+    return seed + 7919
+
+
 def _cbt_text(row: dict) -> str:
     """A CBT example as running text: its 20 context sentences, then the query with the answer filled in."""
     return " ".join(row["sentences"]) + " " + row["question"].replace("XXXXX", row["answer"])

@@ -116,12 +116,12 @@ class DynamicRanges:
         # its own compute-encodings context, which on exit deletes the ``forward`` patched below: the
         # quantizer would then quantize with the range of the unscaled weight for the rest of the context.
         # A placeholder range, put back on exit, keeps AIMET from doing that.
+        if any(q.block_size is not None or q.zero_point_shift != 0 for q in self.quantizers):
+            raise NotImplementedError("dynamic ranges: block-wise or shifted grids are not supported")
         self._uninitialized = [(q, _clone_state(q.state_dict())) for q in self.quantizers if not q.is_initialized()]
         for q, _ in self._uninitialized:
             q.set_range(-1.0, 1.0)
         for q in self.quantizers:
-            if q.block_size is not None or q.zero_point_shift != 0:
-                raise NotImplementedError("dynamic ranges: block-wise or shifted grids are not supported")
             q.forward = lambda x, q=q: self._forward(q, x)
         return self
 

@@ -28,6 +28,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic import create_model as _create_model
 
 from .errors import QuadapterError
+from .models import EXTRA_SITE_GROUPS
 
 DATA_ENV = "AIMET_QUADAPTER_DATA"
 
@@ -142,7 +143,7 @@ MethodName = Annotated[str, AfterValidator(_known_method)]
 
 class QuadapterSection(_Section):
     init: Literal["ones", "cle"] = "ones"
-    extra_sites: bool | list[Literal["linear", "qk"]] | None = None
+    extra_sites: bool | list[Literal[EXTRA_SITE_GROUPS]] | None = None  # type: ignore[valid-type]
     # crops of the calibration length drawn from the calibration set's train split with another seed: phase 1
     # keeps its result only if the LM loss there (static ranges) is no worse than its start's; 0: no check
     holdout: int = Field(2, ge=0)

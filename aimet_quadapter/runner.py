@@ -312,10 +312,10 @@ class RecipeRun:
     @cache  # noqa: B019
     def validation_batches(self, cal: str) -> list[torch.Tensor]:
         """Held-out crops of the calibration set (another seed), for phase 1's check against its start."""
-        from .data import batches
+        from .data import batches, holdout_seed
 
         c, n = self.recipe.calibration, self.recipe.quadapter.holdout
-        return batches(self._crops(self.calibration_sets[cal], n, c.length, c.seed + 7919), 1) if n else []
+        return batches(self._crops(self.calibration_sets[cal], n, c.length, holdout_seed(c.seed)), 1) if n else []
 
     @cache  # noqa: B019
     def _finetune_pool(self, fid: str) -> torch.Tensor:

@@ -8,9 +8,12 @@ from .llama import LLAMA
 from .loading import load_model, load_tokenizer
 
 ARCHITECTURES: tuple[Architecture, ...] = (GPT2, LLAMA)
+# Every beyond-paper site group any family has (SiteSpec.extra): what extra_sites may name.
+EXTRA_SITE_GROUPS: tuple[str, ...] = tuple(sorted({s.extra for a in ARCHITECTURES for s in a.block_sites if s.extra}))
 
 __all__ = [
     "ARCHITECTURES",
+    "EXTRA_SITE_GROUPS",
     "Architecture",
     "PreparedLM",
     "Site",
