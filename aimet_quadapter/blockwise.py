@@ -23,16 +23,20 @@ What makes the block's loss agree with the model that is deployed:
 
 The block's input comes from one of two places (``input_source``): ``"fp"``, the FP model's activations,
 or ``"quantized"``, the sim with every lower site calibrated and in effect, as AdaRound does. The target is
-always the FP block on FP inputs. With FP inputs, a token-wise block (a norm and its linears) has only its
-own site in effect; a scope block (the attention, the MLP) has every site at its current alpha (those
-calibrated already, the others at their start), its FP input scaled by the norm's alpha before it.
+always the FP block on FP inputs. Every block has every site at its current alpha (those calibrated
+already, the others at their start), as in the model that will be deployed: a norm's alpha is worth what it
+is next to the q/k/v rows a v->o or Q*K^T alpha scales, since those rows share the per-tensor weight range.
+A token-wise block's target is therefore the FP output of its linears in the frame the other sites put it
+in; a scope block's output does not depend on the frame, and its FP input is scaled as the norm's output
+before it would be.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +136,9 @@ class BlockwiseParameters:
     range_gradient: bool = True  # min/max seen by autograd; False: AIMET's no-gradient ranges (ablation)
     input_source: str = "fp"  # "fp" or "quantized", see the module docstring
     loss_tokens: int | None = None  # token-wise blocks: the loss on this many calibration tokens (None: all)
+    # Sites (fnmatch patterns of site names) that phase 1 leaves at their start, in effect but not trained:
+    # a block-wise optimum fitted to the calibration text can generalise worse than the start (see README).
+    keep_start: tuple[str, ...] = ()
     seed: int = 0
 
     def __post_init__(self):
@@ -169,7 +176,6 @@ class SiteBlock:
     ):
         self.site = site
         entry = site.scope or site.producer
-        fp_consumers = [fp_model.get_submodule(c) for c in site.consumers]
         self.q_producer = sim_model.get_submodule(site.producer)
         self.q_consumers = [sim_model.get_submodule(c) for c in site.consumers]
         self.q_scope = sim_model.get_submodule(entry)
@@ -190,8 +196,12 @@ class SiteBlock:
                 generator = torch.Generator().manual_seed(params.seed)
                 self.rows = torch.randperm(n, generator=generator)[:take].sort().values if take and take < n else None
                 picked = fp_rows if self.rows is None else fp_rows[self.rows]
-                mid = fp_model.get_submodule(site.producer)(picked)
-                self.target = torch.cat([c(mid) for c in fp_consumers], dim=-1)
+                # The consumers' outputs in the frame the sites around them put them in (a v->o alpha scales
+                # v_proj's rows): the FP function of the sim's own modules with every alpha as it is now.
+                # This site's alpha leaves that function unchanged; the others stay put while it is trained.
+                with self.ranges, plain_tensors(), self.ranges.off():
+                    mid = self.q_producer(picked)
+                    self.target = torch.cat([c(mid) for c in self.q_consumers], dim=-1)
 
     @contextmanager
     def quantizing(self) -> Iterator[None]:
@@ -224,7 +234,7 @@ class SiteResult:
 
 
 def calibrate_site(
-    block: SiteBlock, qset: QuadapterSet, params: BlockwiseParameters, isolated: bool, progress: bool = True
+    block: SiteBlock, qset: QuadapterSet, params: BlockwiseParameters, progress: bool = True
 ) -> SiteResult:
     """Adam on one site's alpha, in ``lr_stages`` stages of falling learning rate, each from the best alpha
     so far; keeps the alpha of the lowest loss seen (the start included)."""
@@ -232,7 +242,6 @@ def calibrate_site(
     theta = quadapter.theta
     losses: list[float] = []
     best, best_theta = math.inf, theta.detach().clone()
-    scope = qset.only([block.site.name]) if isolated else nullcontext()
     bar = tqdm(total=params.steps, desc=f"phase 1 {block.site.name}", leave=False, disable=not progress)
 
     def score(value: float) -> None:
@@ -242,7 +251,7 @@ def calibrate_site(
             best, best_theta = value, theta.detach().clone()
 
     optimizer = None
-    with scope, block.quantizing():
+    with block.quantizing():
         for step in range(params.steps):
             if step % params.decay_every == 0:  # a new stage
                 stage = step // params.decay_every
@@ -276,6 +285,19 @@ class BlockwiseResult:
     validation: dict | None = None
 
 
+def kept_at_start(names: Sequence[str], patterns: Sequence[str]) -> set[str]:
+    """The site ``names`` that ``patterns`` (``phase1.keep_start``) match; a pattern that matches none is an error."""
+    kept: set[str] = set()
+    for pattern in patterns:
+        hits = fnmatch.filter(names, pattern)
+        if not hits:
+            raise QuadapterError(
+                f"phase1.keep_start: {pattern!r} matches no Quadapter site of this model (e.g. {names[0]!r})"
+            )
+        kept.update(hits)
+    return kept
+
+
 @torch.no_grad()
 def _input_scale(qset: QuadapterSet, scope: str) -> torch.Tensor | float:
     """The scale the sites feeding ``scope`` from outside (a norm before the attention) put on its input.
@@ -303,6 +325,7 @@ def apply_blockwise_calibration(
 ) -> BlockwiseResult:
     """Phase 1 on every site of ``qset`` (attached to ``sim_model``), bottom to top."""
     params = params or BlockwiseParameters()
+    kept = kept_at_start([q.site.name for q in qset], params.keep_start)
     from_fp = params.input_source == "fp"
     blocks = sim_model.block_paths()
     fp_call = batched(capture_inputs(fp_model, blocks[0], calibration_batches))
@@ -314,18 +337,21 @@ def apply_blockwise_calibration(
     by_block: dict[str, list[Site]] = {b: [] for b in blocks}
     head_sites: list[Site] = []
     for q in qset:
+        if q.site.name in kept:
+            continue
         owner = next((b for b in blocks if q.site.producer.startswith(b + ".")), None)
         (by_block[owner] if owner else head_sites).append(q.site)
 
     result = BlockwiseResult({}, {}, {})
-    outer = tqdm(total=len(qset), desc="phase 1 (block-wise calibration)", unit="site", disable=not progress)
+    outer = tqdm(
+        total=len(qset) - len(kept), desc="phase 1 (block-wise calibration)", unit="site", disable=not progress
+    )
 
     def calibrate(site: Site, fp_in: Captured, q_in: Captured) -> None:
-        isolated = from_fp and not site.scope
         if from_fp and site.scope:
             q_in = _with_hidden(q_in, _first_input(q_in) * _input_scale(qset, site.scope))
         block = SiteBlock(site, fp_model, sim_model, fp_in, q_in, params)
-        done = calibrate_site(block, qset, params, isolated=isolated, progress=progress)
+        done = calibrate_site(block, qset, params, progress=progress)
         result.losses[site.name] = done.losses
         result.error_before[site.name] = done.losses[0] if done.losses else math.nan
         result.error_after[site.name] = done.best

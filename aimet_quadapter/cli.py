@@ -66,6 +66,7 @@ def _quadapter_params(args):
         range_gradient=not args.phase1_no_range_gradient,
         input_source=args.phase1_input,
         loss_tokens=args.phase1_loss_tokens,
+        keep_start=tuple(args.phase1_keep_start),
     )
     p2 = FinetuneParameters(
         steps=args.phase2_steps,
@@ -277,7 +278,14 @@ def _add_quadapter_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--phase1-input", choices=("fp", "quantized"), default="fp", help="where a site's input comes from")
     g.add_argument("--phase1-loss-tokens", type=_positive_int, help="token-wise sites: the loss on this many tokens")
     g.add_argument("--phase1-no-range-gradient", action="store_true", help="ranges without gradient (ablation)")
-    g.add_argument("--holdout", type=int, default=2, help="held-out calibration crops phase 1 is checked on (0: none)")
+    g.add_argument(
+        "--phase1-keep-start",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="sites (fnmatch pattern of site names, repeatable) phase 1 leaves at their start alpha",
+    )
+    g.add_argument("--holdout", type=int, default=8, help="held-out calibration crops phase 1 is checked on (0: none)")
     g.add_argument("--phase2-steps", type=int, default=10_000)
     g.add_argument("--phase2-batch", type=_positive_int, default=4)
     g.add_argument("--phase2-len", type=_positive_int, default=512)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -82,8 +81,7 @@ class Quadapter(nn.Module):
 class _ModulePatch:
     """The scaled weight and bias one module sees: diag(row scale) W diag(1 / column scale)."""
 
-    def __init__(self, qset: QuadapterSet):
-        self.qset = qset
+    def __init__(self) -> None:
         self.rows: list[Quadapter] = []  # this module is the producer of these sites
         self.cols: list[Quadapter] = []  # ... and a consumer of these
         self.saved: dict[str, nn.Parameter] = {}
@@ -92,16 +90,14 @@ class _ModulePatch:
         weight, bias = module.weight, getattr(module, "bias", None)
         row = col = None
         for q in self.rows:  # producer: rows times alpha
-            if self.qset.is_active(q):
-                scale = q.site.producer_scale(q.alpha)
-                row = scale if row is None else row * scale
+            scale = q.site.producer_scale(q.alpha)
+            row = scale if row is None else row * scale
         for q in self.cols:  # consumer: columns (or, for a product of two projections, rows) divided by alpha
-            if self.qset.is_active(q):
-                scale = q.site.consumer_scale(q.alpha)
-                if q.site.consumer_rows:
-                    row = 1 / scale if row is None else row / scale
-                else:
-                    col = scale if col is None else col * scale
+            scale = q.site.consumer_scale(q.alpha)
+            if q.site.consumer_rows:
+                row = 1 / scale if row is None else row / scale
+            else:
+                col = scale if col is None else col * scale
         out = {}
         if row is None and col is None:
             return out
@@ -140,7 +136,6 @@ class QuadapterSet(nn.Module):
         for site in self.sites:
             producer = model.get_submodule(site.producer)
             self.adapters[_key(site.name)] = Quadapter(site, site.channels(producer.weight.shape[0]))
-        self._only: set[str] | None = None
         self._handles: list = []
         self._patches: dict[int, _ModulePatch] = {}
 
@@ -157,20 +152,6 @@ class QuadapterSet(nn.Module):
     def __len__(self) -> int:
         return len(self.adapters)
 
-    # --- which alphas act -------------------------------------------------------------------------
-    def is_active(self, q: Quadapter) -> bool:
-        return self._only is None or q.site.name in self._only
-
-    @contextmanager
-    def only(self, site_names: Iterable[str]) -> Iterator[None]:
-        """Within the block, only these sites' alphas act (the others are the identity)."""
-        before = self._only
-        self._only = set(site_names)
-        try:
-            yield
-        finally:
-            self._only = before
-
     # --- hooks ------------------------------------------------------------------------------------
     def attach(self, *models: nn.Module) -> QuadapterSet:
         """Make each model's forward use the scaled weights (the sim's model, the FP PreparedLM, or both)."""
@@ -180,7 +161,7 @@ class QuadapterSet(nn.Module):
                 module = model.get_submodule(path)
                 patch = self._patches.get(id(module))
                 if patch is None:
-                    patch = self._patches[id(module)] = _ModulePatch(self)
+                    patch = self._patches[id(module)] = _ModulePatch()
                     self._handles.append(module.register_forward_pre_hook(patch.pre_hook))
                     self._handles.append(module.register_forward_hook(patch.post_hook, always_call=True))
                 getattr(patch, role).append(q)

@@ -91,7 +91,18 @@ class DynamicRanges:
     def __init__(self, qs: Iterable[QuantizeDequantize], range_gradient: bool = True):
         self.quantizers = list(dict.fromkeys(qs))
         self.range_gradient = range_gradient
+        self.quantizing = True
         self._pinned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @contextmanager
+    def off(self) -> Iterator[None]:
+        """Inside the entered context, the quantizers pass their input through: the FP function of the
+        modules as they are (scaled by the Quadapters in effect)."""
+        self.quantizing = False
+        try:
+            yield
+        finally:
+            self.quantizing = True
 
     def observed_range(self, q: QuantizeDequantize, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.as_subclass(torch.Tensor)
@@ -107,6 +118,8 @@ class DynamicRanges:
         self._pinned.clear()
 
     def _forward(self, q: QuantizeDequantize, x: torch.Tensor) -> torch.Tensor:
+        if not self.quantizing:
+            return x.as_subclass(torch.Tensor)
         lo, hi = self._pinned.get(id(q)) or self.observed_range(q, x)
         scale, offset = min_max_encoding(q, lo, hi)
         return fake_quantize(x.as_subclass(torch.Tensor), scale, offset, q.qmin, q.qmax)

@@ -145,8 +145,9 @@ class QuadapterSection(_Section):
     init: Literal["ones", "cle"] = "ones"
     extra_sites: bool | list[Literal[EXTRA_SITE_GROUPS]] | None = None  # type: ignore[valid-type]
     # crops of the calibration length drawn from the calibration set's train split with another seed: phase 1
-    # keeps its result only if the LM loss there (static ranges) is no worse than its start's; 0: no check
-    holdout: int = Field(2, ge=0)
+    # keeps its result only if the LM loss there (static ranges) is no worse than its start's; 0: no check.
+    # Too few crops make the check a coin toss on a real model (README, the demo).
+    holdout: int = Field(8, ge=0)
 
 
 class CalibrationSection(_Section):

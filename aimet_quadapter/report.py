@@ -141,6 +141,11 @@ def _info_text(info: dict) -> str:
             f"{info['adaround_frozen_encodings']} AdaRound encodings frozen; "
             f"{100 * info['adaround_flipped_fraction']:.2f} % of Linear weights rounded away from nearest"
         )
+    if "validation_kept" in info:  # the two losses differ in the third decimal or later
+        return (
+            f"held-out LM loss {info['validation_start']:.4f} at the start, {info['validation_end']:.4f} after "
+            f"phase 1: kept the {info['validation_kept']}"
+        )
     return ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
 
 

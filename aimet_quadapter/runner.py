@@ -261,7 +261,19 @@ class RecipeRun:
 
             self._model, self._tokenizer = workflow.load(self.model_name)
             self._check_lengths()
+            self._check_sites()  # site names are known once the model is: before any cell's work
         return self._model
+
+    def _check_sites(self) -> None:
+        if not self.recipe.phase1.keep_start:
+            return
+        from .blockwise import kept_at_start
+
+        sites = self._model.sites(self.recipe.quadapter.extra_sites)
+        try:
+            kept_at_start([s.name for s in sites], self.recipe.phase1.keep_start)
+        except QuadapterError as e:
+            raise QuadapterError(f"{self.recipe.where()}: {e}") from None
 
     def _check_lengths(self) -> None:
         config = self._model.config

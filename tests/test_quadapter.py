@@ -155,8 +155,8 @@ def test_phase1_lowers_every_site_error(setup, source):
     extra = set(result.losses) - paper
     # a site with little to gain may keep its start; the extra sites as a whole must not be inert
     assert not extra or any(result.error_after[n] < result.error_before[n] for n in extra)
-    # the paper's sites (norm -> linear, where the outliers were planted) improve by a wide margin when
-    # calibrated in isolation; with quantized inputs part of the error arrives from below and stays
+    # the paper's sites (norm -> linear, where the outliers were planted) improve by a wide margin with FP
+    # inputs; with quantized inputs part of the error arrives from below and stays
     for site in model.sites(extra=False) if source == "fp" else []:
         assert result.error_after[site.name] < 0.5 * result.error_before[site.name], site.name
 
@@ -174,12 +174,71 @@ def test_phase1_ranges_come_from_every_row_when_the_loss_is_subsampled(setup):
     full = SiteBlock(site, model, sim.model, call, call, BlockwiseParameters(steps=1))
     part = SiteBlock(site, model, sim.model, call, call, BlockwiseParameters(steps=1, loss_tokens=37))
     assert part.rows is not None and len(part.rows) == 37
-    with torch.no_grad(), qset.only([site.name]), full.quantizing():
+    with torch.no_grad(), full.quantizing():
         everything = full.output()
-    with torch.no_grad(), qset.only([site.name]), part.quantizing():
+    with torch.no_grad(), part.quantizing():
         sampled = part.output()
     assert torch.equal(sampled, everything[part.rows])
     assert torch.equal(part.target, full.target[part.rows])
+
+
+def test_a_norm_block_sees_the_weights_the_deployed_model_has(setup):
+    """The sites after a norm (v->o, Q*K^T, up->down) scale rows of the linears the norm feeds, and so their
+    per-tensor weight ranges: the norm's block must run with them in effect. Its quantized output is the
+    folded model's, its target the folded FP model's."""
+    from aimet_quadapter.blockwise import SiteBlock, batched, capture_inputs
+    from aimet_quadapter.quadapter import fold_alphas
+    from aimet_quadapter.quantizers import plain_tensors
+
+    model, calib = setup["model"], setup["calib"]
+    sim = build_sim(model)
+    qset = attach_quadapters(sim)
+    _random_alphas(qset)
+    alphas = qset.total_alpha()
+    site = model.sites(extra=False)[0]
+    call = batched(capture_inputs(model, site.producer, calib))
+    block = SiteBlock(site, model, sim.model, call, call, BlockwiseParameters(steps=1))
+    with torch.no_grad(), block.quantizing():
+        output = block.output()
+
+    def run(m: torch.nn.Module) -> torch.Tensor:
+        mid = m.get_submodule(site.producer)(call[0][0].reshape(-1, call[0][0].shape[-1]))
+        return torch.cat([m.get_submodule(c)(mid) for c in site.consumers], dim=-1)
+
+    folded = build_sim(model)
+    folded_q = attach_quadapters(folded)
+    folded_q.set_total(alphas)
+    folded_q.fold(folded.model, reference=model)
+    folded_q.detach()
+    modules = [folded.model.get_submodule(p) for p in (site.producer, *site.consumers)]
+    with torch.no_grad(), DynamicRanges(quantizers_in(modules)), plain_tensors():
+        assert torch.allclose(output, run(folded.model), atol=1e-4, rtol=1e-4)
+    fp = copy.deepcopy(model)
+    fold_alphas(fp, model.sites(), alphas)
+    with torch.no_grad():
+        assert torch.allclose(block.target, run(fp), atol=1e-4, rtol=1e-4)
+        # where other sites scale these linears (Llama: v->o, Q.K^T), the unscaled target is another one
+        if any(s.name != site.name and {s.producer, *s.consumers} & set(site.consumers) for s in model.sites()):
+            assert not torch.allclose(block.target, run(model), atol=1e-3)
+
+
+def test_phase1_leaves_the_sites_keep_start_names_at_their_start(setup):
+    from aimet_quadapter.errors import QuadapterError
+
+    model, calib = setup["model"], setup["calib"]
+    sim = build_sim(model)
+    qset = attach_quadapters(sim)
+    _random_alphas(qset)
+    start = qset.total_alpha()
+    norms = [s.name for s in model.sites(extra=False)][:2]  # a site name is its own pattern
+    params = BlockwiseParameters(steps=6, keep_start=tuple(norms))
+    result = apply_blockwise_calibration(sim.model, model, qset, calib, params, progress=False)
+    after = qset.total_alpha()
+    assert not set(result.losses) & set(norms)
+    assert all(torch.equal(after[n], start[n]) for n in norms)
+    assert any(not torch.equal(after[n], start[n]) for n in result.losses)  # the others were trained
+    with pytest.raises(QuadapterError, match="keep_start: 'nope\\.\\*' matches no"):
+        apply_blockwise_calibration(sim.model, model, qset, calib, BlockwiseParameters(keep_start=("nope.*",)))
 
 
 def test_perplexity_ordering_fp_quadapter_ptq(setup):

@@ -253,6 +253,15 @@ def test_lengths_beyond_the_model_name_the_field(world, tmp_path, capsys):
     assert "Traceback" not in err and "seq_len: 512 exceeds the model's 256 positions" in err
 
 
+def test_a_keep_start_pattern_that_matches_no_site_stops_the_run_before_any_cell(world, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["run", str(world / "r.yaml"), "--out", str(out), "--no-progress"]
+    assert main([*args, "--set", "phase1.keep_start=['*.mlp.up_proj->down_proj']"]) == 2  # GPT-2 has no such site
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "phase1.keep_start: '*.mlp.up_proj->down_proj' matches no" in err
+    assert not _results(out)["cells"]
+
+
 def test_plan_of_a_matrix_without_loading_anything(tmp_path):
     """Calibration-only cells once per calibration set; fine-tuned cells per F-ID and per sweep size."""
     recipe_file = tmp_path / "m.yaml"
@@ -279,3 +288,10 @@ def test_plan_of_a_matrix_without_loading_anything(tmp_path):
                     "calib:ptb+lambada/quadapter_bc"}  # fmt: skip
     policy = RecipeRun(load_recipe(recipe_file, ["policy.weight_bits=4"]), tmp_path / "out", progress=False)
     assert {c.key for c in per_fid.cells if per_fid.fingerprint(c) == policy.fingerprint(c)} == {"fp"}
+
+
+def test_the_report_shows_the_phase1_check_to_the_decimal_that_decides_it():
+    from aimet_quadapter.report import _info_text
+
+    text = _info_text({"validation_start": 4.343764, "validation_end": 4.341449, "validation_kept": "end"})
+    assert "4.3438" in text and "4.3414" in text and "kept the end" in text
