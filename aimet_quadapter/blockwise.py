@@ -291,9 +291,8 @@ def kept_at_start(names: Sequence[str], patterns: Sequence[str]) -> set[str]:
     for pattern in patterns:
         hits = fnmatch.filter(names, pattern)
         if not hits:
-            raise QuadapterError(
-                f"phase1.keep_start: {pattern!r} matches no Quadapter site of this model (e.g. {names[0]!r})"
-            )
+            example = f" (e.g. {names[0]!r})" if names else ""
+            raise QuadapterError(f"phase1.keep_start: {pattern!r} matches no Quadapter site of this model{example}")
         kept.update(hits)
     return kept
 
