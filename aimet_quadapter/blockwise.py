@@ -199,9 +199,8 @@ class SiteBlock:
                 # The consumers' outputs in the frame the sites around them put them in (a v->o alpha scales
                 # v_proj's rows): the FP function of the sim's own modules with every alpha as it is now.
                 # This site's alpha leaves that function unchanged; the others stay put while it is trained.
-                with self.ranges, plain_tensors(), self.ranges.off():
-                    mid = self.q_producer(picked)
-                    self.target = torch.cat([c(mid) for c in self.q_consumers], dim=-1)
+                with self.quantizing(), self.ranges.off():
+                    self.target = self._consumed(self.q_producer(picked))
 
     @contextmanager
     def quantizing(self) -> Iterator[None]:
@@ -217,6 +216,9 @@ class SiteBlock:
         self.ranges.pin(self.shared_input, mid)
         if self.rows is not None:
             mid = mid[self.rows]
+        return self._consumed(mid)
+
+    def _consumed(self, mid: torch.Tensor) -> torch.Tensor:
         return torch.cat([c(mid) for c in self.q_consumers], dim=-1)
 
     def loss(self) -> torch.Tensor:
