@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from .errors import QuadapterError
 from .models import PreparedLM, Site
 
 
@@ -203,6 +204,10 @@ class QuadapterSet(nn.Module):
 
         Followed by :meth:`fold` with ``reference``, the model then holds exactly these alphas.
         """
+        # a name of no site (another model's state, a prefixed key) would otherwise leave that site at 1
+        unknown = sorted(set(alphas) - {q.site.name for q in self})
+        if unknown:
+            raise QuadapterError(f"alpha for {len(unknown)} unknown site(s), e.g. {unknown[0]!r}")
         for q in self:
             q.folded.fill_(1.0)
             alpha = alphas.get(q.site.name)

@@ -10,6 +10,7 @@ import torch
 from aimet_quadapter.api import QuadapterParameters, apply_cle, apply_quadapter, attach_quadapters
 from aimet_quadapter.blockwise import BlockwiseParameters, apply_blockwise_calibration
 from aimet_quadapter.data import eval_windows
+from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.evaluation import perplexity
 from aimet_quadapter.finetune import FinetuneParameters, apply_finetuning, lm_loss
 from aimet_quadapter.policy import build_sim, calibrate
@@ -125,6 +126,14 @@ def test_dynamic_ranges_follow_alpha_on_an_uncalibrated_sim(setup):
     assert torch.allclose(first, reference, atol=1e-4, rtol=1e-4)
 
 
+def test_set_total_refuses_an_alpha_for_no_site(setup):
+    """A state saved with a key prefix, or another model's alphas, must not leave every site at 1 unnoticed."""
+    qset = attach_quadapters(build_sim(setup["model"]))
+    alphas = {f"alpha/{name}": alpha for name, alpha in qset.total_alpha().items()}
+    with pytest.raises(QuadapterError, match="unknown site"):
+        qset.set_total(alphas)
+
+
 @pytest.mark.parametrize("mode", ["static", "dynamic"])
 def test_gradients_reach_alpha(setup, mode):
     model, calib = setup["model"], setup["calib"]
@@ -223,8 +232,6 @@ def test_a_norm_block_sees_the_weights_the_deployed_model_has(setup):
 
 
 def test_phase1_leaves_the_sites_keep_start_names_at_their_start(setup):
-    from aimet_quadapter.errors import QuadapterError
-
     model, calib = setup["model"], setup["calib"]
     sim = build_sim(model)
     qset = attach_quadapters(sim)
