@@ -31,6 +31,9 @@ class BaselineParameters:
 
     adaround_iterations: int = 10_000
     adaround_reg_param: float = 0.01
+    # AIMET reruns the model on these batches for every layer it rounds, whatever the iterations: on a CPU
+    # the batch count, not the iterations, sets AdaRound's time. None: every calibration batch.
+    adaround_batches: int | None = None
     seq_mse_candidates: int = 20
     # AIMET skips every layer above 4 weight bits (aimet_torch._base.seq_mse.SUPPORTED_PARAM_BW); True lifts
     # that limit for the run so that SeqMSE really searches 8-bit ranges.
@@ -94,7 +97,7 @@ def apply_adaround(
         config.write_text(json.dumps(aimet_config(policy)))
         ada_params = AdaroundParameters(
             data_loader=batches,
-            num_batches=len(batches),
+            num_batches=min(params.adaround_batches or len(batches), len(batches)),
             default_num_iterations=params.adaround_iterations,
             default_reg_param=params.adaround_reg_param,
             forward_fn=_forward,
@@ -120,6 +123,7 @@ def apply_adaround(
     calibrate(sim, batches)
     info = {
         "adaround_iterations": params.adaround_iterations,
+        "adaround_batches": ada_params.num_batches,
         "adaround_frozen_encodings": frozen,
         "adaround_flipped_fraction": _flipped_fraction(model, sim),
     }

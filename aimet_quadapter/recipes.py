@@ -113,6 +113,7 @@ def _baselines_model() -> type[BaseModel]:
         {
             "adaround_iterations": {"ge": 1},
             "adaround_reg_param": {"ge": 0},
+            "adaround_batches": {"ge": 1},
             "seq_mse_candidates": {"ge": 1},
             "qat_lr_weights": {"gt": 0},
         },

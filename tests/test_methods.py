@@ -52,6 +52,25 @@ def test_registry_has_the_papers_rows():
     assert all(REGISTRY[m].from_bc for m in ("quadapter", "quadapter_bc_qat", "quadapter_fixed_ranges"))
 
 
+def test_adaround_batches_limits_the_batches_aimet_reruns_the_model_on(toy):
+    """``adaround_batches`` reaches AIMET: with one of the two calibration batches, fewer forwards of the model."""
+    model = toy[0]
+    calls = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    counts = {}
+    try:
+        for batches in (1, None):
+            calls.clear()
+            params = BaselineParameters(adaround_iterations=2, adaround_batches=batches)
+            ctx = _ctx(toy, baselines=params)
+            run_method("adaround", ctx)
+            counts[batches] = (len(calls), ctx.info["adaround"]["adaround_batches"])
+    finally:
+        handle.remove()
+    assert counts[1][1] == 1 and counts[None][1] == 2
+    assert counts[1][0] < counts[None][0]
+
+
 def test_adaround_freezes_its_encodings_and_rounds_differently(toy, tmp_path):
     model = toy[0]
     before = _fp_weights(model)
