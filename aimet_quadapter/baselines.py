@@ -31,8 +31,8 @@ class BaselineParameters:
 
     adaround_iterations: int = 10_000
     adaround_reg_param: float = 0.01
-    # AIMET reruns the model on these batches for every layer it rounds, whatever the iterations: on a CPU
-    # the batch count, not the iterations, sets AdaRound's time. None: every calibration batch.
+    # AIMET reruns the model on each of these batches for every layer it rounds, to sample that layer's
+    # inputs and outputs, on top of the iterations; None: every calibration batch.
     adaround_batches: int | None = None
     seq_mse_candidates: int = 20
     # AIMET skips every layer above 4 weight bits (aimet_torch._base.seq_mse.SUPPORTED_PARAM_BW); True lifts
