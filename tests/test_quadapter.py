@@ -44,6 +44,16 @@ def _random_alphas(qset: QuadapterSet, seed: int = 3) -> None:
         q.set_alpha(torch.exp(torch.randn(q.theta.shape, generator=g)))
 
 
+def _folded_sim(model, alphas: dict[str, torch.Tensor]):
+    """A fresh sim of ``model`` with exactly ``alphas`` folded into its weights, no hooks left on it."""
+    sim = build_sim(model)
+    qset = attach_quadapters(sim)
+    qset.set_total(alphas)
+    qset.fold(sim.model, reference=model)
+    qset.detach()
+    return sim
+
+
 def test_sites_match_the_paper_and_the_extra_option(setup):
     model = setup["model"]
     paper = model.sites(extra=False)
@@ -116,11 +126,7 @@ def test_dynamic_ranges_follow_alpha_on_an_uncalibrated_sim(setup):
         first, second = sim.model(ids), sim.model(ids)
     assert torch.equal(first, second)
     assert not any(q.is_initialized() for q in quantizers_in([sim.model]))  # the sim's state is put back
-    folded = build_sim(model)
-    folded_q = attach_quadapters(folded)
-    folded_q.set_total(qset.total_alpha())
-    folded_q.fold(folded.model, reference=model)
-    folded_q.detach()
+    folded = _folded_sim(model, qset.total_alpha())
     with torch.no_grad(), DynamicRanges(quantizers_in([folded.model])):
         reference = folded.model(ids)
     assert torch.allclose(first, reference, atol=1e-4, rtol=1e-4)
@@ -214,11 +220,7 @@ def test_a_norm_block_sees_the_weights_the_deployed_model_has(setup):
         mid = m.get_submodule(site.producer)(call[0][0].reshape(-1, call[0][0].shape[-1]))
         return torch.cat([m.get_submodule(c)(mid) for c in site.consumers], dim=-1)
 
-    folded = build_sim(model)
-    folded_q = attach_quadapters(folded)
-    folded_q.set_total(alphas)
-    folded_q.fold(folded.model, reference=model)
-    folded_q.detach()
+    folded = _folded_sim(model, alphas)
     modules = [folded.model.get_submodule(p) for p in (site.producer, *site.consumers)]
     with torch.no_grad(), DynamicRanges(quantizers_in(modules)), plain_tensors():
         assert torch.allclose(output, run(folded.model), atol=1e-4, rtol=1e-4)
