@@ -2,7 +2,7 @@
 
 Every measurement is taken side by side in one invocation and reported as a ratio:
 
-* evaluation throughput (tokens/s) of the W8A8 sim, as ``workflow.evaluate`` runs it, vs the FP model;
+* evaluation throughput (tokens/s) of the W8A8 sim, as ``evaluate`` runs it, vs the FP model;
 * one phase-1 step of a site vs the FP forward+backward of the same layers on the same tokens;
 * one phase-2 step (alpha + learned ranges, weights frozen) vs one FP fine-tuning step of the same batch;
 * peak memory (RSS on CPU, CUDA peak on a GPU) of the whole Quadapter pipeline vs the FP training step.
@@ -38,10 +38,9 @@ def _load(name: str):
     """A PreparedLM: ``gpt2-small`` is GPT-2 small's shape built from config (random weights)."""
     import torch
 
-    from aimet_quadapter import workflow
-    from aimet_quadapter.models import prepare_model
+    from aimet_quadapter.models import load_model, prepare_model, quiet_libraries
 
-    workflow.quiet_libraries()
+    quiet_libraries()
     torch.manual_seed(0)
     if name.startswith("tiny-"):  # quick checks of this script
         from aimet_quadapter.models import tiny_model
@@ -52,7 +51,7 @@ def _load(name: str):
 
         config = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return prepare_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
-    model, _ = workflow.load(name)
+    model, _ = load_model(name, quiet=True)
     return model
 
 
@@ -90,7 +89,7 @@ def _median_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
 
 
 def _calibrated_sim(model, length: int):
-    from aimet_quadapter.policy import build_sim, calibrate
+    from aimet_quadapter.quant.policy import build_sim, calibrate
 
     sim = build_sim(model)
     calibrate(sim, [_ids(model, 1, length, seed=1)])
@@ -111,7 +110,7 @@ def case_eval(model, args) -> dict:
     """Tokens/s of the FP model and of the sim as evaluate() runs it (weights quantized once)."""
     import torch
 
-    from aimet_quadapter import quantizers
+    from aimet_quadapter.quant import quantizers
 
     # named prequantized_weights before the speed-ups: "before" runs
     fast_inference = getattr(quantizers, "fast_inference", None) or quantizers.prequantized_weights
@@ -134,9 +133,8 @@ def case_eval(model, args) -> dict:
 
 def case_phase1(model, args) -> dict:
     """Per site kind of the first block (and the head site): a phase-1 step vs FP fwd+bwd of its layers."""
-    from aimet_quadapter import blockwise
-    from aimet_quadapter.blockwise import capture_inputs
-    from aimet_quadapter.quadapter import QuadapterSet
+    from aimet_quadapter.quadapter.adapter import QuadapterSet, phase1
+    from aimet_quadapter.quadapter.phase1 import capture_inputs
 
     sim = _calibrated_sim(model, args.seq_len)
     qset = QuadapterSet.for_model(sim.model).attach(sim.model)
@@ -150,8 +148,8 @@ def case_phase1(model, args) -> dict:
         entry = site.scope or site.producer
         if site.producer.startswith(first_block + "."):
             block = model.get_submodule(first_block)
-            call = blockwise.batched(capture_inputs(model, first_block, [ids]))
-            calls = [blockwise._run_capturing(block, call, model, [entry])[1][entry]]
+            call = phase1.batched(capture_inputs(model, first_block, [ids]))
+            calls = [phase1.run_capturing(block, call, model, [entry])[1][entry]]
         else:
             calls = [((h,), {}) for h in _final_hidden(model, ids)]
         kind = re.sub(r"^.*?\.\d+\.", "", site.name)  # the site's name within its block
@@ -162,10 +160,10 @@ def case_phase1(model, args) -> dict:
 def _phase1_site(model, sim, qset, site, calls, args) -> dict:
     import torch
 
-    from aimet_quadapter.blockwise import BlockwiseParameters, SiteBlock, batched, calibrate_site
+    from aimet_quadapter.quadapter.phase1 import Phase1Parameters, SiteBlock, batched, calibrate_site
 
     steps = args.phase1_steps
-    params = BlockwiseParameters(steps=steps)
+    params = Phase1Parameters(steps=steps)
     call = batched(calls)
     block = SiteBlock(site, model, sim.model, call, call, params)  # once per site, as phase 1 does
 
@@ -204,7 +202,7 @@ def _phase1_site(model, sim, qset, site, calls, args) -> dict:
 
 
 def _final_hidden(model, ids):
-    from aimet_quadapter.blockwise import capture_inputs
+    from aimet_quadapter.quadapter.phase1 import capture_inputs
 
     final_norm = next(s for s in model.sites() if not any(s.producer.startswith(b + ".") for b in model.block_paths()))
     return [call[0][0] for call in capture_inputs(model, final_norm.producer, [ids])]
@@ -214,15 +212,15 @@ def case_phase2(model, args) -> dict:
     """A phase-2 step (alpha + ranges learned, weights frozen) vs an FP fine-tuning step, same batch."""
     import torch
 
-    from aimet_quadapter.finetune import FinetuneParameters, apply_finetuning, lm_loss
-    from aimet_quadapter.quadapter import QuadapterSet
+    from aimet_quadapter.quadapter.adapter import QuadapterSet
+    from aimet_quadapter.quadapter.phase2 import Phase2Parameters, lm_loss, run_phase2
 
     sim = _calibrated_sim(model, args.seq_len)
     qset = QuadapterSet.for_model(sim.model).attach(sim.model)
     batch = _ids(model, args.batch, args.seq_len)
     steps = args.phase2_steps
-    params = FinetuneParameters(steps=steps, batch_size=args.batch, seq_len=args.seq_len)
-    q_time = _median_time(lambda: apply_finetuning(sim.model, qset, [batch], params, progress=False), args.reps)
+    params = Phase2Parameters(steps=steps, batch_size=args.batch, seq_len=args.seq_len)
+    q_time = _median_time(lambda: run_phase2(sim.model, qset, [batch], params, progress=False), args.reps)
 
     weights = list(model.parameters())
     optimizer = torch.optim.Adam(weights, lr=1e-5)
@@ -248,7 +246,7 @@ def case_memory_fp_train(model, args) -> dict:
     """Peak memory of FP fine-tuning steps (the reference the pipeline is compared with)."""
     import torch
 
-    from aimet_quadapter.finetune import lm_loss
+    from aimet_quadapter.quadapter.phase2 import lm_loss
 
     batch = _ids(model, args.batch, args.seq_len)
     for p in model.parameters():
@@ -263,23 +261,23 @@ def case_memory_fp_train(model, args) -> dict:
 
 def case_memory_pipeline(model, args) -> dict:
     """Peak memory of the whole pipeline: sim, phase 1 on every site, static calibration, phase 2, evaluation."""
-    from aimet_quadapter import workflow
-    from aimet_quadapter.api import QuadapterParameters, apply_quadapter
-    from aimet_quadapter.blockwise import BlockwiseParameters
-    from aimet_quadapter.data import eval_windows
-    from aimet_quadapter.finetune import FinetuneParameters
-    from aimet_quadapter.policy import build_sim
+    from aimet_quadapter.experiments.data import eval_windows
+    from aimet_quadapter.experiments.evaluation import evaluate
+    from aimet_quadapter.quadapter.api import QuadapterParameters, apply_quadapter
+    from aimet_quadapter.quadapter.phase1 import Phase1Parameters
+    from aimet_quadapter.quadapter.phase2 import Phase2Parameters
+    from aimet_quadapter.quant.policy import build_sim
 
     calib = [_ids(model, 1, args.seq_len, seed=i) for i in range(2)]
     finetune = [_ids(model, args.batch, args.seq_len, seed=10)]
     params = QuadapterParameters(
-        phase1=BlockwiseParameters(steps=2),
-        phase2=FinetuneParameters(steps=2, batch_size=args.batch, seq_len=args.seq_len),
+        phase1=Phase1Parameters(steps=2),
+        phase2=Phase2Parameters(steps=2, batch_size=args.batch, seq_len=args.seq_len),
     )
     sim = build_sim(model)
     apply_quadapter(sim, model, calib, finetune, params, progress=False)
     windows = eval_windows(_ids(model, 1, args.seq_len, seed=20)[0].cpu(), args.seq_len)
-    workflow.evaluate(sim, {"random": windows}, progress=False)
+    evaluate(sim, {"random": windows}, progress=False)
     return _peak_memory()
 
 

@@ -13,27 +13,27 @@ import argparse
 import json
 import time
 
-from aimet_quadapter import workflow
-from aimet_quadapter.api import QuadapterParameters, apply_blockwise_phase
-from aimet_quadapter.blockwise import BlockwiseParameters
-from aimet_quadapter.data import eval_windows
-from aimet_quadapter.evaluation import perplexity
-from aimet_quadapter.finetune import FinetuneParameters
-from aimet_quadapter.policy import build_sim, calibrate
-from aimet_quadapter.toy import sample_corpus, toy_model
+from aimet_quadapter.experiments.data import calibration_batches, eval_windows
+from aimet_quadapter.experiments.evaluation import eval_windows_for, evaluate, perplexity
+from aimet_quadapter.models import load_model, quiet_libraries
+from aimet_quadapter.quadapter.api import QuadapterParameters, apply_phase1
+from aimet_quadapter.quadapter.phase1 import Phase1Parameters
+from aimet_quadapter.quadapter.phase2 import Phase2Parameters
+from aimet_quadapter.quant.policy import build_sim, calibrate
+from aimet_quadapter.testing import sample_corpus, toy_model
 
 
 def compare(model, calib, windows, steps: int, tokens: int | None) -> dict:
     out = {"fp32": perplexity(model, windows, progress=False).ppl}
     sim = build_sim(model)
     calibrate(sim, calib)
-    out["ptq"] = workflow.evaluate(sim, {"d": windows})["d"]
+    out["ptq"] = evaluate(sim, {"d": windows})["d"]
     for source in ("fp", "quantized"):
         start = time.time()
         sim = build_sim(model)
-        p1 = BlockwiseParameters(steps=steps, input_source=source, loss_tokens=tokens)
-        apply_blockwise_phase(sim, model, calib, QuadapterParameters(phase1=p1, phase2=FinetuneParameters(steps=0)))
-        out[f"bc_{source}"] = workflow.evaluate(sim, {"d": windows})["d"]
+        p1 = Phase1Parameters(steps=steps, input_source=source, loss_tokens=tokens)
+        apply_phase1(sim, model, calib, QuadapterParameters(phase1=p1, phase2=Phase2Parameters(steps=0)))
+        out[f"bc_{source}"] = evaluate(sim, {"d": windows})["d"]
         out[f"bc_{source}_time_s"] = round(time.time() - start, 1)
     return out
 
@@ -47,12 +47,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
-    workflow.quiet_libraries()
+    quiet_libraries()
     results = {}
     if args.model:
-        model, tok = workflow.load(args.model)
-        windows = workflow.eval_windows_for(tok, args.dataset, "test", 1024, None, args.max_tokens)
-        calib = workflow.calibration_batches(tok, args.dataset, 10, 512, 0)
+        model, tok = load_model(args.model, quiet=True)
+        windows = eval_windows_for(tok, args.dataset, "test", 1024, None, args.max_tokens)
+        calib = calibration_batches(tok, args.dataset, 10, 512, 0)
         results[args.model] = compare(model, calib, windows, args.steps, args.tokens)
     else:
         for family in ("gpt2", "llama"):

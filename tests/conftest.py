@@ -113,7 +113,7 @@ def tiny_llama():
 @pytest.fixture
 def offline(monkeypatch):
     """The hub is unreachable: HF_HUB_OFFLINE=1, and the package's cached reachability answer forgotten."""
-    from aimet_quadapter.hub import hub_reachable
+    from aimet_quadapter.models.hub import hub_reachable
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

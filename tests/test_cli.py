@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -20,14 +21,6 @@ def _ptq_key(results) -> str:
     return keys[0]
 
 
-def _table(out: str) -> list[str]:
-    """The results table (header line first) and what follows it in the command's stdout."""
-    lines = out.strip().splitlines()
-    starts = [i for i, line in enumerate(lines) if line.split()[:1] == ["method"]]
-    assert len(starts) == 1, out
-    return lines[starts[0] :]
-
-
 def _error_line(capsys) -> str:
     """The error message: one line, the last thing on stderr (progress bars may come before it)."""
     err = capsys.readouterr().err
@@ -39,28 +32,27 @@ def _error_line(capsys) -> str:
     return errors[0]
 
 
+def _cells(saved: dict) -> dict[str, dict]:
+    """label -> cell of a results.json."""
+    return {c["label"]: c for c in saved["cells"].values()}
+
+
 def test_eval_local_model_and_file(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
+    """``eval`` is a recipe run: the same results.json as ``run``, and the printed table holds its numbers."""
     out_json = tmp_path / "results.json"
     code = main(["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), "--json", str(out_json), *SMALL])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    lines = _table(captured.out)
-    assert lines[0].split() == ["method", corpus_file.stem]
-    rows = {line.rsplit(None, 1)[0]: float(line.rsplit(None, 1)[1]) for line in lines[1:3]}
-    assert len(rows) == 2 and "FP32" in rows and _ptq_key(rows)
-    # 4 windows of 64 tokens, each window's first token is context only
-    assert "252 scored tokens per dataset" in lines[3]
-
     saved = json.loads(out_json.read_text())
     assert saved["model"] == str(tiny_gpt2_dir)
-    results = saved["results"]
-    assert set(results) == set(rows)
-    for method, row in results.items():
-        value = row[str(corpus_file)]
-        assert math.isfinite(value) and value > 1.0, method
-        assert f"{value:.3f}" == f"{rows[method]:.3f}"
-    assert results["FP32"][str(corpus_file)] != results[_ptq_key(results)][str(corpus_file)]
-    assert saved["wall_time_s"] > 0
+    assert saved["recipes"]["eval"]["settings"]["eval"]["seq_len"] == 64
+    assert [d["label"] for d in saved["datasets"]] == [corpus_file.stem]
+    cells = _cells(saved)
+    assert set(cells) == {"FP32", _ptq_key(cells)}
+    fp, ptq = cells["FP32"]["ppl"][corpus_file.stem], cells[_ptq_key(cells)]["ppl"][corpus_file.stem]
+    assert math.isfinite(fp) and math.isfinite(ptq) and fp > 1.0 and fp != ptq
+    for label, value in (("FP32", fp), (_ptq_key(cells), ptq)):
+        assert any(f"| {label} |" in line and f"{value:.2f}" in line for line in captured.out.splitlines())
 
 
 def test_eval_fp_only_two_datasets(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
@@ -70,12 +62,10 @@ def test_eval_fp_only_two_datasets(tiny_gpt2_dir, corpus_file, tmp_path, capsys)
     argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), "--dataset", str(other)]
     code = main([*argv, "--methods", "fp", "--json", str(out_json), *SMALL])
     assert code == 0
-    results = json.loads(out_json.read_text())["results"]
-    assert list(results) == ["FP32"]
-    assert set(results["FP32"]) == {str(corpus_file), str(other)}
-    table = _table(capsys.readouterr().out)
-    assert table[0].split() == ["method", "corpus", "other"]
-    assert table[1].split()[0] == "FP32" and len(table[1].split()) == 3
+    cells = _cells(json.loads(out_json.read_text()))
+    assert list(cells) == ["FP32"]
+    assert set(cells["FP32"]["ppl"]) == {"corpus", "other"}
+    assert cells["FP32"]["ppl"]["corpus"] != cells["FP32"]["ppl"]["other"]
 
 
 def test_eval_missing_model_folder(tmp_path, corpus_file, capsys):
@@ -96,32 +86,71 @@ def test_eval_unknown_method(tiny_gpt2_dir, corpus_file, capsys):
     code = main(["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), "--methods", "fp,foo"])
     assert code == 2
     line = _error_line(capsys)
-    assert "foo" in line and "--methods" in line
+    assert "'foo'" in line and "field methods" in line
 
 
-def test_eval_bad_policy(tiny_gpt2_dir, corpus_file, capsys):
-    code = main(["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), "--weight-bits", "1", *SMALL])
-    err = capsys.readouterr().err
+@pytest.mark.parametrize(
+    "option, value, field",
+    [
+        ("--policy-weight-bits", "1", "policy.weight_bits"),
+        ("--phase1-steps", "-3", "phase1.steps"),
+        ("--phase1-input-source", "both", "phase1.input_source"),
+        ("--quadapter-init", "random", "quadapter.init"),
+        ("--seq-len", "0", "eval.seq_len"),
+    ],
+)
+def test_eval_bad_setting_names_its_field(tiny_gpt2_dir, corpus_file, capsys, option, value, field):
+    """A generated option is checked by the recipe schema, before any model is loaded."""
+    code = main(["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), option, value])
     assert code == 2
-    assert "weight_bits" in err.strip().splitlines()[-1]
-    assert "Traceback" not in err
-    assert "FP32" not in err  # rejected before any evaluation runs
+    line = _error_line(capsys)
+    assert f"field {field}" in line and value in line
 
 
-@pytest.mark.parametrize("option, value", [("--seq-len", "512"), ("--calib-len", "300")])
-def test_eval_window_longer_than_model(tiny_gpt2_dir, corpus_file, capsys, option, value):
+def test_eval_options_are_the_dataclass_fields(capsys, monkeypatch):
+    """Every field of the parameter dataclasses has its option, with the dataclass default in its help."""
+    import dataclasses
+
+    from aimet_quadapter.quadapter import Phase1Parameters
+
+    monkeypatch.setenv("COLUMNS", "1000")  # no help text wrapped
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for f in dataclasses.fields(Phase1Parameters):
+        flag = f"--phase1-{f.name.replace('_', '-')}"
+        found = re.search(rf" {flag}(?:, --no-{flag[2:]}| VALUE) (.*?)(?= --|$)", text)
+        assert found, flag
+        assert f"(default: {f.default})" in found.group(1), (flag, found.group(1))
+
+
+def test_eval_generated_options_reach_the_run(tiny_gpt2_dir, corpus_file, tmp_path):
+    out = tmp_path / "run"
+    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), "--methods", "fp", *SMALL]
+    code = main([*argv, "--phase1-steps", "7", "--no-policy-quantize-norm-weights", "--out", str(out)])
+    assert code == 0
+    settings = json.loads((out / "results.json").read_text())["recipes"]["eval"]["settings"]
+    assert settings["phase1"]["steps"] == 7
+    assert settings["policy"]["quantize_norm_weights"] is False
+    assert settings["phase2"]["steps"] == 10_000  # not given: the dataclass default
+
+
+@pytest.mark.parametrize(
+    "option, value, field", [("--seq-len", "512", "eval"), ("--calib-len", "300", "calibration.length")]
+)
+def test_eval_window_longer_than_model(tiny_gpt2_dir, corpus_file, capsys, option, value, field):
     argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), "--max-tokens", "1024"]
     code = main([*argv, "--seq-len", "64", "--calib-len", "64", option, value])
     assert code == 2
     line = _error_line(capsys)
-    assert f"{option} {value}" in line and "256 positions" in line
+    assert f"field {field}" in line and f"{value} exceeds" in line and "256 positions" in line
 
 
 def test_argparse_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as info:
-        main(["eval", "--model", "x", "--dataset", "y", "--seq-len", "0"])
+        main(["eval", "--model", "x", "--dataset", "y", "--split", "dev"])
     assert info.value.code == 2
-    assert "positive integer" in capsys.readouterr().err
+    assert "invalid choice" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         main(["frobnicate"])
     assert info.value.code == 2
@@ -145,7 +174,15 @@ def test_describe(tiny_gpt2_dir, capsys):
 
 def test_describe_calibrated_with_options(tiny_gpt2_dir, corpus_file, capsys):
     argv = ["describe", "--model", str(tiny_gpt2_dir), "--calib-dataset", str(corpus_file)]
-    code = main([*argv, "--calib-samples", "2", "--calib-len", "32", "--no-norm-weights", "--quantize-logits"])
+    options = [
+        "--calib-samples",
+        "2",
+        "--calib-len",
+        "32",
+        "--no-policy-quantize-norm-weights",
+        "--policy-quantize-logits",
+    ]
+    code = main([*argv, *options])
     assert code == 0
     out = capsys.readouterr().out
     assert "(not calibrated)" not in out
@@ -160,7 +197,7 @@ def test_eval_smollm2_ptb(tmp_path, capsys):
     argv = ["eval", "--model", "smollm2-135m", "--dataset", "ptb", "--max-tokens", "2048"]
     code = main([*argv, "--json", str(out_json)])
     assert code == 0, capsys.readouterr().err
-    results = json.loads(out_json.read_text())["results"]
-    fp, ptq = results["FP32"]["ptb"], results[_ptq_key(results)]["ptb"]
+    cells = _cells(json.loads(out_json.read_text()))
+    fp, ptq = cells["FP32"]["ppl"]["ptb"], cells[_ptq_key(cells)]["ppl"]["ptb"]
     assert math.isfinite(fp) and math.isfinite(ptq)
     assert 1.0 < fp < ptq

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aimet_quadapter import data
 from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.experiments import data
 
 # ---------------------------------------------------------------- windows
 

@@ -7,13 +7,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from aimet_quadapter.api import attach_quadapters
-from aimet_quadapter.data import eval_windows
-from aimet_quadapter.evaluation import perplexity
-from aimet_quadapter.finetune import FinetuneParameters, apply_finetuning
-from aimet_quadapter.policy import build_sim, calibrate
-from aimet_quadapter.toy import sample_corpus, toy_model
-from aimet_quadapter.workflow import quiet_libraries
+from aimet_quadapter.experiments.data import eval_windows
+from aimet_quadapter.experiments.evaluation import perplexity
+from aimet_quadapter.models import quiet_libraries
+from aimet_quadapter.quadapter.api import attach_quadapters
+from aimet_quadapter.quadapter.phase2 import Phase2Parameters, run_phase2
+from aimet_quadapter.quant.policy import build_sim, calibrate
+from aimet_quadapter.testing import sample_corpus, toy_model
 
 
 def _run() -> dict:
@@ -26,8 +26,8 @@ def _run() -> dict:
     calibrate(sim, [corpus[:2]])
     qset = attach_quadapters(sim)
     train = [corpus[2:4], corpus[4:6]]
-    result = apply_finetuning(
-        sim.model, qset, train, FinetuneParameters(steps=3, lr_alpha=1e-2, lr_ranges=1e-2), progress=False
+    result = run_phase2(
+        sim.model, qset, train, Phase2Parameters(steps=3, lr_alpha=1e-2, lr_ranges=1e-2), progress=False
     )
     windows = [w for row in corpus[6:] for w in eval_windows(row, 48)]
     ppl = perplexity(sim.model, windows, progress=False)

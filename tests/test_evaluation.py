@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from aimet_quadapter.data import Window, eval_windows
-from aimet_quadapter.evaluation import perplexity, window_nll
-from aimet_quadapter.policy import QuantPolicy, build_sim, calibrate
-from aimet_quadapter.quantizers import fast_inference
-from aimet_quadapter.toy import sample_corpus, toy_model
+from aimet_quadapter.experiments.data import Window, eval_windows
+from aimet_quadapter.experiments.evaluation import perplexity, window_nll
+from aimet_quadapter.quant.policy import QuantPolicy, build_sim, calibrate
+from aimet_quadapter.quant.quantizers import fast_inference
+from aimet_quadapter.testing import sample_corpus, toy_model
 
 
 def _by_hand(model, windows):

@@ -11,26 +11,26 @@ import onnx
 import pytest
 import torch
 
-from aimet_quadapter import export as export_module
-from aimet_quadapter.api import QuadapterParameters, apply_quadapter
-from aimet_quadapter.blockwise import BlockwiseParameters
 from aimet_quadapter.cli import main
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.evaluation import perplexity
-from aimet_quadapter.export import (
+from aimet_quadapter.experiments.evaluation import perplexity
+from aimet_quadapter.export import exporter as export_module
+from aimet_quadapter.export.exporter import (
     Tolerance,
     export_quantized,
     resolve_state,
     shared_activation_groups,
     verify_export,
 )
-from aimet_quadapter.finetune import FinetuneParameters
-from aimet_quadapter.onnx_eval import ENCODINGS, QDQ_ONNX, OnnxLM
-from aimet_quadapter.policy import build_sim, calibrate
-from aimet_quadapter.quantizers import quantizers
-from aimet_quadapter.state import QuadapterState
-from aimet_quadapter.toy import sample_corpus, toy_model
-from aimet_quadapter.workflow import quiet_libraries
+from aimet_quadapter.export.onnx_eval import ENCODINGS, QDQ_ONNX, OnnxLM
+from aimet_quadapter.models import quiet_libraries
+from aimet_quadapter.quadapter.api import QuadapterParameters, apply_quadapter
+from aimet_quadapter.quadapter.phase1 import Phase1Parameters
+from aimet_quadapter.quadapter.phase2 import Phase2Parameters
+from aimet_quadapter.quadapter.state import QuadapterState
+from aimet_quadapter.quant.policy import build_sim, calibrate
+from aimet_quadapter.quant.quantizers import quantizers
+from aimet_quadapter.testing import sample_corpus, toy_model
 
 quiet_libraries()
 SEQ = 32
@@ -106,9 +106,7 @@ def test_export_after_quadapter(toy, tmp_path, request):
         request.applymarker(pytest.mark.xfail(strict=True, reason="merged shared ranges after phase 2 differ"))
     model = toy["model"]
     sim = build_sim(model)
-    params = QuadapterParameters(
-        phase1=BlockwiseParameters(steps=4), phase2=FinetuneParameters(steps=2, lr_ranges=1e-2)
-    )
+    params = QuadapterParameters(phase1=Phase1Parameters(steps=4), phase2=Phase2Parameters(steps=2, lr_ranges=1e-2))
     result = apply_quadapter(sim, model, toy["calib"], toy["train"], params, progress=False)
     path = result.state.save(tmp_path / "quadapter.safetensors")
     rebuilt = QuadapterState.load(path).build_sim(model)  # what the CLI exports
@@ -278,13 +276,15 @@ def test_resolve_state(tmp_path):
 
 
 def test_cli_export_then_eval(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
-    from aimet_quadapter import workflow
+    from aimet_quadapter.experiments.data import calibration_batches
+    from aimet_quadapter.experiments.evaluation import eval_windows_for
     from aimet_quadapter.models import load_model
+    from aimet_quadapter.quant.policy import calibrate
 
     folder = tiny_gpt2_dir
     model, tokenizer = load_model(str(folder))
     sim = build_sim(model)
-    calibrate(sim, workflow.calibration_batches(tokenizer, str(corpus_file), num=2, length=SEQ))
+    calibrate(sim, calibration_batches(tokenizer, str(corpus_file), num=2, length=SEQ))
     state_file = QuadapterState.from_sim(sim, {}, method="ptq").save(tmp_path / "run" / "ptq.safetensors")
 
     out = tmp_path / "export"
@@ -309,11 +309,12 @@ def test_cli_export_then_eval(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
     )
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert "fixed sequence length of 32" in captured.out
+    assert "fixed sequence length of 32" in captured.err
     saved = json.loads(report.read_text())
-    (label,) = saved["results"]
-    onnx_ppl = saved["results"][label][str(corpus_file)]
-    windows = workflow.eval_windows_for(tokenizer, str(corpus_file), "test", SEQ, None, 250)
+    (cell,) = saved["cells"].values()  # the runner's results.json shape, one cell
+    assert cell["label"].startswith("ONNX QDQ") and cell["info"]["seq_len"] == SEQ
+    onnx_ppl = cell["ppl"][corpus_file.stem]
+    windows = eval_windows_for(tokenizer, str(corpus_file), "test", SEQ, None, 250)
     assert len(windows[-1].ids) == 26
     sim_ppl = perplexity(sim.model, windows, progress=False).ppl
     assert onnx_ppl == pytest.approx(sim_ppl, rel=1e-5)

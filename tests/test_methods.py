@@ -8,15 +8,16 @@ import dataclasses
 import pytest
 import torch
 
-from aimet_quadapter.api import QuadapterParameters
-from aimet_quadapter.baselines import BaselineParameters, linear_weight_quantizers, seq_mse_bitwidth_limit
-from aimet_quadapter.blockwise import BlockwiseParameters
-from aimet_quadapter.finetune import FinetuneParameters
-from aimet_quadapter.methods import FINETUNE_METHODS, LABELS, REGISTRY, MethodContext, run_method
-from aimet_quadapter.policy import QuantPolicy
-from aimet_quadapter.quantizers import quantizers
-from aimet_quadapter.toy import sample_corpus, toy_model
-from aimet_quadapter.workflow import quiet_libraries
+from aimet_quadapter.experiments.methods import FINETUNE_METHODS, LABELS, REGISTRY, MethodContext, run_method
+from aimet_quadapter.models import quiet_libraries
+from aimet_quadapter.quadapter.api import QuadapterParameters
+from aimet_quadapter.quadapter.phase1 import Phase1Parameters
+from aimet_quadapter.quadapter.phase2 import Phase2Parameters
+from aimet_quadapter.quant.aimet_adapter import seq_mse_bitwidth_limit, seq_mse_weight_bitwidth_limit
+from aimet_quadapter.quant.baselines import BaselineParameters, linear_weight_quantizers
+from aimet_quadapter.quant.policy import QuantPolicy
+from aimet_quadapter.quant.quantizers import quantizers
+from aimet_quadapter.testing import sample_corpus, toy_model
 
 quiet_libraries()
 
@@ -30,7 +31,7 @@ def toy():
 
 def _ctx(toy, **kw) -> MethodContext:
     model, calib, train = toy
-    params = QuadapterParameters(phase1=BlockwiseParameters(steps=4), phase2=FinetuneParameters(steps=3, batch_size=2))
+    params = QuadapterParameters(phase1=Phase1Parameters(steps=4), phase2=Phase2Parameters(steps=3, batch_size=2))
     baselines = kw.pop("baselines", BaselineParameters(adaround_iterations=4, seq_mse_candidates=5))
     return MethodContext(model, QuantPolicy(), calib, train, params, progress=False, baselines=baselines, **kw)
 
@@ -91,11 +92,9 @@ def test_adaround_freezes_its_encodings_and_rounds_differently(toy, tmp_path):
 
 
 def test_seq_mse_runs_at_8_bits_only_with_the_limit_lifted(toy):
-    import aimet_torch._base.seq_mse as seq_mse_base
-
     lifted = _ctx(toy)
     sim = run_method("seq_mse", lifted)
-    assert seq_mse_base.SUPPORTED_PARAM_BW == 4, "the patched constant must be restored"
+    assert seq_mse_weight_bitwidth_limit() == 4, "the patched constant must be restored"
     frozen = [not q.is_overwrite_allowed() for _, q in linear_weight_quantizers(sim.model).values()]
     assert all(frozen), "SeqMSE should have searched and frozen every Linear weight range at 8 bits"
     info = lifted.info["seq_mse"]
@@ -114,12 +113,10 @@ def test_seq_mse_runs_at_8_bits_only_with_the_limit_lifted(toy):
 
 
 def test_seq_mse_limit_context_restores_on_error():
-    import aimet_torch._base.seq_mse as seq_mse_base
-
     with pytest.raises(RuntimeError), seq_mse_bitwidth_limit(16):
-        assert seq_mse_base.SUPPORTED_PARAM_BW == 16
+        assert seq_mse_weight_bitwidth_limit() == 16
         raise RuntimeError
-    assert seq_mse_base.SUPPORTED_PARAM_BW == 4
+    assert seq_mse_weight_bitwidth_limit() == 4
 
 
 @pytest.mark.parametrize("method, learns_ranges", [("qat", True), ("qat_fixed_ranges", False)])
@@ -154,10 +151,10 @@ def test_methods_from_bc_continue_from_a_saved_state_exactly(toy):
     with torch.no_grad():
         expected = bc_sim.model(toy[1][0])
 
-    from aimet_quadapter.methods import _bc_start
+    from aimet_quadapter.experiments.methods import quadapter_bc_start
 
     ctx = _ctx(toy, bc_state=bc_ctx.bc_state)
-    sim, result = _bc_start(ctx)
+    sim, result = quadapter_bc_start(ctx)
     assert sim is not bc_sim
     with torch.no_grad():
         assert torch.equal(sim.model(toy[1][0]), expected)
@@ -165,27 +162,27 @@ def test_methods_from_bc_continue_from_a_saved_state_exactly(toy):
         assert torch.equal(q.folded, bc_ctx.bc_state.alphas[q.site.name])
 
     # quadapter_bc_qat and quadapter continue from it without running phase 1 again
-    import aimet_quadapter.methods as methods
+    import aimet_quadapter.experiments.methods as methods
 
     def no_phase1(*a, **k):
         raise AssertionError("phase 1 ran again")
 
-    original = methods.apply_blockwise_phase
-    methods.apply_blockwise_phase = no_phase1
+    original = methods.apply_phase1
+    methods.apply_phase1 = no_phase1
     try:
         for name in ("quadapter_bc_qat", "quadapter", "quadapter_fixed_ranges"):
             out = run_method(name, _ctx(toy, bc_state=bc_ctx.bc_state))
             with torch.no_grad():
                 assert torch.isfinite(out.model(toy[1][0])).all(), name
     finally:
-        methods.apply_blockwise_phase = original
+        methods.apply_phase1 = original
 
 
 @pytest.mark.parametrize("name", ["quadapter", "quadapter_bc_qat"])
 def test_training_from_bc_lowers_the_loss_it_trains(toy, name):
     """Phase 2 and QAT from Quadapter BC lower the LM loss on their fine-tuning data."""
-    from aimet_quadapter.finetune import lm_loss
-    from aimet_quadapter.quantizers import fast_inference
+    from aimet_quadapter.quadapter.phase2 import lm_loss
+    from aimet_quadapter.quant.quantizers import fast_inference
 
     bc_ctx = _ctx(toy)
     bc_sim = run_method("quadapter_bc", bc_ctx)
@@ -197,7 +194,7 @@ def test_training_from_bc_lowers_the_loss_it_trains(toy, name):
 
     ctx = _ctx(toy, bc_state=bc_ctx.bc_state, baselines=BaselineParameters(qat_lr_weights=1e-3))
     ctx.params = dataclasses.replace(
-        ctx.params, phase2=FinetuneParameters(steps=8, batch_size=2, lr_alpha=1e-2, lr_ranges=1e-3)
+        ctx.params, phase2=Phase2Parameters(steps=8, batch_size=2, lr_alpha=1e-2, lr_ranges=1e-3)
     )
     assert loss(run_method(name, ctx)) < loss(bc_sim)
 
@@ -206,7 +203,7 @@ def test_quadapter_fixed_ranges_trains_alpha_only(toy):
     bc_ctx = _ctx(toy)
     bc_sim = run_method("quadapter_bc", bc_ctx)
     ctx = _ctx(toy, bc_state=bc_ctx.bc_state)
-    ctx.params = dataclasses.replace(ctx.params, phase2=FinetuneParameters(steps=3, batch_size=2, lr_alpha=1e-2))
+    ctx.params = dataclasses.replace(ctx.params, phase2=Phase2Parameters(steps=3, batch_size=2, lr_alpha=1e-2))
     sim = run_method("quadapter_fixed_ranges", ctx)
     before = {f"{p}.{r}": q for p, r, q in quantizers(bc_sim.model)}
     for p, r, q in quantizers(sim.model):

@@ -137,7 +137,7 @@ def test_sites_resolve_to_modules(tiny_gpt2, tiny_llama):
 def test_qk_site_is_exact_under_rope_and_grouped_query_attention(tiny_llama):
     """Random alphas at every Q . K^T site (one per rotated pair, shared by a KV head's query heads) keep the
     FP function; the same alphas without the pair tie do not, so the test sees RoPE."""
-    from aimet_quadapter.quadapter import QuadapterSet
+    from aimet_quadapter.quadapter.adapter import QuadapterSet
 
     model = copy.deepcopy(tiny_llama)
     config = model.config

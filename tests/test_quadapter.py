@@ -7,18 +7,18 @@ import copy
 import pytest
 import torch
 
-from aimet_quadapter.api import QuadapterParameters, apply_cle, apply_quadapter, attach_quadapters
-from aimet_quadapter.blockwise import BlockwiseParameters, apply_blockwise_calibration
-from aimet_quadapter.data import eval_windows
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.evaluation import perplexity
-from aimet_quadapter.finetune import FinetuneParameters, apply_finetuning, lm_loss
-from aimet_quadapter.policy import build_sim, calibrate
-from aimet_quadapter.quadapter import QuadapterSet
-from aimet_quadapter.quantizers import DynamicRanges, quantizers_in
-from aimet_quadapter.state import QuadapterState
-from aimet_quadapter.toy import sample_corpus, toy_model
-from aimet_quadapter.workflow import quiet_libraries
+from aimet_quadapter.experiments.data import eval_windows
+from aimet_quadapter.experiments.evaluation import perplexity
+from aimet_quadapter.models import quiet_libraries
+from aimet_quadapter.quadapter.adapter import QuadapterSet
+from aimet_quadapter.quadapter.api import QuadapterParameters, apply_cle, apply_quadapter, attach_quadapters
+from aimet_quadapter.quadapter.phase1 import Phase1Parameters, run_phase1
+from aimet_quadapter.quadapter.phase2 import Phase2Parameters, lm_loss, run_phase2
+from aimet_quadapter.quadapter.state import QuadapterState
+from aimet_quadapter.quant.policy import build_sim, calibrate
+from aimet_quadapter.quant.quantizers import DynamicRanges, quantizers_in
+from aimet_quadapter.testing import sample_corpus, toy_model
 
 quiet_libraries()
 FAMILIES = ["gpt2", "llama"]
@@ -160,8 +160,8 @@ def test_phase1_lowers_every_site_error(setup, source):
     model, calib = setup["model"], setup["calib"]
     sim = build_sim(model)
     qset = attach_quadapters(sim)
-    params = BlockwiseParameters(steps=40, input_source=source)
-    result = apply_blockwise_calibration(sim.model, model, qset, calib, params, progress=False)
+    params = Phase1Parameters(steps=40, input_source=source)
+    result = run_phase1(sim.model, model, qset, calib, params, progress=False)
     assert set(result.losses) == {q.site.name for q in qset}
     paper = {s.name for s in model.sites(extra=False)}
     for name in paper:
@@ -178,7 +178,7 @@ def test_phase1_lowers_every_site_error(setup, source):
 
 def test_phase1_ranges_come_from_every_row_when_the_loss_is_subsampled(setup):
     """With ``loss_tokens``, the loss rows' outputs are those of the run on all rows: same ranges."""
-    from aimet_quadapter.blockwise import SiteBlock, batched, capture_inputs
+    from aimet_quadapter.quadapter.phase1 import SiteBlock, batched, capture_inputs
 
     model, calib = setup["model"], setup["calib"]
     sim = build_sim(model)
@@ -186,8 +186,8 @@ def test_phase1_ranges_come_from_every_row_when_the_loss_is_subsampled(setup):
     _random_alphas(qset)
     site = model.sites(extra=False)[0]
     call = batched(capture_inputs(model, site.producer, calib))
-    full = SiteBlock(site, model, sim.model, call, call, BlockwiseParameters(steps=1))
-    part = SiteBlock(site, model, sim.model, call, call, BlockwiseParameters(steps=1, loss_tokens=37))
+    full = SiteBlock(site, model, sim.model, call, call, Phase1Parameters(steps=1))
+    part = SiteBlock(site, model, sim.model, call, call, Phase1Parameters(steps=1, loss_tokens=37))
     assert part.rows is not None and len(part.rows) == 37
     with torch.no_grad(), full.quantizing():
         everything = full.output()
@@ -201,9 +201,9 @@ def test_a_norm_block_sees_the_weights_the_deployed_model_has(setup):
     """The sites after a norm (v->o, Q*K^T, up->down) scale rows of the linears the norm feeds, and so their
     per-tensor weight ranges: the norm's block must run with them in effect. Its quantized output is the
     folded model's, its target the folded FP model's."""
-    from aimet_quadapter.blockwise import SiteBlock, batched, capture_inputs
-    from aimet_quadapter.quadapter import fold_alphas
-    from aimet_quadapter.quantizers import plain_tensors
+    from aimet_quadapter.quadapter.adapter import fold_alphas
+    from aimet_quadapter.quadapter.phase1 import SiteBlock, batched, capture_inputs
+    from aimet_quadapter.quant.quantizers import plain_tensors
 
     model, calib = setup["model"], setup["calib"]
     sim = build_sim(model)
@@ -212,7 +212,7 @@ def test_a_norm_block_sees_the_weights_the_deployed_model_has(setup):
     alphas = qset.total_alpha()
     site = model.sites(extra=False)[0]
     call = batched(capture_inputs(model, site.producer, calib))
-    block = SiteBlock(site, model, sim.model, call, call, BlockwiseParameters(steps=1))
+    block = SiteBlock(site, model, sim.model, call, call, Phase1Parameters(steps=1))
     with torch.no_grad(), block.quantizing():
         output = block.output()
 
@@ -240,14 +240,14 @@ def test_phase1_leaves_the_sites_keep_start_names_at_their_start(setup):
     _random_alphas(qset)
     start = qset.total_alpha()
     norms = [s.name for s in model.sites(extra=False)][:2]  # a site name is its own pattern
-    params = BlockwiseParameters(steps=6, keep_start=tuple(norms))
-    result = apply_blockwise_calibration(sim.model, model, qset, calib, params, progress=False)
+    params = Phase1Parameters(steps=6, keep_start=tuple(norms))
+    result = run_phase1(sim.model, model, qset, calib, params, progress=False)
     after = qset.total_alpha()
     assert not set(result.losses) & set(norms)
     assert all(torch.equal(after[n], start[n]) for n in norms)
     assert any(not torch.equal(after[n], start[n]) for n in result.losses)  # the others were trained
     with pytest.raises(QuadapterError, match="keep_start: 'nope\\.\\*' matches no"):
-        apply_blockwise_calibration(sim.model, model, qset, calib, BlockwiseParameters(keep_start=("nope.*",)))
+        run_phase1(sim.model, model, qset, calib, Phase1Parameters(keep_start=("nope.*",)))
 
 
 def test_perplexity_ordering_fp_quadapter_ptq(setup):
@@ -257,7 +257,7 @@ def test_perplexity_ordering_fp_quadapter_ptq(setup):
     calibrate(ptq_sim, calib)
     ptq = perplexity(ptq_sim.model, windows, progress=False).ppl
     sim = build_sim(model)
-    params = QuadapterParameters(phase1=BlockwiseParameters(steps=60), phase2=FinetuneParameters(steps=0))
+    params = QuadapterParameters(phase1=Phase1Parameters(steps=60), phase2=Phase2Parameters(steps=0))
     apply_quadapter(sim, model, calib, None, params, progress=False)
     quad = perplexity(sim.model, windows, progress=False).ppl
     assert fp < quad < ptq
@@ -283,9 +283,7 @@ def test_phase2_lowers_training_loss_and_keeps_weights(setup):
     weights = {n: p.detach().clone() for n, p in sim.model.named_parameters() if n.endswith("weight")}
     with torch.no_grad():
         before = sum(lm_loss(sim.model, b).item() for b in train)
-    apply_finetuning(
-        sim.model, qset, train, FinetuneParameters(steps=30, lr_alpha=1e-2, lr_ranges=1e-2), progress=False
-    )
+    run_phase2(sim.model, qset, train, Phase2Parameters(steps=30, lr_alpha=1e-2, lr_ranges=1e-2), progress=False)
     with torch.no_grad():
         after = sum(lm_loss(sim.model, b).item() for b in train)
     assert after < before
@@ -299,8 +297,8 @@ def test_gathered_embedding_quantization_is_exact(setup, monkeypatch):
     and without it the same losses and the same learned alphas and ranges."""
     import contextlib
 
-    from aimet_quadapter import finetune
-    from aimet_quadapter.quantizers import gathered_embedding_quantization
+    from aimet_quadapter.quadapter import phase2
+    from aimet_quadapter.quant.quantizers import gathered_embedding_quantization
 
     model, calib, train = setup["model"], setup["calib"], setup["train"]
     sim = build_sim(model)
@@ -315,12 +313,12 @@ def test_gathered_embedding_quantization_is_exact(setup, monkeypatch):
     runs = []
     for use in (True, False):
         if not use:
-            monkeypatch.setattr(finetune, "gathered_embedding_quantization", lambda _m: contextlib.nullcontext())
+            monkeypatch.setattr(phase2, "gathered_embedding_quantization", lambda _m: contextlib.nullcontext())
         sim = build_sim(model)
         calibrate(sim, calib)
         qset = attach_quadapters(sim)
-        params = FinetuneParameters(steps=4, lr_alpha=1e-2, lr_ranges=1e-2)
-        result = apply_finetuning(sim.model, qset, train, params, progress=False)
+        params = Phase2Parameters(steps=4, lr_alpha=1e-2, lr_ranges=1e-2)
+        result = run_phase2(sim.model, qset, train, params, progress=False)
         ranges = {n: p.detach().clone() for n, p in sim.model.named_parameters() if n.endswith((".min", ".max"))}
         runs.append((result.losses, qset.total_alpha(), ranges))
     (losses_a, alphas_a, ranges_a), (losses_b, alphas_b, ranges_b) = runs
@@ -335,13 +333,13 @@ def test_gathered_embedding_quantization_is_exact(setup, monkeypatch):
 
 def test_evaluation_takes_the_vectorised_fake_quant(setup, monkeypatch):
     """``fast_inference`` (every evaluation) runs the vectorised fake-quant, with AIMET's output."""
-    from aimet_quadapter import quantizers
-    from aimet_quadapter.quantizers import fast_inference
+    from aimet_quadapter.quant import quantizers
+    from aimet_quadapter.quant.quantizers import fast_inference
 
     model, calib = setup["model"], setup["calib"]
     calls = []
-    fake_quant = quantizers._FakeQuantSTE.apply
-    monkeypatch.setattr(quantizers._FakeQuantSTE, "apply", lambda *a: calls.append(1) or fake_quant(*a))
+    fake_quant = quantizers.FakeQuantSTE.apply
+    monkeypatch.setattr(quantizers.FakeQuantSTE, "apply", lambda *a: calls.append(1) or fake_quant(*a))
     sim = build_sim(model)
     calibrate(sim, calib)
     with torch.no_grad():
@@ -357,19 +355,19 @@ def test_plain_tensors_change_no_result(setup, monkeypatch):
     """Phases 1 and 2 with AIMET's DequantizedTensor outputs switched off (a speed-up) give the same losses."""
     import contextlib
 
-    from aimet_quadapter import blockwise, finetune
+    from aimet_quadapter.quadapter import phase1, phase2
 
     model, calib, train = setup["model"], setup["calib"], setup["train"]
     runs = []
     for plain in (True, False):
         if not plain:
-            for module in (blockwise, finetune):
+            for module in (phase1, phase2):
                 monkeypatch.setattr(module, "plain_tensors", contextlib.nullcontext)
         sim = build_sim(model)
         calibrate(sim, calib)
         qset = attach_quadapters(sim)
-        p1 = apply_blockwise_calibration(sim.model, model, qset, calib, BlockwiseParameters(steps=3), progress=False)
-        p2 = apply_finetuning(sim.model, qset, train, FinetuneParameters(steps=3), progress=False)
+        p1 = run_phase1(sim.model, model, qset, calib, Phase1Parameters(steps=3), progress=False)
+        p2 = run_phase2(sim.model, qset, train, Phase2Parameters(steps=3), progress=False)
         runs.append((p1.losses, p2.losses))
     assert runs[0] == runs[1]
 
@@ -377,9 +375,7 @@ def test_plain_tensors_change_no_result(setup, monkeypatch):
 def test_save_load_gives_the_same_perplexity(setup, tmp_path):
     model, calib, train, windows = setup["model"], setup["calib"], setup["train"], setup["windows"]
     sim = build_sim(model)
-    params = QuadapterParameters(
-        phase1=BlockwiseParameters(steps=10), phase2=FinetuneParameters(steps=4, lr_ranges=1e-2)
-    )
+    params = QuadapterParameters(phase1=Phase1Parameters(steps=10), phase2=Phase2Parameters(steps=4, lr_ranges=1e-2))
     result = apply_quadapter(sim, model, calib, train, params, progress=False)
     trained = perplexity(sim.model, windows, progress=False).ppl
     path = result.state.save(tmp_path / "q.safetensors")
@@ -398,26 +394,26 @@ def test_phase2_resume_continues_where_it_stopped(setup, tmp_path):
         return sim, attach_quadapters(sim)
 
     full_sim, full_q = fresh()
-    full = apply_finetuning(full_sim.model, full_q, train, FinetuneParameters(steps=6), progress=False)
+    full = run_phase2(full_sim.model, full_q, train, Phase2Parameters(steps=6), progress=False)
 
     ckpt = tmp_path / "ck"
     sim, qset = fresh()
     with pytest.raises(KeyboardInterrupt):  # the run dies during step 5: steps 1-4 are checkpointed
-        apply_finetuning(
+        run_phase2(
             sim.model,
             qset,
             train,
-            FinetuneParameters(steps=6, checkpoint_every=2, checkpoint_dir=str(ckpt)),
+            Phase2Parameters(steps=6, checkpoint_every=2, checkpoint_dir=str(ckpt)),
             progress=False,
             loss_fn=_interrupt_after(4),
         )
     assert (ckpt / "phase2.pt").is_file()
     sim, qset = fresh()
-    resumed = apply_finetuning(
+    resumed = run_phase2(
         sim.model,
         qset,
         train,
-        FinetuneParameters(steps=6, checkpoint_every=2, checkpoint_dir=str(ckpt)),
+        Phase2Parameters(steps=6, checkpoint_every=2, checkpoint_dir=str(ckpt)),
         progress=False,
     )
     assert resumed.resumed_from == 4
@@ -472,7 +468,7 @@ def test_range_gradient_matches_finite_differences():
 def test_static_gradient_of_alpha_matches_finite_differences(setup):
     """With fixed (static) ranges the only non-smooth parts are rounding and clipping; at 16 bits rounding
     is negligible, so the straight-through gradient of the LM loss must match a finite difference."""
-    from aimet_quadapter.policy import QuantPolicy
+    from aimet_quadapter.quant.policy import QuantPolicy
 
     model, calib = setup["model"], setup["calib"]
     sim = build_sim(model, QuantPolicy(weight_bits=16, activation_bits=16))
@@ -506,14 +502,14 @@ def test_phase1_pulls_a_planted_1000x_outlier_toward_balance(family):
     until its alpha has fallen a long way (past 1/sqrt(1000), log -3.5). 50 steps must get it past -2 relative to
     the other channels; the paper's schedule compressed to 50 steps stops near -1.5 (``reach_steps=None``)."""
     from aimet_quadapter.models import tiny_model
-    from aimet_quadapter.toy import plant_outliers
+    from aimet_quadapter.testing import plant_outliers
 
     model = tiny_model(family, seed=0, initializer_range=0.3)
     picked = plant_outliers(model, factor=1000.0)
     calib = [sample_corpus(model, 4, 64, seed=2)]
     sim = build_sim(model)
     qset = attach_quadapters(sim, extra_sites=False)
-    apply_blockwise_calibration(sim.model, model, qset, calib, BlockwiseParameters(steps=50), progress=False)
+    run_phase1(sim.model, model, qset, calib, Phase1Parameters(steps=50), progress=False)
     for q in qset:  # the paper's sites: every norm, where the outliers were planted
         log_alpha = q.alpha.log()
         pulled = log_alpha[picked] - log_alpha.median()
@@ -523,7 +519,7 @@ def test_phase1_pulls_a_planted_1000x_outlier_toward_balance(family):
 def test_the_model_level_check_keeps_the_start_when_phase_1_makes_it_worse(setup, monkeypatch):
     """Phase 1 is checked on held-out text with static ranges: a phase 1 that ruins the model is undone, and
     the sim is then exactly the start's (here CLE's)."""
-    from aimet_quadapter import api
+    from aimet_quadapter.quadapter import api
 
     model, calib, train = setup["model"], setup["calib"], setup["train"]
 
@@ -531,12 +527,12 @@ def test_the_model_level_check_keeps_the_start_when_phase_1_makes_it_worse(setup
         for q in qset:
             with torch.no_grad():
                 q.theta.add_(torch.randn(q.theta.shape, generator=torch.Generator().manual_seed(1)) * 3)
-        return api.BlockwiseResult({}, {}, {})
+        return api.Phase1Result({}, {}, {})
 
-    monkeypatch.setattr(api, "apply_blockwise_calibration", ruin)
+    monkeypatch.setattr(api, "run_phase1", ruin)
     sim = build_sim(model)
-    params = QuadapterParameters(phase1=BlockwiseParameters(steps=5), phase2=FinetuneParameters(steps=0), init="cle")
-    result = api.apply_blockwise_phase(sim, model, calib, params, progress=False, validation_batches=train)
+    params = QuadapterParameters(phase1=Phase1Parameters(steps=5), phase2=Phase2Parameters(steps=0), init="cle")
+    result = api.apply_phase1(sim, model, calib, params, progress=False, validation_batches=train)
     check = result.phase1.validation
     assert check["kept"] == "start" and check["end"] > check["start"]
     cle = build_sim(model)

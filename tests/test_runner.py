@@ -16,11 +16,11 @@ import pytest
 import torch
 from conftest import hf_tiny
 
-import aimet_quadapter.methods as methods
+import aimet_quadapter.experiments.methods as methods
 from aimet_quadapter.cli import main
-from aimet_quadapter.recipes import load_recipe
-from aimet_quadapter.runner import RecipeRun
-from aimet_quadapter.workflow import quiet_libraries
+from aimet_quadapter.experiments.recipes import load_recipe
+from aimet_quadapter.experiments.runner import RecipeRun
+from aimet_quadapter.models import quiet_libraries
 
 quiet_libraries()
 VOCAB = 512  # the tiny GPT-2 config's vocabulary
@@ -74,7 +74,7 @@ def save_outlier_gpt2(folder: Path, factor: float = 40.0, channels: int = 3, see
 
 def write_sampled_text(model_dir: Path, path: Path, num: int, length: int, seed: int, temperature: float) -> None:
     from aimet_quadapter.models import load_model
-    from aimet_quadapter.toy import sample_corpus
+    from aimet_quadapter.testing import sample_corpus
 
     model, _ = load_model(str(model_dir))
     ids = sample_corpus(model, num, length, seed=seed, temperature=temperature)
@@ -221,8 +221,8 @@ def test_phase1_is_shared_through_the_saved_state(world, tmp_path, monkeypatch):
     assert (run / "calib-a" / "quadapter_bc" / "quadapter_bc.safetensors").is_file()
 
     phase1_runs = []
-    original = methods.apply_blockwise_phase
-    monkeypatch.setattr(methods, "apply_blockwise_phase", lambda *a, **k: phase1_runs.append(1) or original(*a, **k))
+    original = methods.apply_phase1
+    monkeypatch.setattr(methods, "apply_phase1", lambda *a, **k: phase1_runs.append(1) or original(*a, **k))
     assert main([*common, "--set", "methods=[quadapter,quadapter_bc_qat]"]) == 0
     assert set(_results(run)["cells"]) == {"a/quadapter", "a/quadapter_bc_qat"}
     assert phase1_runs == [], "the saved Quadapter BC state should have been reused"
@@ -291,7 +291,7 @@ def test_plan_of_a_matrix_without_loading_anything(tmp_path):
 
 
 def test_the_report_shows_the_phase1_check_to_the_decimal_that_decides_it():
-    from aimet_quadapter.report import _info_text
+    from aimet_quadapter.experiments.report import info_text
 
-    text = _info_text({"validation_start": 4.343764, "validation_end": 4.341449, "validation_kept": "end"})
+    text = info_text({"validation_start": 4.343764, "validation_end": 4.341449, "validation_kept": "end"})
     assert "4.3438" in text and "4.3414" in text and "kept the end" in text

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .base import Architecture, PreparedLM, Site, SiteSpec, is_tied, untie_lm_head
+from .base import Architecture, PreparedLM, Site, SiteSpec, is_tied, tensor_of, untie_lm_head
 from .gpt2 import GPT2
 from .llama import LLAMA
-from .loading import load_model, load_tokenizer
+from .loading import load_model, load_tokenizer, quiet_libraries
 
 ARCHITECTURES: tuple[Architecture, ...] = (GPT2, LLAMA)
 # Every beyond-paper site group any family has (SiteSpec.extra): what extra_sites may name.
@@ -22,8 +22,10 @@ __all__ = [
     "is_tied",
     "load_model",
     "load_tokenizer",
+    "quiet_libraries",
     "prepare_model",
     "tiny_model",
+    "tensor_of",
     "untie_lm_head",
 ]
 

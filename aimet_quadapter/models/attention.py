@@ -7,6 +7,8 @@ that of transformers' eager attention (GPT-2 and Llama alike), so the FP output 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from aimet_torch.nn.modules.custom import MatMul
 from torch import nn
@@ -16,7 +18,7 @@ ATTENTION_NAME = "aimet_quadapter"
 
 
 def quantizable_attention(
-    module: nn.Module,
+    module: Any,  # a transformers attention module, given its qk_matmul / softmax / av_matmul above
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -49,7 +51,7 @@ def attach_attention_modules(attention: nn.Module) -> None:
     attention.softmax = nn.Softmax(dim=-1)
 
 
-def use_quantizable_attention(hf_model: nn.Module, attention_cls: type) -> None:
+def use_quantizable_attention(hf_model: Any, attention_cls: type[nn.Module]) -> None:
     """Give every ``attention_cls`` module its matmul/softmax modules and route attention through them."""
     for module in hf_model.modules():
         if isinstance(module, attention_cls):

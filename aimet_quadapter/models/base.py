@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -94,6 +95,14 @@ class Architecture:
     tiny_config: Callable[..., object] | None = field(default=None, repr=False)
 
 
+def tensor_of(module: nn.Module, name: str = "weight") -> torch.Tensor:
+    """``module.<name>`` as a tensor (torch types a module's attributes as ``Tensor | Module``)."""
+    value = getattr(module, name)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.{name} is not a tensor")
+    return value
+
+
 class PreparedLM(nn.Module):
     """``forward(input_ids) -> logits``: the shape of model ``QuantizationSimModel`` accepts.
 
@@ -110,6 +119,12 @@ class PreparedLM(nn.Module):
     def config(self):
         return self.lm.config
 
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the model takes (GPT-2's position table fails deep inside beyond it)."""
+        config = self.config
+        return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         length = input_ids.shape[-1]
         # A precomputed additive causal mask keeps transformers' mask builder (and its aten::diff, which
@@ -120,7 +135,7 @@ class PreparedLM(nn.Module):
 
     def block_paths(self) -> list[str]:
         blocks = self.get_submodule(f"lm.{self.arch.blocks}")
-        return [f"lm.{self.arch.blocks}.{i}" for i in range(len(blocks))]
+        return [f"lm.{self.arch.blocks}.{i}" for i in range(len(list(blocks.children())))]
 
     def sites(self, extra: bool | Iterable[str] | None = None) -> list[Site]:
         """All Quadapter sites, bottom to top, with the beyond-paper groups ``extra`` names (True: all of them;
@@ -169,13 +184,14 @@ def _resolve(spec: SiteSpec, prefix: str, expand: tuple[int, int] | None) -> Sit
 
 def untie_lm_head(model: PreparedLM) -> None:
     """Give ``lm_head`` its own copy of the embedding matrix, so a head site can scale its columns."""
-    head = model.get_submodule(f"lm.{model.arch.lm_head}")
-    embedding = model.get_submodule(f"lm.{model.arch.embedding}")
+    head: Any = model.get_submodule(f"lm.{model.arch.lm_head}")
+    embedding: Any = model.get_submodule(f"lm.{model.arch.embedding}")
     if head.weight is embedding.weight:
         head.weight = nn.Parameter(embedding.weight.detach().clone())
     model.config.tie_word_embeddings = False
-    if hasattr(model.lm, "_tied_weights_keys"):
-        model.lm._tied_weights_keys = None
+    lm: Any = model.lm  # transformers' tie bookkeeping
+    if hasattr(lm, "_tied_weights_keys"):
+        lm._tied_weights_keys = None
 
 
 def is_tied(model: PreparedLM) -> bool:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 from transformers import GPT2Config
@@ -12,7 +15,7 @@ from .attention import use_quantizable_attention
 from .base import Architecture, SiteSpec
 
 # Hugging Face activation names -> a torch module AIMET knows how to quantize.
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "gelu_new": lambda: nn.GELU(approximate="tanh"),
     "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
     "gelu_fast": lambda: nn.GELU(approximate="tanh"),
@@ -32,7 +35,7 @@ def _conv1d_to_linear(conv: Conv1D) -> nn.Linear:
     return linear
 
 
-def prepare(hf_model: nn.Module) -> None:
+def prepare(hf_model: Any) -> None:  # transformers models: config and submodules are dynamic
     for parent in list(hf_model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Conv1D):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from torch import nn
+from typing import Any
+
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention
 
@@ -10,7 +11,7 @@ from .attention import use_quantizable_attention
 from .base import Architecture, SiteSpec
 
 
-def prepare(hf_model: nn.Module) -> None:
+def prepare(hf_model: Any) -> None:  # transformers models: config and submodules are dynamic
     # RMSNorm, Linear, SiLU and Embedding are modules AIMET knows; only attention needs rerouting.
     use_quantizable_attention(hf_model, LlamaAttention)
 

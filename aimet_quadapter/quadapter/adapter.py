@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from typing import cast
 
 import torch
 from torch import nn
 
-from .errors import QuadapterError
-from .models import PreparedLM, Site
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.models import PreparedLM, Site, tensor_of
 
 
 @torch.no_grad()
@@ -34,14 +35,14 @@ def fold_site(model: nn.Module, site: Site, alpha: torch.Tensor) -> None:
         if site.consumer_rows:
             _scale_rows(consumer, 1 / scale)
         else:
-            consumer.weight.div_(scale[None, :])
+            tensor_of(consumer, "weight").div_(scale[None, :])
 
 
 def _scale_rows(module: nn.Module, scale: torch.Tensor) -> None:
-    w = module.weight
+    w = tensor_of(module, "weight")
     w.mul_(scale if w.dim() == 1 else scale[:, None])
     if getattr(module, "bias", None) is not None:
-        module.bias.mul_(scale)
+        tensor_of(module, "bias").mul_(scale)
 
 
 def fold_alphas(model: nn.Module, sites: Iterable[Site], alphas: dict[str, torch.Tensor]) -> None:
@@ -61,6 +62,9 @@ class Quadapter(nn.Module):
     Learning rates (the paper's 0.1 in phase 1, 1e-3 in phase 2) act on theta, i.e. on relative
     changes of alpha, which lets an outlier channel's alpha fall by decades without crossing zero.
     """
+
+    theta: nn.Parameter
+    folded: torch.Tensor
 
     def __init__(self, site: Site, channels: int):
         super().__init__()
@@ -85,11 +89,13 @@ class _ModulePatch:
     def __init__(self) -> None:
         self.rows: list[Quadapter] = []  # this module is the producer of these sites
         self.cols: list[Quadapter] = []  # ... and a consumer of these
-        self.saved: dict[str, nn.Parameter] = {}
+        self.saved: dict[str, nn.Parameter | None] = {}
 
     def scaled(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        weight, bias = module.weight, getattr(module, "bias", None)
-        row = col = None
+        weight = tensor_of(module, "weight")
+        bias = tensor_of(module, "bias") if getattr(module, "bias", None) is not None else None
+        row: torch.Tensor | None = None
+        col: torch.Tensor | None = None
         for q in self.rows:  # producer: rows times alpha
             scale = q.site.producer_scale(q.alpha)
             row = scale if row is None else row * scale
@@ -99,7 +105,7 @@ class _ModulePatch:
                 row = 1 / scale if row is None else row / scale
             else:
                 col = scale if col is None else col * scale
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         if row is None and col is None:
             return out
         w = weight
@@ -136,7 +142,7 @@ class QuadapterSet(nn.Module):
         self.adapters = nn.ModuleDict()
         for site in self.sites:
             producer = model.get_submodule(site.producer)
-            self.adapters[_key(site.name)] = Quadapter(site, site.channels(producer.weight.shape[0]))
+            self.adapters[_key(site.name)] = Quadapter(site, site.channels(tensor_of(producer, "weight").shape[0]))
         self._handles: list = []
         self._patches: dict[int, _ModulePatch] = {}
 
@@ -145,10 +151,10 @@ class QuadapterSet(nn.Module):
         return cls(model, model.sites(extra=extra_sites))
 
     def __getitem__(self, site_name: str) -> Quadapter:
-        return self.adapters[_key(site_name)]
+        return cast(Quadapter, self.adapters[_key(site_name)])
 
     def __iter__(self) -> Iterator[Quadapter]:
-        return iter(self.adapters.values())
+        return (cast(Quadapter, q) for q in self.adapters.values())
 
     def __len__(self) -> int:
         return len(self.adapters)
@@ -181,16 +187,16 @@ class QuadapterSet(nn.Module):
 
         ``model`` must be the one the set acts on; its forward is unchanged by the fold. With
         ``reference`` (the FP model ``model`` was made from), the touched weights are first reset from
-        it and the *total* alphas folded in one go, exactly as :class:`~aimet_quadapter.state.
+        it and the *total* alphas folded in one go, exactly as :class:`~aimet_quadapter.quadapter.state.
         QuadapterState` rebuilds them, so a saved result reloads bit for bit.
         """
         if reference is not None:
             for q in self:
                 for path in (q.site.producer, *q.site.consumers):
                     target, source = model.get_submodule(path), reference.get_submodule(path)
-                    target.weight.copy_(source.weight)
+                    tensor_of(target, "weight").copy_(tensor_of(source, "weight"))
                     if getattr(target, "bias", None) is not None:
-                        target.bias.copy_(source.bias)
+                        tensor_of(target, "bias").copy_(tensor_of(source, "bias"))
         alphas = {q.site.name: (q.folded * q.alpha if reference is not None else q.alpha) for q in self}
         fold_alphas(model, self.sites, alphas)
         for q in self:

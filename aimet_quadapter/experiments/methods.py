@@ -19,17 +19,23 @@ from pathlib import Path
 import torch
 from aimet_torch.quantsim import QuantizationSimModel
 
-from . import distributed
-from .api import QuadapterParameters, QuadapterResult, apply_blockwise_phase, apply_cle, apply_finetune_phase
-from .baselines import BaselineParameters, apply_adaround, apply_seq_mse
-from .cle import channel_min_max
-from .errors import QuadapterError
-from .finetune import FinetuneParameters, apply_finetuning
-from .models import PreparedLM
-from .plots import plot_channel_ranges, plot_phase1_curves
-from .policy import QuantPolicy, build_sim, calibrate
-from .quadapter import QuadapterSet
-from .state import QuadapterState
+from aimet_quadapter import distributed
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.experiments.plots import plot_channel_ranges, plot_phase1_curves
+from aimet_quadapter.models import PreparedLM
+from aimet_quadapter.quadapter.adapter import QuadapterSet
+from aimet_quadapter.quadapter.api import (
+    QuadapterParameters,
+    QuadapterResult,
+    apply_cle,
+    apply_phase1,
+    apply_phase2,
+)
+from aimet_quadapter.quadapter.cle import channel_min_max
+from aimet_quadapter.quadapter.phase2 import Phase2Parameters, run_phase2
+from aimet_quadapter.quadapter.state import QuadapterState
+from aimet_quadapter.quant.baselines import BaselineParameters, apply_adaround, apply_seq_mse
+from aimet_quadapter.quant.policy import QuantPolicy, build_sim, calibrate
 
 
 @dataclass
@@ -79,13 +85,15 @@ def _ptq(ctx: MethodContext) -> QuantizationSimModel:
 
 
 def _adaround(ctx: MethodContext) -> QuantizationSimModel:
-    sim, info = apply_adaround(ctx.model, ctx.policy, ctx.calibration, ctx.baselines, ctx.out_dir)
+    sim = build_sim(ctx.model, ctx.policy)
+    info = apply_adaround(sim, ctx.model, ctx.calibration, ctx.baselines, ctx.out_dir)
     ctx.info["adaround"] = info
     return sim
 
 
 def _seq_mse(ctx: MethodContext) -> QuantizationSimModel:
-    sim, info = apply_seq_mse(ctx.model, ctx.policy, ctx.calibration, ctx.baselines)
+    sim = build_sim(ctx.model, ctx.policy)
+    info = apply_seq_mse(sim, ctx.model, ctx.calibration, ctx.baselines)
     ctx.info["seq_mse"] = info
     return sim
 
@@ -99,14 +107,15 @@ def _cle(ctx: MethodContext) -> QuantizationSimModel:
 
 def _quadapter_bc(ctx: MethodContext) -> QuantizationSimModel:
     sim = build_sim(ctx.model, ctx.policy)
-    result = apply_blockwise_phase(sim, ctx.model, ctx.calibration, ctx.params, ctx.progress, ctx.validation)
+    result = apply_phase1(sim, ctx.model, ctx.calibration, ctx.params, ctx.progress, ctx.validation)
     ctx._bc = (sim, result)
     ctx.bc_state = result.state
     _save(ctx, "quadapter_bc", result.state)
     if result.phase1 is not None and result.phase1.validation is not None:
         ctx.info["quadapter_bc"] = {f"validation_{k}": v for k, v in result.phase1.validation.items()}
-    if _writes(ctx) and result.phase1 is not None:
-        (ctx.out_dir / "phase1_losses.json").write_text(
+    folder = _write_dir(ctx)
+    if folder is not None and result.phase1 is not None:
+        (folder / "phase1_losses.json").write_text(
             json.dumps(
                 {
                     "losses": result.phase1.losses,
@@ -116,15 +125,15 @@ def _quadapter_bc(ctx: MethodContext) -> QuantizationSimModel:
                 }
             )
         )
-        plot_phase1_curves(result.phase1.losses, ctx.out_dir / "phase1_curves.png")
-        _plot_head_site(ctx, result.state, "channel_ranges.png")
+        plot_phase1_curves(result.phase1.losses, folder / "phase1_curves.png")
+        _plot_head_site(ctx, result.state, folder / "channel_ranges.png")
     return sim
 
 
 # --- methods that fine-tune on the F-ID data ------------------------------------------------------------
 
 
-def _bc_start(ctx: MethodContext) -> tuple[QuantizationSimModel, QuadapterResult]:
+def quadapter_bc_start(ctx: MethodContext) -> tuple[QuantizationSimModel, QuadapterResult]:
     """A sim holding Quadapter BC's result, and its Quadapters (alpha folded), to continue from."""
     if ctx.bc_state is None:
         _quadapter_bc(ctx)
@@ -133,6 +142,7 @@ def _bc_start(ctx: MethodContext) -> tuple[QuantizationSimModel, QuadapterResult
         ctx._bc = None  # the next method changes this sim: later ones rebuild from bc_state
         return sim, result
     state = ctx.bc_state
+    assert state is not None  # set by _quadapter_bc above, or by the runner from a saved run
     sim = state.build_sim(ctx.model)
     sites = [s for s in ctx.model.sites(extra=True) if s.name in state.alphas]
     qset = QuadapterSet(sim.model, sites)
@@ -142,9 +152,14 @@ def _bc_start(ctx: MethodContext) -> tuple[QuantizationSimModel, QuadapterResult
     return sim, QuadapterResult(qset, state, None, None)
 
 
-def _phase2(ctx: MethodContext, name: str, checkpoint_sub: str | None = None, **changes) -> FinetuneParameters:
+def _finetune_data(ctx: MethodContext, name: str) -> list[torch.Tensor]:
     if not ctx.finetune:
         raise QuadapterError(f"method {name!r} needs fine-tuning data (an F-ID / finetune dataset)")
+    return ctx.finetune
+
+
+def _phase2(ctx: MethodContext, name: str, checkpoint_sub: str | None = None, **changes) -> Phase2Parameters:
+    _finetune_data(ctx, name)
     params = ctx.params.phase2
     if ctx.out_dir is not None and ctx.checkpoints and params.checkpoint_dir is None:
         folder = ctx.out_dir / "checkpoints"
@@ -156,13 +171,14 @@ def _quadapter_phase2(ctx: MethodContext, name: str, learn_ranges: bool | None) 
     changes = {} if learn_ranges is None else {"learn_ranges": learn_ranges}
     # "quadapter" keeps the checkpoint folder the eval command has always used
     params = _phase2(ctx, name, None if name == "quadapter" else name, **changes)
-    sim, bc = _bc_start(ctx)
-    result = apply_finetune_phase(sim, ctx.model, bc, ctx.finetune, params, ctx.progress)
+    sim, bc = quadapter_bc_start(ctx)
+    result = apply_phase2(sim, ctx.model, bc, _finetune_data(ctx, name), params, ctx.progress)
     _save(ctx, name, result.state)
-    if _writes(ctx):
+    folder = _write_dir(ctx)
+    if folder is not None and result.phase2 is not None:
         losses = "phase2_losses.json" if name == "quadapter" else f"{name}_phase2_losses.json"
-        (ctx.out_dir / losses).write_text(json.dumps(result.phase2.losses))
-        _plot_head_site(ctx, result.state, f"channel_ranges_{name}.png")
+        (folder / losses).write_text(json.dumps(result.phase2.losses))
+        _plot_head_site(ctx, result.state, folder / f"channel_ranges_{name}.png")
     return sim
 
 
@@ -177,7 +193,7 @@ def _quadapter_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
 def _qat_on(ctx: MethodContext, sim: QuantizationSimModel, name: str, learn_ranges: bool) -> QuantizationSimModel:
     """The paper's QAT: every weight (lr 1e-5) and, with LSQ+, every quantizer range (lr 1e-3)."""
     params = _phase2(ctx, name, name, lr_weights=ctx.baselines.qat_lr_weights, learn_ranges=learn_ranges)
-    result = apply_finetuning(sim.model, None, ctx.finetune, params, progress=ctx.progress, desc=f"{name} (QAT)")
+    result = run_phase2(sim.model, None, _finetune_data(ctx, name), params, progress=ctx.progress, desc=f"{name} (QAT)")
     _write_losses(ctx, name, result.losses)
     return sim
 
@@ -194,12 +210,12 @@ def _qat_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
 
 def _quadapter_bc_qat(ctx: MethodContext) -> QuantizationSimModel:
     _phase2(ctx, "quadapter_bc_qat")
-    return _qat_on(ctx, _bc_start(ctx)[0], "quadapter_bc_qat", True)
+    return _qat_on(ctx, quadapter_bc_start(ctx)[0], "quadapter_bc_qat", True)
 
 
 def _quadapter_bc_qat_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
     _phase2(ctx, "quadapter_bc_qat_fixed_ranges")
-    return _qat_on(ctx, _bc_start(ctx)[0], "quadapter_bc_qat_fixed_ranges", False)
+    return _qat_on(ctx, quadapter_bc_start(ctx)[0], "quadapter_bc_qat_fixed_ranges", False)
 
 
 def _fp_finetuned(ctx: MethodContext) -> PreparedLM:
@@ -207,7 +223,7 @@ def _fp_finetuned(ctx: MethodContext) -> PreparedLM:
     name = "fp_finetuned"
     params = _phase2(ctx, name, name, lr_weights=ctx.baselines.qat_lr_weights, learn_ranges=False)
     model = copy.deepcopy(ctx.model)
-    result = apply_finetuning(model, None, ctx.finetune, params, progress=ctx.progress, desc="FP fine-tuning")
+    result = run_phase2(model, None, _finetune_data(ctx, name), params, progress=ctx.progress, desc="FP fine-tuning")
     _write_losses(ctx, name, result.losses)
     return model
 
@@ -244,26 +260,28 @@ def run_method(name: str, ctx: MethodContext):
     return out
 
 
-def _writes(ctx: MethodContext) -> bool:
-    """Whether this process writes files: there is an out_dir, and it is the first process under torchrun."""
-    return ctx.out_dir is not None and distributed.is_main()
+def _write_dir(ctx: MethodContext) -> Path | None:
+    """Where this process writes files: ctx.out_dir, on the first process under torchrun; else None."""
+    return ctx.out_dir if distributed.is_main() else None
 
 
 def _save(ctx: MethodContext, name: str, state: QuadapterState) -> None:
-    if _writes(ctx):
-        state.save(ctx.out_dir / f"{name}.safetensors")
+    folder = _write_dir(ctx)
+    if folder is not None:
+        state.save(folder / f"{name}.safetensors")
 
 
 def _write_losses(ctx: MethodContext, name: str, losses: list[float]) -> None:
-    if _writes(ctx):
-        ctx.out_dir.mkdir(parents=True, exist_ok=True)
-        (ctx.out_dir / f"{name}_phase2_losses.json").write_text(json.dumps(losses))
+    folder = _write_dir(ctx)
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}_phase2_losses.json").write_text(json.dumps(losses))
 
 
-def _plot_head_site(ctx: MethodContext, state: QuadapterState, filename: str) -> None:
+def _plot_head_site(ctx: MethodContext, state: QuadapterState, path: Path) -> None:
     """Fig. 4: the last site's activation per channel, FP model before and after folding the alphas."""
     site = ctx.model.sites(extra=ctx.params.extra_sites)[-1]
     batches = ctx.calibration[:2]
     before = channel_min_max(ctx.model, site, batches)
     after = channel_min_max(state.folded_model(ctx.model), site, batches)
-    plot_channel_ranges(before, after, ctx.out_dir / filename, site.name)
+    plot_channel_ranges(before, after, path, site.name)

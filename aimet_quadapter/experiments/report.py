@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .results_file import load_results
+from aimet_quadapter.experiments.results_file import load_results
 
 REFERENCES = {"fp", "fp_finetuned"}  # not quantized: upper bounds, never "best"
 
@@ -54,7 +54,7 @@ def _row_label(cell: dict) -> str:
 
 
 def _best(rows: list[dict], columns: list[str]) -> dict[str, float]:
-    best = {}
+    best: dict[str, float] = {}
     candidates = [r for r in rows if r["method"] not in REFERENCES]
     if len(candidates) < 2:
         return best
@@ -128,7 +128,8 @@ def fid_food_tables(results: dict) -> list[tuple[str, str]]:
     return out
 
 
-def _info_text(info: dict) -> str:
+def info_text(info: dict) -> str:
+    """What a method reported about itself (SeqMSE's changed ranges, Quadapter BC's check), for a table cell."""
     if not info:
         return ""
     if "seq_mse_layers" in info:
@@ -155,7 +156,7 @@ def timing_table(results: dict) -> str:
         key = next(k for k, v in results["cells"].items() if v is r)
         lines.append(
             f"| {key} | {r['method_time_s']:.1f} | {r['eval_time_s']:.1f} | {r['wall_time_s']:.1f} "
-            f"| {_info_text(r.get('info', {}))} |"
+            f"| {info_text(r.get('info', {}))} |"
         )
     return "\n".join(lines)
 
@@ -186,7 +187,7 @@ def _images(run_dir: Path, pattern: str) -> list[str]:
 
 
 def build_report(run_dir: str | Path) -> str:
-    from .report_figures import plot_data_size, plot_fp_comparison
+    from aimet_quadapter.experiments.figures import plot_data_size, plot_fp_comparison
 
     run_dir = Path(run_dir)
     results = load_results(run_dir)

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .models import Site
-from .quadapter import QuadapterSet
+from aimet_quadapter.models import Site, tensor_of
+from aimet_quadapter.quadapter.adapter import QuadapterSet
 
 
 def _reduce_rotary(values: torch.Tensor, site: Site) -> torch.Tensor:
@@ -83,7 +83,7 @@ def cle_alphas(model: nn.Module, sites: Sequence[Site], batches: Sequence[torch.
             r2 = _per_alpha(act[site.name + "/consumer"], site)
         else:
             r1 = _per_alpha(act[site.name], site)
-            weights = torch.cat([model.get_submodule(c).weight.detach().abs() for c in site.consumers], dim=0)
+            weights = torch.cat([tensor_of(model.get_submodule(c)).detach().abs() for c in site.consumers], dim=0)
             r2 = _per_alpha(weights.amax(dim=0), site)
         # A channel that never fires (r1 = 0) or has all-zero columns keeps alpha = 1.
         out[site.name] = torch.where((r1 > 0) & (r2 > 0), (r2 / r1.clamp_min(1e-12)).sqrt(), torch.ones_like(r1))

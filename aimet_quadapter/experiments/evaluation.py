@@ -8,10 +8,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from aimet_torch.quantsim import QuantizationSimModel
+from torch import nn
 from tqdm.auto import tqdm
 
-from . import distributed
-from .data import Window
+from aimet_quadapter import distributed
+from aimet_quadapter.experiments import data
+from aimet_quadapter.experiments.data import Window
+from aimet_quadapter.quant.quantizers import fast_inference
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -44,7 +48,7 @@ def perplexity(
         raise ValueError("no evaluation windows: the text is shorter than two tokens")
     device = _device_of(model)
     total = torch.zeros((), dtype=torch.float64)
-    count = 0
+    count = 0.0
     # under torchrun each process scores every world-th window; the sums are added up below
     mine = distributed.shard(windows)
     bar = tqdm(mine, desc=desc, unit="win", disable=not (progress and distributed.is_main()), leave=False)
@@ -53,7 +57,7 @@ def perplexity(
         total += window_nll(logits, window).cpu()
         count += window.n_targets
         bar.set_postfix(ppl=f"{math.exp(total.item() / count):.2f}")
-    summed, count = distributed.sum_over_ranks(total.item(), float(count))
+    summed, count = distributed.sum_over_ranks(total.item(), count)
     nll = summed / count
     return Perplexity(math.exp(nll), nll, int(count))
 
@@ -63,3 +67,40 @@ def _device_of(model: LogitsFn) -> torch.device:
         for p in model.parameters():
             return p.device
     return torch.device("cpu")
+
+
+def eval_windows_for(
+    tokenizer,
+    dataset: str,
+    split: str = "test",
+    seq_len: int = 1024,
+    stride: int | None = None,
+    max_tokens: int | None = None,
+) -> list[Window]:
+    """The evaluation windows of ``dataset``'s ``split``: :func:`~aimet_quadapter.experiments.data.eval_windows`."""
+    ids = data.tokenize(tokenizer, data.load_text(dataset, split))
+    return data.eval_windows(ids, seq_len, stride, max_tokens)
+
+
+def evaluate(
+    model: nn.Module | QuantizationSimModel,
+    windows: dict[str, list[Window]],
+    label: str = "",
+    progress: bool = True,
+) -> dict[str, float]:
+    """Perplexity per dataset; a sim is evaluated under :func:`~aimet_quadapter.quant.quantizers.fast_inference`."""
+    if isinstance(model, QuantizationSimModel):
+        with fast_inference(model.model):
+            return evaluate(model.model, windows, label, progress)
+    return {name: perplexity(model, w, desc=f"{label} {name}", progress=progress).ppl for name, w in windows.items()}
+
+
+def format_table(results: dict[str, dict[str, float]], datasets: list[str]) -> str:
+    """A plain-text table: one row per method, one column per dataset."""
+    labels = [data.dataset_label(d) for d in datasets]
+    width = max([len(m) for m in results] + [6])
+    cols = [max(len(lbl), 9) for lbl in labels]
+    lines = [f"{'method':<{width}}  " + "  ".join(f"{lbl:>{c}}" for lbl, c in zip(labels, cols))]
+    for method, row in results.items():
+        lines.append(f"{method:<{width}}  " + "  ".join(f"{row[d]:>{c}.3f}" for d, c in zip(datasets, cols)))
+    return "\n".join(lines)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
+from typing import Any
 
 import torch
 from aimet_torch.quantization.affine import QuantizeDequantize
-from aimet_torch.utils import _enable_qtensor_casting
 from torch import nn
+
+from aimet_quadapter.quant.aimet_adapter import precomputed_encodings, qtensor_casting
 
 
 def quantizers(model: nn.Module) -> Iterator[tuple[str, str, QuantizeDequantize]]:
@@ -156,7 +158,7 @@ def _clone_state(state):
 
 def range_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The learnable min/max of every activation and weight quantizer (LSQ+-style range learning)."""
-    params = []
+    params: list[nn.Parameter] = []
     for _, _, q in quantizers(model):
         params.extend(p for name, p in q.named_parameters() if name in ("min", "max"))
     return params
@@ -169,7 +171,7 @@ def plain_tensors() -> Iterator[None]:
     The subclass only carries the encoding along; its ``__torch_function__`` runs on every op that touches
     it (AIMET's own inference mode switches it off for that reason). Values and gradients are the same.
     """
-    with _enable_qtensor_casting(False):
+    with qtensor_casting(False):
         yield
 
 
@@ -182,23 +184,24 @@ def fast_inference(sim_model: nn.Module) -> Iterator[None]:
     min/max at every call; activations go through :func:`elementwise_fake_quant`, and quantizer outputs
     are plain tensors (:func:`plain_tensors`).
     """
-    saved = []
+    saved: list[tuple[Any, str, QuantizeDequantize, torch.Tensor]] = []
     try:
         with ExitStack() as stack:
             with torch.no_grad():
                 for module in sim_model.modules():
                     if not hasattr(module, "param_quantizers"):
                         continue
-                    for name, q in list(module.param_quantizers.items()):
+                    qm: Any = module  # an AIMET quantized module: its quantizer containers are not typed
+                    for name, q in list(qm.param_quantizers.items()):
                         if q is None or not q.is_initialized():
                             continue
                         param = getattr(module, name)
                         saved.append((module, name, q, param.data))
                         param.data = q(param).as_subclass(torch.Tensor).detach().clone()
-                        module.param_quantizers[name] = None
+                        qm.param_quantizers[name] = None
             active = [q for _, _, q in quantizers(sim_model) if q.is_initialized()]
             for q in active:
-                stack.enter_context(q._precompute_encodings(dtype=q.min.dtype))
+                stack.enter_context(precomputed_encodings(q))
             stack.enter_context(elementwise_fake_quant(active))
             stack.enter_context(plain_tensors())
             yield
@@ -213,7 +216,7 @@ def _zero_point(offset: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (-offset.to(torch.int32)).to(dtype)
 
 
-class _FakeQuantSTE(torch.autograd.Function):
+class FakeQuantSTE(torch.autograd.Function):
     """Per-tensor fake-quant with the straight-through gradient of ATen's kernel (grad where in range)."""
 
     @staticmethod
@@ -254,7 +257,7 @@ def elementwise_fake_quant(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
                     return original(x)  # learned ranges: AIMET's gradient for min/max
                 scale = enc.scale.detach().reshape(())
                 zero_point = _zero_point(enc.offset.detach().reshape(()), scale.dtype)
-                return _FakeQuantSTE.apply(x.as_subclass(torch.Tensor), scale, zero_point, enc.qmin, enc.qmax)
+                return FakeQuantSTE.apply(x.as_subclass(torch.Tensor), scale, zero_point, enc.qmin, enc.qmax)
 
             q.forward = forward
             patched.append(q)
@@ -282,12 +285,13 @@ def gathered_embedding_quantization(sim_model: nn.Module) -> Iterator[None]:
         for module in sim_model.modules():
             if not isinstance(module, nn.Embedding) or not hasattr(module, "param_quantizers"):
                 continue
-            q = module.param_quantizers["weight"]
+            qm: Any = module  # an AIMET quantized module: its quantizer containers are not typed
+            q = qm.param_quantizers["weight"]
             if q is None or not q.is_initialized() or not _per_tensor(q):
                 continue
-            module.param_quantizers["weight"] = None
+            qm.param_quantizers["weight"] = None
             handle = module.register_forward_hook(lambda _m, _args, out, q=q: q(out).as_subclass(torch.Tensor))
-            saved.append((module, q, handle))
+            saved.append((qm, q, handle))
         yield
     finally:
         for module, q, handle in saved:

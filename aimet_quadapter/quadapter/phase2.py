@@ -9,20 +9,23 @@ loses at most one interval.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import distributed
-from .errors import QuadapterError
-from .quadapter import QuadapterSet
-from .quantizers import gathered_embedding_quantization, plain_tensors, range_parameters
+from aimet_quadapter import distributed
+from aimet_quadapter.atomic import write_atomic
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.quadapter.adapter import QuadapterSet
+from aimet_quadapter.quant.quantizers import gathered_embedding_quantization, plain_tensors, range_parameters
+from aimet_quadapter.settings import check_fields, setting
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -41,53 +44,44 @@ def mean_lm_loss(model: nn.Module, batches: Sequence[torch.Tensor]) -> float:
 
 
 @dataclass
-class FinetuneParameters:
+class Phase2Parameters:
     """Phase-2 settings; defaults are the paper's (Appendix, "End-to-end Fine-tuning")."""
 
-    steps: int = 10_000
-    batch_size: int = 4
-    seq_len: int = 512
-    lr_alpha: float = 1e-3
-    lr_ranges: float = 1e-3
-    learn_ranges: bool = True  # False: the paper's "without LSQ+" ablation
-    lr_weights: float = 0.0  # > 0 trains the model weights too (QAT)
-    checkpoint_every: int = 200
-    checkpoint_dir: str | None = None
-    seed: int = 0
+    steps: int = setting(10_000, ge=0, help="training steps (0: Quadapter BC alone)")
+    batch_size: int = setting(4, ge=1, help="sequences per step")
+    seq_len: int = setting(512, ge=2, help="tokens per sequence")
+    lr_alpha: float = setting(1e-3, ge=0, help="learning rate of log alpha, decaying linearly to 0")
+    lr_ranges: float = setting(1e-3, ge=0, help="learning rate of the quantizers' min/max (LSQ+)")
+    learn_ranges: bool = setting(True, help="train the quantizer ranges; False: the paper's 'without LSQ+'")
+    lr_weights: float = setting(0.0, ge=0, help="> 0 trains the model weights too (QAT)")
+    checkpoint_every: int = setting(200, ge=1, help="steps between checkpoints (with checkpoint_dir)")
+    checkpoint_dir: str | None = setting(None, help="folder of the resumable checkpoint")
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "seq_len", "checkpoint_every"):
-            if getattr(self, name) < (0 if name == "steps" else 1):
-                raise QuadapterError(f"phase2.{name} must be positive, got {getattr(self, name)}")
+        check_fields(self, "phase2")
 
 
 @dataclass
-class FinetuneResult:
+class Phase2Result:
     losses: list[float] = field(default_factory=list)
     resumed_from: int = 0
 
 
-def _save_atomic(obj, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def apply_finetuning(
+def run_phase2(
     sim_model: nn.Module,
     qset: QuadapterSet | None,
     batches: Sequence[torch.Tensor],
-    params: FinetuneParameters | None = None,
+    params: Phase2Parameters | None = None,
     loss_fn: LossFn = lm_loss,
     progress: bool = True,
     desc: str = "phase 2 (end-to-end)",
-) -> FinetuneResult:
+) -> Phase2Result:
     """Train alpha (``qset``, attached to ``sim_model``), quantizer ranges and optionally the weights.
 
     ``batches`` is indexed by step (``batches[step % len(batches)]``), so a resumed run sees the same
     data as an uninterrupted one.
     """
-    params = params or FinetuneParameters()
+    params = params or Phase2Parameters()
     if not batches:
         raise QuadapterError("phase 2 needs at least one fine-tuning batch")
     sim_model.eval()  # dropout off: the model is frozen, only its quantization is being trained
@@ -98,7 +92,7 @@ def apply_finetuning(
         p.requires_grad_(params.lr_weights > 0)
     for p in ranges:
         p.requires_grad_(params.learn_ranges)
-    groups = []
+    groups: list[dict[str, Any]] = []
     if qset is not None and len(qset):
         groups.append({"params": [q.theta for q in qset], "lr": params.lr_alpha})
     if params.learn_ranges:
@@ -111,7 +105,7 @@ def apply_finetuning(
     total = max(params.steps, 1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1.0 - step / total))
 
-    result = FinetuneResult()
+    result = Phase2Result()
     start = 0
     ckpt = Path(params.checkpoint_dir) / "phase2.pt" if params.checkpoint_dir else None
     if ckpt is not None and ckpt.is_file():
@@ -143,20 +137,22 @@ def apply_finetuning(
                 due = (step + 1) % params.checkpoint_every == 0 or step + 1 == params.steps
                 if ckpt is not None and due and distributed.is_main():
                     ckpt.parent.mkdir(parents=True, exist_ok=True)
-                    _save_atomic(
-                        {
-                            "step": step + 1,
-                            "losses": result.losses,
-                            "optimizer": optimizer.state_dict(),
-                            "schedule": schedule.state_dict(),
-                            **_trainable_state(named, qset),
-                        },
-                        ckpt,
-                    )
+                    state = {
+                        "step": step + 1,
+                        "losses": result.losses,
+                        "optimizer": optimizer.state_dict(),
+                        "schedule": schedule.state_dict(),
+                        **_trainable_state(named, qset),
+                    }
+                    write_atomic(ckpt, partial(_save, state))
     finally:
         for p in sim_model.parameters():
             p.requires_grad_(False)
     return result
+
+
+def _save(state: dict, path: Path) -> None:
+    torch.save(state, path)
 
 
 def _trainable_state(named: list[tuple[str, nn.Parameter]], qset: QuadapterSet | None) -> dict:

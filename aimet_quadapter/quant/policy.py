@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from aimet_common.defs import QuantScheme
@@ -29,9 +30,10 @@ from aimet_torch.quantization.encoding_analyzer import (
 from aimet_torch.quantsim import QuantizationSimModel
 from torch import nn
 
-from .errors import QuadapterError
-from .models import PreparedLM
-from .quantizers import quantizers
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.models import PreparedLM
+from aimet_quadapter.quant.quantizers import quantizers
+from aimet_quadapter.settings import check_fields, setting
 
 QUANT_SCHEMES = {
     "min_max": QuantScheme.min_max,
@@ -53,27 +55,27 @@ def encoding_analyzer(policy: QuantPolicy, shape: tuple[int, ...]) -> EncodingAn
 
 @dataclass(frozen=True)
 class QuantPolicy:
-    weight_bits: int = 8
-    activation_bits: int = 8
-    per_channel_weights: bool = False
-    symmetric_weights: bool = False
-    quantize_norm_weights: bool = True  # the norms' gamma, as the paper's W1 of the LayerNorm -> Linear block
-    quantize_logits: bool = False  # the lm_head output: a choice the paper leaves open
-    # how compute_encodings sets ranges: min_max (alias tf), tf_enhanced (SQNR-based clipping) or percentile
-    quant_scheme: str = "min_max"
-    percentile: float = 99.99  # the kept share of values under quant_scheme "percentile", in percent
+    """Which tensors are quantized, to how many bits, and how their ranges are set. Defaults: the paper's W8A8."""
+
+    weight_bits: int = setting(8, ge=2, le=16, help="weight bit-width")
+    activation_bits: int = setting(8, ge=2, le=16, help="activation bit-width")
+    per_channel_weights: bool = setting(False, help="per-output-channel weight ranges")
+    symmetric_weights: bool = setting(False, help="symmetric weight ranges")
+    # the paper's W1 of the LayerNorm -> Linear block
+    quantize_norm_weights: bool = setting(True, help="quantize the norms' gamma")
+    quantize_logits: bool = setting(False, help="quantize the lm_head output too (a choice the paper leaves open)")
+    quant_scheme: str = setting(
+        "min_max",
+        choices=tuple(QUANT_SCHEMES),
+        help="how compute_encodings sets ranges: min_max (alias tf), tf_enhanced (SQNR) or percentile",
+    )
+    percentile: float = setting(99.99, ge=50, le=100, help="the kept share of values under 'percentile', in %")
 
     def __post_init__(self):
+        check_fields(self, "policy")
         for name in ("weight_bits", "activation_bits"):
-            bits = getattr(self, name)
-            if not isinstance(bits, int) or not 2 <= bits <= 16:
-                raise QuadapterError(f"policy field {name!r} must be an integer in 2..16, got {bits!r}")
-        if self.quant_scheme not in QUANT_SCHEMES:
-            raise QuadapterError(
-                f"policy field 'quant_scheme' must be one of {', '.join(QUANT_SCHEMES)}, got {self.quant_scheme!r}"
-            )
-        if not 50 <= self.percentile <= 100:
-            raise QuadapterError(f"policy field 'percentile' must be in 50..100, got {self.percentile!r}")
+            if not isinstance(getattr(self, name), int):
+                raise QuadapterError(f"policy.{name} must be an integer, got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,7 +97,7 @@ def _quantizer(policy: QuantPolicy, shape: tuple[int, ...], bits: int, symmetric
     return QuantizeDequantize(shape, bits, symmetric, encoding_analyzer=encoding_analyzer(policy, shape))
 
 
-def _weight_quantizer(module: nn.Module, policy: QuantPolicy) -> QuantizeDequantize:
+def _weight_quantizer(module: Any, policy: QuantPolicy) -> QuantizeDequantize:
     channels = module.weight.shape[0]
     shape = (channels, 1) if policy.per_channel_weights else ()
     return _quantizer(policy, shape, policy.weight_bits, policy.symmetric_weights)
@@ -110,22 +112,23 @@ def apply_policy(sim_model: nn.Module, policy: QuantPolicy, logits_module: nn.Mo
     for module in sim_model.modules():
         if not hasattr(module, "param_quantizers"):
             continue
+        qm: Any = module  # an AIMET quantized module: its quantizer containers are not typed
         is_linear = isinstance(module, nn.Linear)
         takes_input = is_linear or isinstance(module, MatMul)
-        for i in range(len(module.input_quantizers)):
-            module.input_quantizers[i] = _activation_quantizer(policy) if takes_input else None
-        for i in range(len(module.output_quantizers)):
+        for i in range(len(qm.input_quantizers)):
+            qm.input_quantizers[i] = _activation_quantizer(policy) if takes_input else None
+        for i in range(len(qm.output_quantizers)):
             keep = policy.quantize_logits and module is logits_module
-            module.output_quantizers[i] = _activation_quantizer(policy) if keep else None
-        for name in list(module.param_quantizers.keys()):
+            qm.output_quantizers[i] = _activation_quantizer(policy) if keep else None
+        for name in list(qm.param_quantizers.keys()):
             quantize = name == "weight" and (
                 is_linear or isinstance(module, nn.Embedding) or (_is_norm(module) and policy.quantize_norm_weights)
             )
             if quantize and _is_norm(module):
                 # gamma is a vector: one range for all of it, whatever the weight granularity
-                module.param_quantizers[name] = _quantizer(policy, (), policy.weight_bits, policy.symmetric_weights)
+                qm.param_quantizers[name] = _quantizer(policy, (), policy.weight_bits, policy.symmetric_weights)
             else:
-                module.param_quantizers[name] = _weight_quantizer(module, policy) if quantize else None
+                qm.param_quantizers[name] = _weight_quantizer(module, policy) if quantize else None
 
 
 def build_sim(model: PreparedLM, policy: QuantPolicy = QuantPolicy(), seq_len: int = 16) -> QuantizationSimModel:

@@ -21,14 +21,15 @@ import os
 import typing
 from dataclasses import MISSING
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 
 import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError
 from pydantic import create_model as _create_model
 
-from .errors import QuadapterError
-from .models import EXTRA_SITE_GROUPS
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.models import EXTRA_SITE_GROUPS
+from aimet_quadapter.settings import bounds
 
 DATA_ENV = "AIMET_QUADAPTER_DATA"
 
@@ -37,93 +38,62 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def _mirror(source: type, name: str, constraints: dict[str, dict]) -> type[BaseModel]:
-    """A pydantic model with the fields of dataclass ``source`` (so the two cannot drift apart), plus bounds.
+def _mirror(source: type, name: str, exclude: tuple[str, ...] = (), **narrow: Any) -> type[BaseModel]:
+    """A pydantic model with the fields of dataclass ``source``: defaults, bounds, choices and help are read from
+    the fields (:func:`aimet_quadapter.settings.setting`), so the schema cannot drift from the dataclass.
 
-    ``constraints[field]`` holds pydantic ``Field`` arguments, or ``annotation`` to narrow the type.
+    ``narrow[field]`` replaces a field's type where the schema can be stricter than the dataclass.
     """
     hints = typing.get_type_hints(source)
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(source):
-        extra = dict(constraints.get(f.name, {}))
-        annotation = extra.pop("annotation", hints[f.name])
-        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-        fields[f.name] = (annotation, Field(default, **extra))
+        if f.name in exclude:
+            continue
+        annotation = narrow.get(f.name, hints[f.name])
+        choices = f.metadata.get("choices")
+        if choices is not None:
+            annotation = Literal[choices]  # type: ignore[valid-type]
+        default: Any = f.default_factory() if f.default_factory is not MISSING else f.default
+        description = f.metadata.get("help") or None
+        limits = bounds(f)
+        field = Field(default, description=description, ge=limits.get("ge"), gt=limits.get("gt"), le=limits.get("le"))
+        fields[f.name] = (annotation, field)
     return _create_model(name, __base__=_Section, **fields)
 
 
-def _policy_model() -> type[BaseModel]:
-    from .policy import QuantPolicy
+def _sections() -> dict[str, type[BaseModel]]:
+    from aimet_quadapter.quadapter import Phase1Parameters, Phase2Parameters, QuadapterParameters
+    from aimet_quadapter.quant.baselines import BaselineParameters
+    from aimet_quadapter.quant.policy import QuantPolicy
 
-    bits = {"ge": 2, "le": 16}
-    return _mirror(
-        QuantPolicy,
-        "PolicySection",
-        {
-            "weight_bits": bits,
-            "activation_bits": bits,
-            "quant_scheme": {"annotation": Literal["min_max", "tf", "tf_enhanced", "percentile"]},
-            "percentile": {"ge": 50, "le": 100},
-        },
+    quadapter = _mirror(
+        QuadapterParameters,
+        "QuadapterBase",
+        exclude=("phase1", "phase2"),
+        extra_sites=bool | list[Literal[EXTRA_SITE_GROUPS]] | None,  # type: ignore[valid-type]
     )
+    return {
+        "policy": _mirror(QuantPolicy, "PolicySection"),
+        "phase1": _mirror(Phase1Parameters, "Phase1Section"),
+        "phase2": _mirror(Phase2Parameters, "Phase2Section"),
+        "baselines": _mirror(BaselineParameters, "BaselinesSection"),
+        "quadapter": quadapter,
+    }
 
 
-def _phase1_model() -> type[BaseModel]:
-    from .blockwise import BlockwiseParameters
-
-    return _mirror(
-        BlockwiseParameters,
-        "Phase1Section",
-        {
-            "steps": {"ge": 0},
-            "lr": {"gt": 0},
-            "lr_decay": {"gt": 0},
-            "lr_stages": {"ge": 1},
-            "input_source": {"annotation": Literal["fp", "quantized"]},
-            "loss_tokens": {"ge": 1},
-            "reach_steps": {"ge": 1},
-        },
-    )
-
-
-def _phase2_model() -> type[BaseModel]:
-    from .finetune import FinetuneParameters
-
-    return _mirror(
-        FinetuneParameters,
-        "Phase2Section",
-        {
-            "steps": {"ge": 0},
-            "batch_size": {"ge": 1},
-            "seq_len": {"ge": 2},
-            "lr_alpha": {"ge": 0},
-            "lr_ranges": {"ge": 0},
-            "lr_weights": {"ge": 0},
-            "checkpoint_every": {"ge": 1},
-        },
-    )
-
-
-def _baselines_model() -> type[BaseModel]:
-    from .baselines import BaselineParameters
-
-    return _mirror(
-        BaselineParameters,
-        "BaselinesSection",
-        {
-            "adaround_iterations": {"ge": 1},
-            "adaround_reg_param": {"ge": 0},
-            "adaround_batches": {"ge": 1},
-            "seq_mse_candidates": {"ge": 1},
-            "qat_lr_weights": {"gt": 0},
-        },
-    )
-
-
-PolicySection = _policy_model()
-Phase1Section = _phase1_model()
-Phase2Section = _phase2_model()
-BaselinesSection = _baselines_model()
+if TYPE_CHECKING:  # built at run time from the dataclasses: a type checker cannot follow create_model
+    PolicySection: TypeAlias = Any
+    Phase1Section: TypeAlias = Any
+    Phase2Section: TypeAlias = Any
+    BaselinesSection: TypeAlias = Any
+    _QuadapterBase: TypeAlias = Any
+else:
+    _SECTIONS = _sections()
+    PolicySection = _SECTIONS["policy"]
+    Phase1Section = _SECTIONS["phase1"]
+    Phase2Section = _SECTIONS["phase2"]
+    BaselinesSection = _SECTIONS["baselines"]
+    _QuadapterBase = _SECTIONS["quadapter"]
 
 
 def _as_list(value: Any) -> Any:
@@ -131,7 +101,7 @@ def _as_list(value: Any) -> Any:
 
 
 def _known_method(name: str) -> str:
-    from .methods import REGISTRY
+    from aimet_quadapter.experiments.methods import REGISTRY
 
     if name not in REGISTRY:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(REGISTRY)}")
@@ -142,9 +112,7 @@ DatasetGroup = Annotated[list[str], BeforeValidator(_as_list), Field(min_length=
 MethodName = Annotated[str, AfterValidator(_known_method)]
 
 
-class QuadapterSection(_Section):
-    init: Literal["ones", "cle"] = "ones"
-    extra_sites: bool | list[Literal[EXTRA_SITE_GROUPS]] | None = None  # type: ignore[valid-type]
+class QuadapterSection(_QuadapterBase):
     # crops of the calibration length drawn from the calibration set's train split with another seed: phase 1
     # keeps its result only if the LM loss there (static ranges) is no worse than its start's; 0: no check.
     # Too few crops make the check a coin toss on a real model (README, the demo).
@@ -187,12 +155,12 @@ class Recipe(_Section):
     model: str
     out: str | None = None  # default run folder (relative to the current directory); --out overrides
     data_dirs: list[str] = Field(default_factory=list)
-    policy: PolicySection = Field(default_factory=PolicySection)  # type: ignore[valid-type]
+    policy: PolicySection = Field(default_factory=PolicySection)
     calibration: CalibrationSection = Field(default_factory=CalibrationSection)
-    phase1: Phase1Section = Field(default_factory=Phase1Section)  # type: ignore[valid-type]
-    phase2: Phase2Section = Field(default_factory=Phase2Section)  # type: ignore[valid-type]
+    phase1: Phase1Section = Field(default_factory=Phase1Section)
+    phase2: Phase2Section = Field(default_factory=Phase2Section)
     quadapter: QuadapterSection = Field(default_factory=QuadapterSection)
-    baselines: BaselinesSection = Field(default_factory=BaselinesSection)  # type: ignore[valid-type]
+    baselines: BaselinesSection = Field(default_factory=BaselinesSection)
     methods: list[MethodName] = Field(min_length=1)
     # Each entry is one F-ID: a dataset, or a list of datasets (the paper's Table 2 "expanded F-ID").
     # Its train split gives the fine-tuning data (and the calibration data unless calibration.dataset is set).
@@ -206,24 +174,24 @@ class Recipe(_Section):
 
     # --- conversions to the package's parameter objects -----------------------------------------------
     def quant_policy(self):
-        from .policy import QuantPolicy
+        from aimet_quadapter.quant.policy import QuantPolicy
 
         return QuantPolicy(**self.policy.model_dump())
 
     def quadapter_parameters(self):
-        from .api import QuadapterParameters
-        from .blockwise import BlockwiseParameters
-        from .finetune import FinetuneParameters
+        from aimet_quadapter.quadapter.api import QuadapterParameters
+        from aimet_quadapter.quadapter.phase1 import Phase1Parameters
+        from aimet_quadapter.quadapter.phase2 import Phase2Parameters
 
         return QuadapterParameters(
-            phase1=BlockwiseParameters(**self.phase1.model_dump()),
-            phase2=FinetuneParameters(**self.phase2.model_dump()),
+            phase1=Phase1Parameters(**self.phase1.model_dump()),
+            phase2=Phase2Parameters(**self.phase2.model_dump()),
             init=self.quadapter.init,
             extra_sites=self.quadapter.extra_sites,
         )
 
     def baseline_parameters(self):
-        from .baselines import BaselineParameters
+        from aimet_quadapter.quant.baselines import BaselineParameters
 
         return BaselineParameters(**self.baselines.model_dump())
 
@@ -237,7 +205,9 @@ class Recipe(_Section):
         return self.name or (self._path.stem if self._path else "recipe")
 
     def where(self) -> str:
-        return f"recipe {self._path}" if self._path else "recipe"
+        if self._path:
+            return f"recipe {self._path}"
+        return f"recipe {self.name}" if self.name else "recipe"
 
     def search_dirs(self) -> list[tuple[str, Path]]:
         """(description, folder) in the order relative dataset paths are looked up."""
@@ -254,7 +224,7 @@ class Recipe(_Section):
 
     def resolve_dataset(self, name: str) -> str:
         """A corpus name as is; a local path as an absolute path found as the module docstring says."""
-        from .data import ALIASES, CORPORA
+        from aimet_quadapter.experiments.data import ALIASES, CORPORA
 
         if ALIASES.get(name.lower(), name.lower()) in CORPORA:
             return name
@@ -398,7 +368,7 @@ def validate_recipe(raw: dict, where: str = "recipe", overridden: list[str] | No
             f"{where}: field fid: {calibrated[0]} needs calibration data: give an F-ID dataset "
             f"(its train split calibrates), or set calibration.dataset"
         )
-    from .methods import REGISTRY
+    from aimet_quadapter.experiments.methods import REGISTRY
 
     tuning = [m for m in recipe.methods if REGISTRY[m].finetunes]
     if tuning and not recipe.fid:

@@ -15,11 +15,12 @@ import torch
 from aimet_torch.quantsim import QuantizationSimModel
 from safetensors.torch import load_file, save_file
 
-from .errors import QuadapterError
-from .models import PreparedLM
-from .policy import QuantPolicy, build_sim, sim_policy
-from .quadapter import fold_alphas
-from .quantizers import quantizers
+from aimet_quadapter.atomic import write_atomic
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.models import PreparedLM
+from aimet_quadapter.quadapter.adapter import fold_alphas
+from aimet_quadapter.quant.policy import QuantPolicy, build_sim, sim_policy
+from aimet_quadapter.quant.quantizers import quantizers
 
 
 @dataclass
@@ -47,9 +48,7 @@ class QuadapterState:
             tensors[f"min/{k}"] = lo.contiguous()
             tensors[f"max/{k}"] = hi.contiguous()
         meta = {"policy": json.dumps(self.policy.to_dict()), "metadata": json.dumps(self.metadata)}
-        tmp = path.with_suffix(".tmp")
-        save_file(tensors, str(tmp), metadata=meta)
-        tmp.replace(path)
+        write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
         return path
 
     @classmethod

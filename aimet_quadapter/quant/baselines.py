@@ -1,7 +1,7 @@
 """AIMET's own PTQ techniques (AdaRound, Sequential MSE) run under this package's quantization policy.
 
 Both are used as AIMET ships them; what is added here is only what makes their result comparable with
-the other rows: the same weight quantizers as :func:`~aimet_quadapter.policy.build_sim` makes, and a
+the other rows: the same weight quantizers as :func:`~aimet_quadapter.quant.policy.build_sim` makes, and a
 measure of what each one actually changed.
 """
 
@@ -10,35 +10,39 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from aimet_torch.quantization.affine import QuantizeDequantize
 from aimet_torch.quantsim import QuantizationSimModel
 from torch import nn
 
-from . import distributed
-from .models import PreparedLM
-from .policy import QUANT_SCHEMES, QuantPolicy, build_sim, calibrate
+from aimet_quadapter import distributed
+from aimet_quadapter.models import PreparedLM
+from aimet_quadapter.quant.aimet_adapter import seq_mse_bitwidth_limit
+from aimet_quadapter.quant.policy import QUANT_SCHEMES, QuantPolicy, calibrate, sim_policy
+from aimet_quadapter.settings import check_fields, setting
 
 
 @dataclass
 class BaselineParameters:
     """Settings of the non-Quadapter rows. AIMET's own AdaRound default is 10,000 iterations per layer."""
 
-    adaround_iterations: int = 10_000
-    adaround_reg_param: float = 0.01
+    adaround_iterations: int = setting(10_000, ge=1, help="AdaRound optimisation steps per layer")
+    adaround_reg_param: float = setting(0.01, ge=0, help="AdaRound's rounding regulariser weight")
     # AIMET reruns the model on each of these batches for every layer it rounds, to sample that layer's
-    # inputs and outputs, on top of the iterations; None: every calibration batch.
-    adaround_batches: int | None = None
-    seq_mse_candidates: int = 20
-    # AIMET skips every layer above 4 weight bits (aimet_torch._base.seq_mse.SUPPORTED_PARAM_BW); True lifts
-    # that limit for the run so that SeqMSE really searches 8-bit ranges.
-    seq_mse_any_bits: bool = True
-    qat_lr_weights: float = 1e-5  # the paper's learning rate for model weights in every QAT-style row
+    # inputs and outputs, on top of the iterations.
+    adaround_batches: int | None = setting(None, ge=1, help="calibration batches AdaRound uses (None: all)")
+    seq_mse_candidates: int = setting(20, ge=1, help="SeqMSE's candidate ranges per layer")
+    # AIMET skips every layer above 4 weight bits (see quant/aimet_adapter.py)
+    seq_mse_any_bits: bool = setting(True, help="lift AIMET's 4-bit limit so that SeqMSE searches 8-bit ranges")
+    qat_lr_weights: float = setting(1e-5, gt=0, help="learning rate of the model weights in every QAT-style row")
+
+    def __post_init__(self):
+        check_fields(self, "baselines")
 
 
 def _forward(model: nn.Module, batch: torch.Tensor):
@@ -65,30 +69,33 @@ def aimet_config(policy: QuantPolicy) -> dict:
 
 def linear_weight_quantizers(sim_model: nn.Module) -> dict[str, tuple[nn.Module, QuantizeDequantize]]:
     """module path -> (module, weight quantizer) for every quantized Linear: what AdaRound and SeqMSE touch."""
-    out = {}
+    out: dict[str, tuple[nn.Module, QuantizeDequantize]] = {}
     for path, module in sim_model.named_modules():
         if isinstance(module, nn.Linear) and hasattr(module, "param_quantizers"):
-            q = dict(module.param_quantizers.items()).get("weight")
+            qm: Any = module  # an AIMET quantized module: its quantizer containers are not typed
+            q = dict(qm.param_quantizers.items()).get("weight")
             if q is not None:
                 out[path] = (module, q)
     return out
 
 
 def apply_adaround(
-    model: PreparedLM,
-    policy: QuantPolicy,
+    sim: QuantizationSimModel,
+    fp_model: PreparedLM,
     calibration: Sequence[torch.Tensor],
     params: BaselineParameters,
     out_dir: Path | None = None,
-) -> tuple[QuantizationSimModel, dict]:
-    """AIMET AdaRound on ``model``'s Linear weights, then a sim under ``policy`` with those encodings frozen.
+) -> dict:
+    """AIMET AdaRound of ``fp_model``'s Linear weights into ``sim`` (a fresh sim of ``fp_model``), calibrated.
 
     ``Adaround.apply_adaround`` returns a copy of the FP model with rounded weights and writes their
-    encodings; they are loaded into a fresh sim with ``set_and_freeze_param_encodings`` and the other
-    encodings (activations, embedding, norms) come from the usual calibration.
+    encodings; the weights go into ``sim``, their encodings are frozen there with
+    ``set_and_freeze_param_encodings``, and the other encodings (activations, embedding, norms) come from
+    the usual calibration. Returns what AdaRound did (frozen encodings, weights rounded away from nearest).
     """
     from aimet_torch.adaround.adaround_weight import Adaround, AdaroundParameters
 
+    policy = sim_policy(sim)
     batches = list(calibration)
     with tempfile.TemporaryDirectory() as tmp:
         # AIMET writes the encodings file; each process (torchrun) writes its own, the first one keeps a copy.
@@ -102,9 +109,9 @@ def apply_adaround(
             default_reg_param=params.adaround_reg_param,
             forward_fn=_forward,
         )
-        dummy = torch.zeros((1, 16), dtype=torch.long, device=next(model.parameters()).device)
+        dummy = torch.zeros((1, 16), dtype=torch.long, device=next(fp_model.parameters()).device)
         rounded = Adaround.apply_adaround(
-            model,
+            fp_model,
             dummy,
             ada_params,
             path=str(folder),
@@ -118,16 +125,18 @@ def apply_adaround(
         if out_dir is not None and distributed.is_main():
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             shutil.copyfile(encodings, Path(out_dir) / "adaround.encodings")
-        sim = build_sim(rounded, policy)
+        with torch.no_grad():  # every weight, as a sim built from the rounded model would hold
+            mine = dict(sim.model.named_parameters())
+            for name, value in rounded.named_parameters():
+                mine[name].copy_(value)
         sim.set_and_freeze_param_encodings(str(encodings))
     calibrate(sim, batches)
-    info = {
+    return {
         "adaround_iterations": params.adaround_iterations,
         "adaround_batches": ada_params.num_batches,
         "adaround_frozen_encodings": frozen,
-        "adaround_flipped_fraction": _flipped_fraction(model, sim),
+        "adaround_flipped_fraction": _flipped_fraction(fp_model, sim),
     }
-    return sim, info
 
 
 @torch.no_grad()
@@ -142,35 +151,28 @@ def _flipped_fraction(fp_model: nn.Module, sim: QuantizationSimModel) -> float:
     return changed / max(total, 1)
 
 
-@contextmanager
-def seq_mse_bitwidth_limit(limit: int) -> Iterator[None]:
-    """Temporarily set the weight bit-width above which AIMET's SeqMSE skips a layer (4 in aimet-torch 2.42)."""
-    import aimet_torch._base.seq_mse as seq_mse_base
-
-    before = seq_mse_base.SUPPORTED_PARAM_BW
-    seq_mse_base.SUPPORTED_PARAM_BW = limit
-    try:
-        yield
-    finally:
-        seq_mse_base.SUPPORTED_PARAM_BW = before
-
-
 def apply_seq_mse(
-    model: PreparedLM, policy: QuantPolicy, calibration: Sequence[torch.Tensor], params: BaselineParameters
-) -> tuple[QuantizationSimModel, dict]:
-    """AIMET Sequential MSE (weight ranges by grid search on each layer's output error), then calibration."""
+    sim: QuantizationSimModel,
+    fp_model: PreparedLM,
+    calibration: Sequence[torch.Tensor],
+    params: BaselineParameters,
+) -> dict:
+    """AIMET Sequential MSE on ``sim`` (weight ranges by grid search on each layer's output error), calibrated.
+
+    ``fp_model`` is not needed by AIMET 2's SeqMSE (it reads the sim alone); it is taken so that every
+    technique here has the call shape ``(sim, fp_model, data, params)``. Returns how many ranges moved.
+    """
     import logging
 
     from aimet_torch.seq_mse import apply_seq_mse as aimet_seq_mse
 
     logging.getLogger("SeqMse").setLevel(logging.ERROR)  # one INFO line per layer otherwise
     batches = list(calibration)
-    sim = build_sim(model, policy)
-    limit = max(policy.weight_bits, 4) if params.seq_mse_any_bits else 4
+    limit = max(sim_policy(sim).weight_bits, 4) if params.seq_mse_any_bits else 4
     with seq_mse_bitwidth_limit(limit):
         aimet_seq_mse(sim, batches, num_candidates=params.seq_mse_candidates, forward_fn=_forward)
     calibrate(sim, batches)
-    return sim, {"seq_mse_candidates": params.seq_mse_candidates, **seq_mse_changes(sim)}
+    return {"seq_mse_candidates": params.seq_mse_candidates, **seq_mse_changes(sim)}
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """Running an exported model in onnxruntime, and reading (and applying) an AIMET encodings file.
 
-An export folder (see :mod:`aimet_quadapter.export`) holds ``model_qdq.onnx`` (QuantizeLinear /
+An export folder (see :mod:`aimet_quadapter.export.exporter`) holds ``model_qdq.onnx`` (QuantizeLinear /
 DequantizeLinear nodes in the graph), ``model.onnx`` with ``model.encodings`` (an FP graph plus the
 encodings a device converter takes as quantization overrides) and ``manifest.json``.
 
@@ -14,15 +14,16 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from .data import Window
-from .errors import QuadapterError
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.experiments.data import Window
 
 MANIFEST = "manifest.json"
 FP_ONNX = "model.onnx"
@@ -271,7 +272,7 @@ def apply_encodings(model, encodings: Iterable[Encoding]):
             raise QuadapterError(f"encoding {enc.name!r} names no initializer or node output of the graph")
         np_type = helper.tensor_dtype_to_np_dtype(getattr(TensorProto, _ONNX_TYPES[enc.dtype]))
         needs_opset21 |= enc.dtype in ("uint16", "int16", "uint4", "int4")
-        attrs = {}
+        attrs: dict[str, Any] = {}  # node attributes: make_node takes them as keyword arguments
         if enc.scale.size > 1:
             attrs["axis"] = _channel_axis(enc, shape, consumers.get(enc.name, []))
             scale, zero_point = enc.scale, enc.zero_point.astype(np_type)
@@ -324,61 +325,62 @@ def _channel_axis(enc: Encoding, shape: list[int] | None, uses: list[tuple[str, 
 
 
 def onnx_perplexity(lm: OnnxLM, windows: Sequence[Window], desc: str = "onnx", progress: bool = True):
-    """:func:`aimet_quadapter.evaluation.perplexity` of an exported model."""
-    from .evaluation import perplexity
+    """:func:`aimet_quadapter.experiments.evaluation.perplexity` of an exported model."""
+    from aimet_quadapter.experiments.evaluation import perplexity
 
     return perplexity(lm, windows, desc=desc, progress=progress)
 
 
-def eval_exported(args) -> int:
-    """``aimet-quadapter eval --model EXPORT``: perplexity of an exported QDQ model in onnxruntime."""
+def eval_exported(
+    export: str | Path,
+    datasets: Sequence[str],
+    split: str = "test",
+    seq_len: int = 1024,
+    stride: int | None = None,
+    max_tokens: int | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = lambda _text: None,
+) -> dict:
+    """Perplexity of an exported QDQ model in onnxruntime, as the ``results.json`` of one cell."""
     import time
+    from datetime import datetime, timezone
 
-    from . import workflow
-    from .models import load_tokenizer
+    from aimet_quadapter.experiments.data import dataset_label
+    from aimet_quadapter.experiments.evaluation import eval_windows_for
+    from aimet_quadapter.experiments.results_file import FORMAT
+    from aimet_quadapter.models import load_tokenizer, quiet_libraries
 
     start = time.time()
-    qdq, manifest = qdq_model_of(args.model)
-    workflow.quiet_libraries()
+    qdq, manifest = qdq_model_of(str(export))
+    quiet_libraries()
     tokenizer = load_tokenizer(manifest["model"])
     lm = OnnxLM(qdq)
-    seq_len = args.seq_len
     if lm.fixed_len is not None and seq_len != lm.fixed_len:
         # the graph's input shape is fixed: its windows are the only ones it can score
-        print(f"note: the export has a fixed sequence length of {lm.fixed_len}; evaluating windows of {lm.fixed_len}")
+        log(f"note: the export has a fixed sequence length of {lm.fixed_len}; evaluating windows of {lm.fixed_len}")
         seq_len = lm.fixed_len
-    stride = min(args.stride, seq_len) if args.stride else None
+    stride = min(stride, seq_len) if stride else None
     label = f"ONNX QDQ {manifest.get('method') or 'model'}"
-    results: dict[str, float] = {}
-    tokens = 0
-    for dataset in args.dataset:
-        windows = workflow.eval_windows_for(tokenizer, dataset, args.split, seq_len, stride, args.max_tokens)
-        ppl = onnx_perplexity(lm, windows, desc=f"{label} {dataset}")
-        results[dataset] = ppl.ppl
-        tokens = tokens or ppl.tokens
+    ppl: dict[str, float] = {}
+    columns = []
+    for dataset in datasets:
+        windows = eval_windows_for(tokenizer, dataset, split, seq_len, stride, max_tokens)
+        column = dataset_label(dataset)
+        ppl[column] = onnx_perplexity(lm, windows, desc=f"{label} {column}", progress=progress).ppl
+        columns.append({"label": column, "source": dataset, "split": split})
+    if not all(math.isfinite(v) for v in ppl.values()):
+        raise QuadapterError(f"the exported model {qdq} gave a non-finite perplexity: {ppl}")
     elapsed = time.time() - start
-    print(f"{label}: " + ", ".join(f"{d} {v:.3f}" for d, v in results.items()))
-    print(workflow.format_table({label: results}, list(results)))
-    print(
-        f"model {qdq} (onnxruntime; exported from {manifest['model']}); {tokens} scored tokens per dataset "
-        f"(windows of {seq_len}); wall time {elapsed:.1f} s"
-    )
-    report = {
-        "model": str(args.model),
-        "onnx": str(qdq),
-        "source_model": manifest["model"],
-        "method": manifest.get("method"),
-        "policy": manifest.get("policy"),
-        "runtime": "onnxruntime",
-        "seq_len": seq_len,
-        "results": {label: results},
+    cell = {
+        "method": "onnx_qdq",
+        "label": label,
+        "rank": 0,
+        "group": "-",
+        "ppl": ppl,
+        "method_time_s": 0.0,
+        "eval_time_s": elapsed,
         "wall_time_s": elapsed,
+        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "info": {"onnx": str(qdq), "runtime": "onnxruntime", "seq_len": seq_len, "policy": manifest.get("policy")},
     }
-    out_dir = Path(args.out) if getattr(args, "out", None) else None
-    if out_dir:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    for path in filter(None, [getattr(args, "json", None), out_dir and out_dir / "results.json"]):
-        Path(path).write_text(json.dumps(report, indent=2))
-    if not all(math.isfinite(v) for v in results.values()):
-        raise QuadapterError("the exported model gave a non-finite perplexity")
-    return 0
+    return {"format": FORMAT, "model": manifest["model"], "datasets": columns, "cells": {"onnx_qdq": cell}}

@@ -12,7 +12,7 @@ What makes the block's loss agree with the model that is deployed:
   ``compute_encodings`` will set. ``loss_tokens`` subsamples only the rows the loss is computed on
   (token-wise blocks), never the rows a range is taken from.
 * **A gradient that sees the ranges** (``range_gradient``): min and max are computed where autograd sees
-  them, with straight-through rounding (:class:`~aimet_quadapter.quantizers.DynamicRanges`).
+  them, with straight-through rounding (:class:`~aimet_quadapter.quant.quantizers.DynamicRanges`).
 * **A fair choice.** The loss rows are one fixed sample, so every step's loss scores its alpha on the
   same tokens; the alpha with the lowest loss is kept, the start included.
 * **Reach at any budget.** The paper's schedule, x ``lr_decay`` at ``lr_stages - 1`` equal intervals
@@ -38,15 +38,17 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .errors import QuadapterError
-from .models import PreparedLM, Site
-from .quadapter import QuadapterSet
-from .quantizers import DynamicRanges, plain_tensors, quantizers_in
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.models import PreparedLM, Site
+from aimet_quadapter.quadapter.adapter import QuadapterSet
+from aimet_quadapter.quant.quantizers import DynamicRanges, plain_tensors, quantizers_in
+from aimet_quadapter.settings import check_fields, setting
 
 Captured = tuple[tuple, dict]  # (args, kwargs) of one call
 
@@ -102,7 +104,7 @@ def batched(calls: list[Captured]) -> Captured:
     return _with_hidden(calls[0], torch.cat(hidden))
 
 
-def _run_capturing(block: nn.Module, call: Captured, model: nn.Module, paths: list[str]):
+def run_capturing(block: nn.Module, call: Captured, model: nn.Module, paths: list[str]):
     """Run ``block`` on ``call``; return its output and the call each module in ``paths`` received."""
     got: dict[str, Captured] = {}
     handles = [
@@ -121,35 +123,33 @@ def _run_capturing(block: nn.Module, call: Captured, model: nn.Module, paths: li
 
 
 @dataclass
-class BlockwiseParameters:
+class Phase1Parameters:
     """Phase-1 settings; defaults are the paper's (Appendix, "Block-wise Calibration")."""
 
-    steps: int = 500
-    lr: float = 0.1  # the paper's, for its 500 steps; see reach_steps
+    steps: int = setting(500, ge=0, help="Adam steps per site (the paper: 500)")
+    lr: float = setting(0.1, gt=0, help="learning rate of log alpha (the paper's, for its 500 steps; see reach_steps)")
     # Adam moves theta = log(alpha) by about the learning rate per step, so the number of steps caps how far
     # alpha can travel. A run shorter than reach_steps has its learning rate scaled by reach_steps / steps,
     # so that its first stage reaches as far as the paper's; each later stage restarts from the best alpha
-    # so far, so a start that was already good is refined, not lost. None: the learning rate as given.
-    reach_steps: int | None = 500
-    lr_decay: float = 0.2  # the learning rate is multiplied by this ...
-    lr_stages: int = 5  # ... at each of lr_stages - 1 equal intervals (the paper: every 100 of 500 steps)
-    range_gradient: bool = True  # min/max seen by autograd; False: AIMET's no-gradient ranges (ablation)
-    input_source: str = "fp"  # "fp" or "quantized", see the module docstring
-    loss_tokens: int | None = None  # token-wise blocks: the loss on this many calibration tokens (None: all)
-    # Sites (fnmatch patterns of site names) that phase 1 leaves at their start, in effect but not trained:
-    # a block-wise optimum fitted to the calibration text can generalise worse than the start (see README).
-    keep_start: tuple[str, ...] = ()
-    seed: int = 0
+    # so far, so a start that was already good is refined, not lost.
+    reach_steps: int | None = setting(
+        500, ge=1, help="a run of fewer steps scales the lr by reach_steps / steps (None: the lr as given)"
+    )
+    lr_decay: float = setting(0.2, gt=0, help="the learning rate is multiplied by this at each stage")
+    lr_stages: int = setting(5, ge=1, help="lr_stages - 1 equal intervals of decay (the paper: every 100 of 500)")
+    range_gradient: bool = setting(True, help="min/max seen by autograd; False: AIMET's no-gradient ranges")
+    input_source: str = setting("fp", choices=("fp", "quantized"), help="where a site's input comes from")
+    loss_tokens: int | None = setting(
+        None, ge=1, help="token-wise sites: the loss on this many calibration tokens (None: all)"
+    )
+    # A block-wise optimum fitted to the calibration text can generalise worse than the start (see README).
+    keep_start: tuple[str, ...] = setting(
+        (), help="sites (fnmatch patterns of site names) left at their start alpha, in effect but not trained"
+    )
+    seed: int = setting(0, help="seed of the loss-token sample")
 
     def __post_init__(self):
-        if self.input_source not in ("fp", "quantized"):
-            raise QuadapterError(f"phase1.input_source must be 'fp' or 'quantized', got {self.input_source!r}")
-        for name in ("steps", "lr_stages", "loss_tokens", "reach_steps"):
-            value = getattr(self, name)
-            if value is not None and value < (0 if name == "steps" else 1):
-                raise QuadapterError(f"phase1.{name} must be positive, got {value}")
-        if not self.lr > 0 or not self.lr_decay > 0:
-            raise QuadapterError(f"phase1.lr and phase1.lr_decay must be > 0, got {self.lr} and {self.lr_decay}")
+        check_fields(self, "phase1")
 
     @property
     def first_lr(self) -> float:
@@ -172,12 +172,13 @@ class SiteBlock:
         sim_model: nn.Module,
         fp_input: Captured,
         q_input: Captured,
-        params: BlockwiseParameters,
+        params: Phase1Parameters,
     ):
         self.site = site
         entry = site.scope or site.producer
         self.q_producer = sim_model.get_submodule(site.producer)
-        self.q_consumers = [sim_model.get_submodule(c) for c in site.consumers]
+        # AIMET quantized modules: their quantizer containers are not typed
+        self.q_consumers: list[Any] = [sim_model.get_submodule(c) for c in site.consumers]
         self.q_scope = sim_model.get_submodule(entry)
         modules = [self.q_scope] if site.scope else [self.q_producer, *self.q_consumers]
         self.ranges = DynamicRanges(quantizers_in(modules), params.range_gradient)
@@ -235,9 +236,7 @@ class SiteResult:
     best: float  # the lowest of them: the kept alpha's
 
 
-def calibrate_site(
-    block: SiteBlock, qset: QuadapterSet, params: BlockwiseParameters, progress: bool = True
-) -> SiteResult:
+def calibrate_site(block: SiteBlock, qset: QuadapterSet, params: Phase1Parameters, progress: bool = True) -> SiteResult:
     """Adam on one site's alpha, in ``lr_stages`` stages of falling learning rate, each from the best alpha
     so far; keeps the alpha of the lowest loss seen (the start included)."""
     quadapter = qset[block.site.name]
@@ -252,7 +251,7 @@ def calibrate_site(
         if math.isfinite(value) and value < best:
             best, best_theta = value, theta.detach().clone()
 
-    optimizer = None
+    optimizer = torch.optim.Adam([theta], lr=params.first_lr)
     with block.quantizing():
         for step in range(params.steps):
             if step % params.decay_every == 0:  # a new stage
@@ -279,7 +278,7 @@ def calibrate_site(
 
 
 @dataclass
-class BlockwiseResult:
+class Phase1Result:
     losses: dict[str, list[float]]  # site name -> loss per step
     error_before: dict[str, float]  # the block's error at the starting alpha
     error_after: dict[str, float]  # ... and at the kept one
@@ -315,17 +314,17 @@ def _input_scale(qset: QuadapterSet, scope: str) -> torch.Tensor | float:
     return scale
 
 
-def apply_blockwise_calibration(
+def run_phase1(
     sim_model: PreparedLM,
     fp_model: PreparedLM,
     qset: QuadapterSet,
     calibration_batches: Sequence[torch.Tensor],
-    params: BlockwiseParameters | None = None,
+    params: Phase1Parameters | None = None,
     progress: bool = True,
     on_site_done: Callable[[Site, list[float]], None] | None = None,
-) -> BlockwiseResult:
+) -> Phase1Result:
     """Phase 1 on every site of ``qset`` (attached to ``sim_model``), bottom to top."""
-    params = params or BlockwiseParameters()
+    params = params or Phase1Parameters()
     kept = kept_at_start([q.site.name for q in qset], params.keep_start)
     from_fp = params.input_source == "fp"
     blocks = sim_model.block_paths()
@@ -343,7 +342,7 @@ def apply_blockwise_calibration(
         owner = next((b for b in blocks if q.site.producer.startswith(b + ".")), None)
         (by_block[owner] if owner else head_sites).append(q.site)
 
-    result = BlockwiseResult({}, {}, {})
+    result = Phase1Result({}, {}, {})
     outer = tqdm(
         total=len(qset) - len(kept), desc="phase 1 (block-wise calibration)", unit="site", disable=not progress
     )
@@ -365,14 +364,14 @@ def apply_blockwise_calibration(
         fp_block, q_block = fp_model.get_submodule(path), sim_model.get_submodule(path)
         sites = by_block[path]
         entries = [s.scope or s.producer for s in sites]
-        fp_out, fp_seen = _run_capturing(fp_block, fp_call, fp_model, entries)
+        fp_out, fp_seen = run_capturing(fp_block, fp_call, fp_model, entries)
         for site in sites:
             entry = site.scope or site.producer
             if from_fp:
                 q_in = fp_seen[entry]
             else:  # rerun the sim block: the sites below in this block changed its input
                 with DynamicRanges(quantizers_in([q_block])):
-                    _, q_seen = _run_capturing(q_block, q_call, sim_model, [entry])
+                    _, q_seen = run_capturing(q_block, q_call, sim_model, [entry])
                 q_in = q_seen[entry]
             calibrate(site, fp_seen[entry], q_in)
         fp_call = _with_hidden(fp_call, fp_out)
@@ -380,7 +379,7 @@ def apply_blockwise_calibration(
             q_call = fp_call
         else:
             with DynamicRanges(quantizers_in([q_block])):
-                q_out, _ = _run_capturing(q_block, q_call, sim_model, [])
+                q_out, _ = run_capturing(q_block, q_call, sim_model, [])
             q_call = _with_hidden(q_call, q_out)
 
     # The head site's producer (the final norm) takes the last block's output.

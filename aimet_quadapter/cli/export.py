@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from .errors import QuadapterError
+from aimet_quadapter.errors import QuadapterError
 
 
 def positive_int(text: str) -> int:
@@ -64,25 +64,22 @@ def add_export_command(subparsers) -> None:
     p.set_defaults(func=_cmd_export)
 
 
-def _model_limit(model) -> int | None:
-    return getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
-
-
 def _cmd_export(args) -> int:
-    from . import workflow
-    from .export import _sha256, export_quantized, resolve_state
-    from .state import QuadapterState
+    from aimet_quadapter.experiments.evaluation import eval_windows_for
+    from aimet_quadapter.export.exporter import export_quantized, resolve_state, sha256_file
+    from aimet_quadapter.models import load_model
+    from aimet_quadapter.quadapter.state import QuadapterState
 
     start = time.time()
     state_path = resolve_state(args.state)
     state = QuadapterState.load(state_path)
-    model, tokenizer = workflow.load(args.model)
-    limit = _model_limit(model)
+    model, tokenizer = load_model(args.model, quiet=True)
+    limit = model.max_positions
     if limit and args.seq_len > limit:
         raise QuadapterError(f"--seq-len {args.seq_len} exceeds the model's {limit} positions")
     sim = state.build_sim(model)
     del model  # the sim holds its own (folded) copy; a large model's FP weights are not needed again
-    windows = workflow.eval_windows_for(
+    windows = eval_windows_for(
         tokenizer, args.verify_dataset, args.verify_split, args.seq_len, None, args.seq_len * args.verify_windows
     )
     windows = [w for w in windows if len(w.ids) == args.seq_len][: args.verify_windows]
@@ -103,7 +100,7 @@ def _cmd_export(args) -> int:
         overwrite=args.force,
         merge_shared_ranges=args.merge_shared_ranges,
         extra_manifest={
-            "state": {"path": str(state_path.resolve()), "sha256": _sha256(state_path), "metadata": state.metadata},
+            "state": {"path": str(state_path.resolve()), "sha256": sha256_file(state_path), "metadata": state.metadata},
             "verify_dataset": {"name": args.verify_dataset, "split": args.verify_split},
         },
         progress=True,

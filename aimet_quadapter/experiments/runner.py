@@ -31,16 +31,20 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
-from . import distributed
-from .errors import QuadapterError
-from .recipes import Recipe
-from .results_file import RESULTS, load_results, write_json_atomic
+from aimet_quadapter import distributed
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.experiments.recipes import Recipe
+from aimet_quadapter.experiments.results_file import FORMAT, RESULTS, load_results, write_json_atomic
 
-FORMAT = 1
+if TYPE_CHECKING:  # imported when a run starts: the model code pulls in AIMET
+    from aimet_quadapter.models import PreparedLM
+    from aimet_quadapter.quadapter.state import QuadapterState
+
 # Methods whose result is the FP model's: no calibration set involved.
 _NO_CALIBRATION = {"fp"}
 # Recipe sections each calibration-only method depends on, beyond model, eval, policy and calibration.
@@ -80,6 +84,20 @@ class Cell:
     size: int | None  # fine-tuning sequences in a data-size sweep
 
     @property
+    def calibration_set(self) -> str:
+        """The calibration set's name; every cell but the FP model's has one."""
+        if self.calibration is None:
+            raise QuadapterError(f"cell {self.key} has no calibration set")
+        return self.calibration
+
+    @property
+    def fid_name(self) -> str:
+        """The F-ID's name; every fine-tuning cell has one."""
+        if self.fid is None:
+            raise QuadapterError(f"cell {self.key} is not a fine-tuning cell")
+        return self.fid
+
+    @property
     def folder(self) -> str:
         """Where the cell's states and figures go (``MethodContext.out_dir``), relative to the run folder."""
         leaf = _safe(self.method + (f"@{self.size}" if self.size else ""))
@@ -98,7 +116,7 @@ class RecipeRun:
     """The plan of one recipe into one run folder, and its execution."""
 
     def __init__(self, recipe: Recipe, out_dir: Path, progress: bool = True, log: Callable[[str], None] = print):
-        from .methods import REGISTRY
+        from aimet_quadapter.experiments.methods import REGISTRY
 
         self.recipe = recipe
         self.out_dir = Path(out_dir)
@@ -116,9 +134,9 @@ class RecipeRun:
         )
         self.evals = self._eval_specs()
         self.cells = self._plan()
-        self._model = None
-        self._tokenizer = None
-        self._bc: dict[str, object] = {}
+        self._model: PreparedLM | None = None
+        self._tokenizer: Any = None
+        self._bc: dict[str, QuadapterState | None] = {}
         # Under torchrun every process computes every cell (data-parallel inside); only the first writes files.
         self.main = distributed.is_main()
         if not self.main:
@@ -127,7 +145,7 @@ class RecipeRun:
 
     # --- plan ---------------------------------------------------------------------------------------
     def _refs(self, names: list[str]) -> list[DatasetRef]:
-        from .data import dataset_label
+        from aimet_quadapter.experiments.data import dataset_label
 
         refs = []
         for name in names:
@@ -178,7 +196,7 @@ class RecipeRun:
                 continue
             for cal in self.calibration_sets:
                 cells.append(Cell(f"calib:{cal}/{m}", m, f"calib:{cal}", cal, None, None))
-        sizes = self.recipe.finetune_sizes or [None]
+        sizes: list[int | None] = [*self.recipe.finetune_sizes] if self.recipe.finetune_sizes else [None]
         for fid in self.fids:
             for m in methods:
                 if not self.registry[m].finetunes:
@@ -210,13 +228,13 @@ class RecipeRun:
         payload = {"method": cell.method, **self._base_payload()}
         if cell.method in _NO_CALIBRATION:
             return _fingerprint(payload)
-        payload.update(self._calibration_payload(cell.calibration))
+        payload.update(self._calibration_payload(cell.calibration_set))
         if not self.registry[cell.method].finetunes:
             sections = _CALIBRATION_SECTIONS.get(cell.method, ("phase1", "phase2", "quadapter", "baselines"))
             payload.update(self._sections(sections))
             return _fingerprint(payload)
         payload.update(self._sections(("phase1", "phase2", "quadapter", "baselines")))
-        payload["fid"] = [r.source for r in self.fids[cell.fid]]
+        payload["fid"] = [r.source for r in self.fids[cell.fid_name]]
         payload["size"] = cell.size
         return _fingerprint(payload)
 
@@ -227,7 +245,7 @@ class RecipeRun:
     # --- results file ---------------------------------------------------------------------------------
     def _load_or_new(self) -> dict:
         path = self.out_dir / RESULTS
-        results = load_results(self.out_dir) if path.is_file() else {"format": FORMAT, "cells": {}}
+        results: dict[str, Any] = load_results(self.out_dir) if path.is_file() else {"format": FORMAT, "cells": {}}
         results.setdefault("cells", {})
         results["model"] = self.model_name
         recipes = results.setdefault("recipes", {})
@@ -255,29 +273,28 @@ class RecipeRun:
         return all(s.ref.label in record.get("ppl", {}) for s in self.evals)
 
     # --- data ---------------------------------------------------------------------------------------
-    def _load_model(self):
+    def _load_model(self) -> PreparedLM:
         if self._model is None:
-            from . import workflow
+            from aimet_quadapter.models import load_model
 
-            self._model, self._tokenizer = workflow.load(self.model_name)
-            self._check_lengths()
-            self._check_sites()  # site names are known once the model is: before any cell's work
+            self._model, self._tokenizer = load_model(self.model_name, quiet=True)
+            self._check_lengths(self._model)
+            self._check_sites(self._model)  # site names are known once the model is: before any cell's work
         return self._model
 
-    def _check_sites(self) -> None:
+    def _check_sites(self, model: PreparedLM) -> None:
         if not self.recipe.phase1.keep_start:
             return
-        from .blockwise import kept_at_start
+        from aimet_quadapter.quadapter.phase1 import kept_at_start
 
-        sites = self._model.sites(self.recipe.quadapter.extra_sites)
+        sites = model.sites(self.recipe.quadapter.extra_sites)
         try:
             kept_at_start([s.name for s in sites], self.recipe.phase1.keep_start)
         except QuadapterError as e:
             raise QuadapterError(f"{self.recipe.where()}: {e}") from None
 
-    def _check_lengths(self) -> None:
-        config = self._model.config
-        limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    def _check_lengths(self, model: PreparedLM) -> None:
+        limit = model.max_positions
         if not limit:
             return
         lengths = [("calibration.length", self.recipe.calibration.length)]
@@ -292,14 +309,14 @@ class RecipeRun:
 
     @cache  # noqa: B019 - one run object per recipe run; the cache dies with it
     def _tokens(self, source: str, split: str) -> torch.Tensor:
-        from . import data
+        from aimet_quadapter.experiments import data
 
         self._load_model()
         return data.tokenize(self._tokenizer, data.load_text(source, split))
 
     def _crops(self, refs: list[DatasetRef], num: int, length: int, seed: int) -> torch.Tensor:
         """``num`` crops of the train split(s), shared out evenly over the datasets of an expanded F-ID."""
-        from .data import random_crops
+        from aimet_quadapter.experiments.data import random_crops
 
         parts = []
         for i, ref in enumerate(refs):
@@ -316,7 +333,7 @@ class RecipeRun:
 
     @cache  # noqa: B019
     def calibration_batches(self, cal: str) -> list[torch.Tensor]:
-        from .data import batches
+        from aimet_quadapter.experiments.data import batches
 
         c = self.recipe.calibration
         return batches(self._crops(self.calibration_sets[cal], c.samples, c.length, c.seed), 1)
@@ -324,7 +341,7 @@ class RecipeRun:
     @cache  # noqa: B019
     def validation_batches(self, cal: str) -> list[torch.Tensor]:
         """Held-out crops of the calibration set (another seed), for phase 1's check against its start."""
-        from .data import batches, holdout_seed
+        from aimet_quadapter.experiments.data import batches, holdout_seed
 
         c, n = self.recipe.calibration, self.recipe.quadapter.holdout
         return batches(self._crops(self.calibration_sets[cal], n, c.length, holdout_seed(c.seed)), 1) if n else []
@@ -337,14 +354,14 @@ class RecipeRun:
         return self._crops(self.fids[fid], max(sizes), p2.seq_len, self.recipe.calibration.seed + 1)
 
     def finetune_batches(self, fid: str, size: int | None) -> list[torch.Tensor]:
-        from .data import batches
+        from aimet_quadapter.experiments.data import batches
 
         pool = self._finetune_pool(fid)
         return batches(pool[:size] if size else pool, self.recipe.phase2.batch_size)
 
     @cache  # noqa: B019
     def eval_windows(self) -> dict[str, list]:
-        from .data import eval_windows
+        from aimet_quadapter.experiments.data import eval_windows
 
         return {
             s.ref.label: eval_windows(self._tokens(s.ref.source, s.split), s.seq_len, s.stride, s.max_tokens)
@@ -353,7 +370,7 @@ class RecipeRun:
 
     # --- execution ----------------------------------------------------------------------------------
     def _context(self, cell_dir: Path | None, cal: str | None, fid: str | None, size: int | None):
-        from .methods import MethodContext
+        from aimet_quadapter.experiments.methods import MethodContext
 
         p2 = self.recipe.phase2
         ctx = MethodContext(
@@ -375,8 +392,8 @@ class RecipeRun:
 
     def _bc_state(self, cal: str, info: dict):
         """Quadapter BC's state for calibration set ``cal``: in memory, saved by an earlier cell, or computed now."""
-        from .methods import run_method
-        from .state import QuadapterState
+        from aimet_quadapter.experiments.methods import run_method
+        from aimet_quadapter.quadapter.state import QuadapterState
 
         if cal in self._bc:
             return self._bc[cal]
@@ -398,7 +415,7 @@ class RecipeRun:
         return ctx.bc_state
 
     def run_cell(self, cell: Cell) -> dict:
-        from .methods import run_method
+        from aimet_quadapter.experiments.methods import run_method
 
         spec = self.registry[cell.method]
         cell_dir = self.out_dir / cell.folder
@@ -414,7 +431,7 @@ class RecipeRun:
         distributed.barrier()  # under torchrun: no process resumes from a checkpoint the first one removes
         extra: dict = {}
         start = time.time()
-        bc_state = self._bc_state(cell.calibration, extra) if spec.from_bc else None
+        bc_state = self._bc_state(cell.calibration_set, extra) if spec.from_bc else None
         ctx = self._context(cell_dir, cell.calibration, cell.fid, cell.size)
         ctx.bc_state = bc_state
         method_start = time.time()
@@ -422,9 +439,9 @@ class RecipeRun:
         method_time = time.time() - method_start
         if cell.method == "quadapter_bc":
             if self.main:
-                (cell_dir / "bc_fingerprint.txt").write_text(self.bc_fingerprint(cell.calibration))
-            self._bc[cell.calibration] = ctx.bc_state
-        from .workflow import evaluate
+                (cell_dir / "bc_fingerprint.txt").write_text(self.bc_fingerprint(cell.calibration_set))
+            self._bc[cell.calibration_set] = ctx.bc_state
+        from aimet_quadapter.experiments.evaluation import evaluate
 
         eval_start = time.time()
         ppl = evaluate(evaluated, self.eval_windows(), spec.label, self.progress)

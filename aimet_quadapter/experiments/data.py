@@ -9,14 +9,13 @@ for every split.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .errors import QuadapterError
-from .hub import go_offline_if_unreachable
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.models.hub import go_offline_if_unreachable
 
 
 @dataclass(frozen=True)
@@ -207,7 +206,9 @@ def batches(crops: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
     return list(crops.split(batch_size))
 
 
-def cycle(loader: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """Endless iteration over a finite list of batches, for step-budgeted training."""
-    while True:
-        yield from loader
+def calibration_batches(
+    tokenizer, dataset: str, num: int = 10, length: int = 512, seed: int = 0, batch_size: int = 1
+) -> list[torch.Tensor]:
+    """Random crops of the train split (the paper: 10 x 512 tokens), as a list of batches."""
+    ids = tokenize(tokenizer, load_text(dataset, "train"))
+    return batches(random_crops(ids, num, length, seed), batch_size)

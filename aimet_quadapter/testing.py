@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .models import PreparedLM, tiny_model
-from .quadapter import QuadapterSet
+from aimet_quadapter.models import PreparedLM, tiny_model
+from aimet_quadapter.quadapter.adapter import QuadapterSet
 
 
 def plant_outliers(model: PreparedLM, factor: float = 40.0, channels: int = 3, seed: int = 0) -> list[int]:

@@ -15,38 +15,40 @@ from dataclasses import dataclass, field
 import torch
 from aimet_torch.quantsim import QuantizationSimModel
 
-from .blockwise import BlockwiseParameters, BlockwiseResult, apply_blockwise_calibration
-from .cle import init_with_cle
-from .errors import QuadapterError
-from .finetune import FinetuneParameters, FinetuneResult, apply_finetuning, mean_lm_loss
-from .models import PreparedLM
-from .policy import calibrate
-from .quadapter import QuadapterSet
-from .quantizers import fast_inference
-from .state import QuadapterState
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.models import PreparedLM
+from aimet_quadapter.quadapter.adapter import QuadapterSet
+from aimet_quadapter.quadapter.cle import init_with_cle
+from aimet_quadapter.quadapter.phase1 import Phase1Parameters, Phase1Result, run_phase1
+from aimet_quadapter.quadapter.phase2 import Phase2Parameters, Phase2Result, mean_lm_loss, run_phase2
+from aimet_quadapter.quadapter.state import QuadapterState
+from aimet_quadapter.quant.policy import calibrate
+from aimet_quadapter.quant.quantizers import fast_inference
+from aimet_quadapter.settings import check_fields, setting
 
 
 @dataclass
 class QuadapterParameters:
     """All of Quadapter's settings. Defaults are the paper's; ``phase2.steps = 0`` gives Quadapter BC."""
 
-    phase1: BlockwiseParameters = field(default_factory=BlockwiseParameters)
-    phase2: FinetuneParameters = field(default_factory=FinetuneParameters)
-    init: str = "ones"  # "ones" (the paper) or "cle": start phase 1 from the analytic CLE alpha
-    # beyond-paper site groups ("linear": v->o, up->down; "qk": Q . K^T), True for all; None: the family's default
-    extra_sites: bool | list[str] | None = None
+    phase1: Phase1Parameters = field(default_factory=Phase1Parameters)
+    phase2: Phase2Parameters = field(default_factory=Phase2Parameters)
+    init: str = setting("ones", choices=("ones", "cle"), help="phase 1's start: alpha = 1 (the paper) or CLE's")
+    extra_sites: bool | list[str] | None = setting(
+        None,
+        help="beyond-paper site groups (linear: v->o, up->down; qk: Q.K^T), true for all; None: the family's default",
+    )
 
     def __post_init__(self):
-        if self.init not in ("ones", "cle"):
-            raise QuadapterError(f"quadapter.init must be 'ones' or 'cle', got {self.init!r}")
+        check_fields(self, "quadapter")
 
 
 @dataclass
 class QuadapterResult:
     qset: QuadapterSet
     state: QuadapterState
-    phase1: BlockwiseResult | None
-    phase2: FinetuneResult | None
+    phase1: Phase1Result | None
+    phase2: Phase2Result | None
 
 
 def _model_of(sim: QuantizationSimModel) -> PreparedLM:
@@ -113,15 +115,15 @@ def apply_quadapter(
     4. fold alpha into the sim's weights. The sim then holds the final weights and encodings.
     """
     params = params or QuadapterParameters()
-    result = apply_blockwise_phase(sim, fp_model, calibration_batches, params, progress, validation_batches)
+    result = apply_phase1(sim, fp_model, calibration_batches, params, progress, validation_batches)
     if params.phase2.steps > 0:
         if not finetune_batches:
             raise QuadapterError("phase 2 needs fine-tuning data (finetune_batches), or set phase2.steps = 0")
-        result = apply_finetune_phase(sim, fp_model, result, finetune_batches, params.phase2, progress)
+        result = apply_phase2(sim, fp_model, result, finetune_batches, params.phase2, progress)
     return result
 
 
-def apply_blockwise_phase(
+def apply_phase1(
     sim: QuantizationSimModel,
     fp_model: PreparedLM,
     calibration_batches: Sequence[torch.Tensor],
@@ -145,11 +147,9 @@ def apply_blockwise_phase(
             qset.set_total({})
             qset.fold(sim.model, reference=fp_model)  # back to the FP weights: phase 1 scales them through hooks
             qset.set_total(start)
-        phase1 = apply_blockwise_calibration(
-            sim.model, fp_model, qset, calibration_batches, params.phase1, progress=progress
-        )
+        phase1 = run_phase1(sim.model, fp_model, qset, calibration_batches, params.phase1, progress=progress)
         kept = qset.total_alpha()
-        if start_loss is not None:
+        if start_loss is not None and validation_batches:
             # Fold from the FP weights: the sim then holds exactly the weights a fresh sim of the folded FP
             # model holds, and static calibration and phase 2 start from the model that will be deployed.
             _fold_and_calibrate(sim, fp_model, qset, kept, calibration_batches)
@@ -166,18 +166,18 @@ def apply_blockwise_phase(
     return QuadapterResult(qset, state, phase1, None)
 
 
-def apply_finetune_phase(
+def apply_phase2(
     sim: QuantizationSimModel,
     fp_model: PreparedLM,
     previous: QuadapterResult,
     finetune_batches: Sequence[torch.Tensor],
-    params: FinetuneParameters | None = None,
+    params: Phase2Parameters | None = None,
     progress: bool = True,
 ) -> QuadapterResult:
-    """Steps 3-4 alone, on a sim that :func:`apply_blockwise_phase` returned."""
+    """Steps 3-4 alone, on a sim that :func:`apply_phase1` returned."""
     qset = previous.qset.attach(sim.model)
     try:
-        phase2 = apply_finetuning(sim.model, qset, finetune_batches, params, progress=progress)
+        phase2 = run_phase2(sim.model, qset, finetune_batches, params, progress=progress)
         # one fold of the total alphas from the FP weights: the saved state rebuilds this sim exactly
         qset.fold(sim.model, reference=fp_model)
     finally:

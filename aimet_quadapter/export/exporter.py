@@ -32,15 +32,16 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from aimet_torch.quantsim import QuantizationSimModel
 
-from .data import Window
-from .errors import QuadapterError
-from .evaluation import window_nll
-from .onnx_eval import (
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.experiments.data import Window
+from aimet_quadapter.experiments.evaluation import window_nll
+from aimet_quadapter.export.onnx_eval import (
     ENCODINGS,
     FP_ONNX,
     MANIFEST,
@@ -52,8 +53,8 @@ from .onnx_eval import (
     qdq_graph_encodings,
     read_encodings,
 )
-from .policy import sim_policy
-from .quantizers import DynamicRanges, fast_inference, quantizers, quantizers_in
+from aimet_quadapter.quant.policy import sim_policy
+from aimet_quadapter.quant.quantizers import DynamicRanges, fast_inference, quantizers, quantizers_in
 
 ENCODING_VERSIONS = ("1.0.0", "2.0.0")
 QDQ_OPSET = 21  # QuantizeLinear/DequantizeLinear with per-axis and 4/16-bit types; what AIMET recommends
@@ -75,12 +76,11 @@ class Tolerance:
     - perplexity: ``ppl_rtol + floor_factor * floor``, relative;
     - every scored logit: ``logit_rtol * max |sim logit| + floor_factor * floor``, absolute.
 
-    On the tiny test models the floor is about 1e-6 and the fixed terms decide: perplexity within
-    0.1 %, logits within 1 % of the largest one. A wrong, missing or requantized encoding is far
-    outside both (e.g. a tensor quantized twice moved a tiny Llama's logits by more than their range);
-    and the encodings themselves are checked exactly, by value, before any of this. On SmolLM2-135M at
-    W8A8 the floor is 2 % in perplexity, with a third of the top-1 tokens changed (docs/export.md):
-    the bounds widen with it, and the CLI says so.
+    Where the floor is tiny the fixed terms decide (perplexity within ``ppl_rtol``, logits within
+    ``logit_rtol`` of the largest one). A wrong, missing or requantized encoding is far outside both (a
+    tensor quantized twice moves logits by more than their range); and the encodings themselves are
+    checked exactly, by value, before any of this. A real W8A8 model can have a floor of whole percents
+    in perplexity (docs/export.md gives SmolLM2-135M's): the bounds widen with it, and the CLI says so.
     """
 
     ppl_rtol: float = 1e-3
@@ -207,7 +207,7 @@ def reconcile_shared_ranges(sim: QuantizationSimModel, merge: bool = False) -> l
     Returns one row per disagreeing group (its quantizers and their ranges before any merge).
     """
     found = {f"{path}.{role}": q for path, role, q in quantizers(sim.model)}
-    conflicts = []
+    conflicts: list[dict[str, Any]] = []
     for keys in shared_activation_groups(sim):
         group = [found[k] for k in keys]
         if len({_encoding_key(q) for q in group}) == 1:
@@ -325,7 +325,7 @@ def verify_export(
        its encoding (bit-width and scales) in ``model.encodings`` and in the QDQ graph;
     2. on ``windows``: onnxruntime's logits and perplexity of ``model_qdq.onnx`` (with and without graph
        optimizations) and of ``model.onnx`` with ``model.encodings`` applied (see
-       :func:`~aimet_quadapter.onnx_eval.apply_encodings`) agree with the sim's within ``tolerance``.
+       :func:`~aimet_quadapter.export.onnx_eval.apply_encodings`) agree with the sim's within ``tolerance``.
     """
     import gc
 
@@ -429,7 +429,8 @@ def verify_export(
 # --- the export ---------------------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks (exports can be GBs)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -550,7 +551,7 @@ def export_quantized(
         report = verify_export(sim, tmp, windows, tolerance, progress=progress)
         policy = sim_policy(sim).to_dict()
         files = {
-            p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()
+            p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir()) if p.is_file()
         }
         vocab = getattr(getattr(sim.model, "config", None), "vocab_size", None)
         length = "sequence" if dynamic_length else seq_len

@@ -1,0 +1,14 @@
+"""Writing a file so that a killed process leaves either the old file or the new one, never half of one."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+
+def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """Call ``write(tmp)`` on a sibling temporary path, then rename it over ``path`` (atomic on one filesystem)."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)

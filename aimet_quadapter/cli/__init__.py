@@ -1,0 +1,5 @@
+"""The ``aimet-quadapter`` command line."""
+
+from aimet_quadapter.cli.app import main
+
+__all__ = ["main"]

@@ -1,0 +1,313 @@
+"""The ``aimet-quadapter`` command line.
+
+Settings are not restated here: the options of the parameter sections (``--phase1-steps``,
+``--policy-weight-bits``, ...) are generated from the dataclass fields that define them
+(:mod:`aimet_quadapter.settings`), and ``eval`` builds a recipe in memory and runs it through the same
+runner as ``run``, so both validate, run and write ``results.json`` the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import sys
+import tempfile
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from aimet_quadapter.cli.export import add_export_command
+from aimet_quadapter.errors import QuadapterError
+
+if TYPE_CHECKING:  # the recipe module is imported when a command runs, after its arguments are checked
+    from aimet_quadapter.experiments.recipes import Recipe
+
+_PREFIX = "section:"
+
+
+def _sections() -> list[tuple[str, type, tuple[str, ...]]]:
+    """(recipe section, its parameter dataclass, fields that are not options): what the options come from."""
+    from aimet_quadapter.quadapter import Phase1Parameters, Phase2Parameters, QuadapterParameters
+    from aimet_quadapter.quant.baselines import BaselineParameters
+    from aimet_quadapter.quant.policy import QuantPolicy
+
+    return [
+        ("policy", QuantPolicy, ()),
+        ("quadapter", QuadapterParameters, ("phase1", "phase2")),
+        ("phase1", Phase1Parameters, ()),
+        ("phase2", Phase2Parameters, ("checkpoint_dir",)),  # the runner puts checkpoints in the run folder
+        ("baselines", BaselineParameters, ()),
+    ]
+
+
+def _yaml_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise argparse.ArgumentTypeError(f"not a valid YAML value: {text!r}") from None
+
+
+def _add_section_options(p: argparse.ArgumentParser, section: str, source: type, exclude: tuple[str, ...]) -> None:
+    """``--SECTION-FIELD`` for every field of the section's dataclass; given ones override the recipe's value."""
+    hints = typing.get_type_hints(source)
+    g = p.add_argument_group(f"{section} (recipe section `{section}`; defaults: the paper's)")
+    for f in dataclasses.fields(source):
+        if f.name in exclude:
+            continue
+        flag = f"--{section}-{f.name.replace('_', '-')}"
+        dest = f"{_PREFIX}{section}.{f.name}"
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        text = f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%")  # argparse %-formats help
+        if hints[f.name] is bool:
+            g.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            g.add_argument(flag, dest=dest, type=_yaml_value, default=None, metavar="VALUE", help=text)
+
+
+def _section_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``{"phase1.steps": 50, ...}`` for the generated options the user gave."""
+    return {k[len(_PREFIX) :]: v for k, v in vars(args).items() if k.startswith(_PREFIX) and v is not None}
+
+
+def _add_model_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        required=True,
+        help="Hugging Face hub id (gpt2, distilgpt2, ...), a local model folder, or smollm2-135m (offline)",
+    )
+
+
+def _calibration_defaults() -> dict[str, Any]:
+    from aimet_quadapter.experiments.recipes import CalibrationSection
+
+    return {name: f.default for name, f in CalibrationSection.model_fields.items()}
+
+
+def _add_calibration_options(p: argparse.ArgumentParser) -> None:
+    defaults = _calibration_defaults()
+    g = p.add_argument_group("calibration (recipe section `calibration`; the paper: 10 x 512 tokens of train)")
+    g.add_argument("--calib-samples", type=_yaml_value, help=f"crops (default {defaults['samples']})")
+    g.add_argument("--calib-len", type=_yaml_value, help=f"tokens per crop (default {defaults['length']})")
+    g.add_argument("--seed", type=_yaml_value, help=f"seed of the crops (default {defaults['seed']})")
+
+
+def _eval_recipe(args: argparse.Namespace) -> Recipe:
+    """The recipe ``eval``'s options describe, validated like a file's (errors name the recipe field)."""
+    from aimet_quadapter.experiments.recipes import validate_recipe
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    calib = args.calib_dataset or args.dataset[0]
+    raw: dict[str, Any] = {
+        "name": "eval",
+        "model": args.model,
+        "methods": methods,
+        "calibration": {"dataset": calib},
+        "fid": [args.finetune_dataset or calib],
+        "eval": {"datasets": list(args.dataset), "split": args.split},
+    }
+    given = {
+        "calibration.samples": args.calib_samples,
+        "calibration.length": args.calib_len,
+        "calibration.seed": args.seed,
+        "eval.seq_len": args.seq_len,
+        "eval.stride": args.stride,
+        "eval.max_tokens": args.max_tokens,
+        **_section_overrides(args),
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    for key, value in given.items():
+        section, _, name = key.partition(".")
+        raw.setdefault(section, {})[name] = value
+    return validate_recipe(raw, "eval")
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from aimet_quadapter.export import onnx_eval
+
+    if onnx_eval.is_export(args.model):  # an exported ONNX model: its perplexity in onnxruntime
+        return _eval_export(args)
+    recipe = _eval_recipe(args)  # validated before the heavy imports below
+    from aimet_quadapter.experiments.report import results_table
+    from aimet_quadapter.experiments.runner import run_recipe
+
+    with tempfile.TemporaryDirectory(prefix="aimet-quadapter-eval-") as tmp:
+        folder, results = run_recipe(recipe, args.out or tmp, progress=not args.no_progress)
+        print(results_table(results))
+        if args.json:
+            shutil.copyfile(Path(folder) / "results.json", args.json)
+    if args.out:
+        print(f"results: {Path(folder) / 'results.json'}")
+    return 0
+
+
+def _eval_export(args: argparse.Namespace) -> int:
+    from aimet_quadapter.experiments.recipes import EvalSection
+    from aimet_quadapter.experiments.report import results_table
+    from aimet_quadapter.experiments.results_file import write_json_atomic
+    from aimet_quadapter.export.onnx_eval import eval_exported
+
+    defaults = EvalSection.model_fields
+    results = eval_exported(
+        args.model,
+        args.dataset,
+        args.split,
+        args.seq_len or defaults["seq_len"].default,
+        args.stride,
+        args.max_tokens,
+        progress=not args.no_progress,
+        log=lambda text: print(text, file=sys.stderr),
+    )
+    print(results_table(results))
+    paths = [Path(args.json)] if args.json else []
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        paths.append(Path(args.out) / "results.json")
+    for path in paths:
+        write_json_atomic(path, results)
+    return 0
+
+
+def _cmd_describe(args: argparse.Namespace) -> int:
+    from aimet_quadapter.experiments.data import calibration_batches
+    from aimet_quadapter.models import load_model
+    from aimet_quadapter.quant.policy import QuantPolicy, build_sim, calibrate, describe, format_description
+
+    given = {k.split(".", 1)[1]: v for k, v in _section_overrides(args).items() if k.startswith("policy.")}
+    policy = QuantPolicy(**given)
+    model, tokenizer = load_model(args.model, quiet=True)
+    defaults = _calibration_defaults()
+    samples = defaults["samples"] if args.calib_samples is None else args.calib_samples
+    length = defaults["length"] if args.calib_len is None else args.calib_len
+    seed = defaults["seed"] if args.seed is None else args.seed
+    if args.calib_dataset:
+        limit = model.max_positions
+        if limit and length > limit:
+            raise QuadapterError(f"--calib-len {length} exceeds the model's {limit} positions")
+    sim = build_sim(model, policy)
+    if args.calib_dataset:
+        calibrate(sim, calibration_batches(tokenizer, args.calib_dataset, samples, length, seed))
+    print(format_description(describe(sim.model)))
+    sites = model.sites(extra=not args.no_extra_sites)
+    print(f"\n{len(sites)} Quadapter sites:")
+    for site in sites:
+        print(f"  {site.name}{'  (beyond the paper)' if site.extra else ''}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aimet-quadapter",
+        description="Quadapter quantization of GPT-2 and Llama-family language models on AIMET",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "eval",
+        help="perplexity of methods on datasets: a recipe built from the options, run like `run`",
+        description="Builds a recipe from the options (model, datasets, methods, every setting) and runs it; "
+        "an exported model folder (see `export`) is scored in onnxruntime instead.",
+    )
+    _add_model_option(p)
+    p.add_argument(
+        "--dataset",
+        action="append",
+        required=True,
+        help="corpus (wikitext2, ptb, lambada, cbt_cn, cbt_ne) or a local text file/folder; repeatable",
+    )
+    p.add_argument("--split", default="test", choices=("train", "valid", "test"), help="(default test)")
+    p.add_argument("--max-tokens", type=_yaml_value, help="evaluate only the first N tokens of each dataset")
+    p.add_argument("--seq-len", type=_yaml_value, help="evaluation window (default 1024, the paper's)")
+    p.add_argument("--stride", type=_yaml_value, help="sliding-window stride (default: non-overlapping)")
+    p.add_argument(
+        "--methods",
+        default="fp,ptq",
+        help="comma-separated method names, e.g. fp,ptq,cle,quadapter_bc,quadapter (default fp,ptq)",
+    )
+    p.add_argument("--json", help="also write results.json to this file")
+    p.add_argument("--out", help="run folder for results.json, Quadapter states and checkpoints (default: none kept)")
+    p.add_argument("--calib-dataset", help="dataset whose train split calibrates (default: the first --dataset)")
+    p.add_argument("--finetune-dataset", help="phase-2 data (train split; default: the calibration dataset)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_calibration_options(p)
+    for section, source, exclude in _sections():
+        _add_section_options(p, section, source, exclude)
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("describe", help="list every quantizer of the sim and every Quadapter site")
+    _add_model_option(p)
+    p.add_argument("--no-extra-sites", action="store_true", help="list only the paper's norm -> linear sites")
+    p.add_argument("--calib-dataset", help="calibrate on this dataset's train split first (shows the ranges)")
+    _add_calibration_options(p)
+    _add_section_options(p, *_sections()[0])
+    p.set_defaults(func=_cmd_describe)
+
+    p = sub.add_parser("run", help="run a recipe: methods x F-ID sets, each evaluated on every eval dataset")
+    p.add_argument("recipe", help="recipe YAML file (see recipes/)")
+    p.add_argument("--out", help="run folder (default: the recipe's `out`, else runs/<recipe name>)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe value, VALUE parsed as YAML (e.g. --set phase2.steps=200 --set methods=[ptq,cle]); "
+        "repeatable",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("report", help="markdown tables and figures of a run folder (writes RUN_DIR/report.md)")
+    p.add_argument("run_dir", help="a folder written by `run`")
+    p.set_defaults(func=_cmd_report)
+    add_export_command(sub)
+    return parser
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from aimet_quadapter.experiments.recipes import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)  # validated before the heavy imports below
+    from aimet_quadapter.experiments.report import results_table
+    from aimet_quadapter.experiments.runner import run_recipe
+
+    folder, results = run_recipe(recipe, args.out, progress=not args.no_progress)
+    print(results_table(results))
+    print(f"results: {folder / 'results.json'}; `aimet-quadapter report {folder}` writes the full report")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from aimet_quadapter.experiments.report import write_report
+
+    path, text = write_report(args.run_dir)
+    print(text)
+    print(f"written to {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from aimet_quadapter import distributed
+
+    if distributed.init_from_env() and not distributed.is_main():
+        # torchrun: every process computes, the first one reports
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+    try:
+        return args.func(args)
+    except QuadapterError as exc:
+        print(f"aimet-quadapter: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("aimet-quadapter: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

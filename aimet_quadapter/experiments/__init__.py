@@ -1,0 +1,1 @@
+"""Running the paper's experiments: data, perplexity, methods, recipes, the runner, reports and figures."""

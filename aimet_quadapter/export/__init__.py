@@ -1,0 +1,1 @@
+"""Export for the device: ONNX + AIMET encodings, and their check in onnxruntime."""
