@@ -24,7 +24,7 @@ import yaml
 from aimet_quadapter.cli.export import add_export_command
 from aimet_quadapter.errors import QuadapterError
 
-if TYPE_CHECKING:  # the recipe module is imported when a command runs, after its arguments are checked
+if TYPE_CHECKING:  # for the annotation only
     from aimet_quadapter.experiments.recipes import Recipe
 
 _PREFIX = "section:"
