@@ -53,6 +53,7 @@ from aimet_quadapter.export.onnx_eval import (
     qdq_graph_encodings,
     read_encodings,
 )
+from aimet_quadapter.models import device_of
 from aimet_quadapter.quant.policy import sim_policy
 from aimet_quadapter.quant.quantizers import DynamicRanges, fast_inference, quantizers, quantizers_in
 
@@ -177,7 +178,7 @@ def shared_activation_groups(sim: QuantizationSimModel, seq_len: int = 8) -> lis
     for path, role, q in quantizers(sim.model):
         if role.startswith(("input", "output")):
             handles.append(q.register_forward_pre_hook(recorder(f"{path}.{role}")))
-    device = next(sim.model.parameters()).device
+    device = device_of(sim.model)
     try:
         # in dynamic mode an uncalibrated sim runs too; every quantizer's state is put back afterwards
         with torch.no_grad(), DynamicRanges(quantizers_in([sim.model])):
@@ -350,7 +351,7 @@ def verify_export(
     bar = tqdm(total=len(windows) * (1 + len(FORMS)), desc="verify export", unit="run", disable=not progress)
     references, sim_nll, max_sim, tokens = [], torch.zeros((), dtype=torch.float64), 0.0, 0
     with torch.no_grad(), fast_inference(sim.model):
-        device = next(sim.model.parameters()).device
+        device = device_of(sim.model)
         for window, keep in zip(windows, scored):
             logits = sim.model(window.ids.reshape(1, -1).to(device)).float().cpu()
             sim_nll += window_nll(logits, window)
@@ -519,7 +520,7 @@ def export_quantized(
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private (0700); the export folder is an ordinary one
     try:
-        device = next(sim.model.parameters()).device
+        device = device_of(sim.model)
         dummy = torch.zeros((1, seq_len), dtype=torch.long, device=device)
         common = {"input_names": [INPUT_NAME], "output_names": [OUTPUT_NAME], "dynamo": False}
         if dynamic_length:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Architecture, PreparedLM, Site, SiteSpec, is_tied, tensor_of, untie_lm_head
+from .base import Architecture, PreparedLM, Site, SiteSpec, device_of, is_tied, tensor_of, untie_lm_head
 from .gpt2 import GPT2
 from .llama import LLAMA
 from .loading import load_model, load_tokenizer, quiet_libraries
@@ -19,6 +19,7 @@ __all__ = [
     "Site",
     "SiteSpec",
     "architecture_of",
+    "device_of",
     "is_tied",
     "load_model",
     "load_tokenizer",

@@ -95,6 +95,11 @@ class Architecture:
     tiny_config: Callable[..., object] | None = field(default=None, repr=False)
 
 
+def device_of(module: nn.Module) -> torch.device:
+    """Where ``module``'s parameters live (the device its inputs must be moved to)."""
+    return next(module.parameters()).device
+
+
 def tensor_of(module: nn.Module, name: str = "weight") -> torch.Tensor:
     """``module.<name>`` as a tensor (torch types a module's attributes as ``Tensor | Module``)."""
     value = getattr(module, name)

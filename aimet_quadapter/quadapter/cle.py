@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from aimet_quadapter.models import Site, tensor_of
+from aimet_quadapter.models import Site, device_of, tensor_of
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 
 
@@ -51,7 +51,7 @@ def _absmax(model: nn.Module, points: dict[str, tuple[str, bool]], batches: Sequ
         else:
             handles.append(module.register_forward_pre_hook(lambda _m, args, record=record: record(args[0])))
     try:
-        device = next(model.parameters()).device
+        device = device_of(model)
         for batch in batches:
             model(batch.to(device))
     finally:
@@ -103,7 +103,7 @@ def channel_min_max(model: nn.Module, site: Site, batches: Sequence[torch.Tensor
 
     handle = model.get_submodule(site.consumers[0]).register_forward_pre_hook(hook)
     try:
-        device = next(model.parameters()).device
+        device = device_of(model)
         for batch in batches:
             model(batch.to(device))
     finally:

@@ -45,7 +45,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.models import PreparedLM, Site
+from aimet_quadapter.models import PreparedLM, Site, device_of
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quant.quantizers import DynamicRanges, plain_tensors, quantizers_in
 from aimet_quadapter.settings import check_fields, setting
@@ -67,7 +67,7 @@ def capture_inputs(model: nn.Module, path: str, batches: Sequence[torch.Tensor])
         raise _Stop
 
     handle = module.register_forward_pre_hook(hook, with_kwargs=True)
-    device = next(model.parameters()).device
+    device = device_of(model)
     try:
         with torch.no_grad():
             for batch in batches:

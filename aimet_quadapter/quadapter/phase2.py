@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from aimet_quadapter import distributed
 from aimet_quadapter.atomic import write_atomic
 from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.models import device_of
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quant.quantizers import gathered_embedding_quantization, plain_tensors, range_parameters
 from aimet_quadapter.settings import check_fields, setting
@@ -32,7 +33,7 @@ LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy of ``model`` (ids -> logits) on a (B, T) batch."""
-    batch = batch.to(next(model.parameters()).device)
+    batch = batch.to(device_of(model))
     logits = model(batch)
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
 

@@ -21,7 +21,7 @@ from aimet_torch.quantsim import QuantizationSimModel
 from torch import nn
 
 from aimet_quadapter import distributed
-from aimet_quadapter.models import PreparedLM
+from aimet_quadapter.models import PreparedLM, device_of
 from aimet_quadapter.quant.aimet_adapter import seq_mse_bitwidth_limit
 from aimet_quadapter.quant.policy import QUANT_SCHEMES, QuantPolicy, calibrate, sim_policy
 from aimet_quadapter.settings import check_fields, setting
@@ -47,7 +47,7 @@ class BaselineParameters:
 
 def _forward(model: nn.Module, batch: torch.Tensor):
     # AIMET's forward_fn(model, inputs): our batches are plain id tensors.
-    return model(batch.to(next(model.parameters()).device))
+    return model(batch.to(device_of(model)))
 
 
 def aimet_config(policy: QuantPolicy) -> dict:
@@ -109,7 +109,7 @@ def apply_adaround(
             default_reg_param=params.adaround_reg_param,
             forward_fn=_forward,
         )
-        dummy = torch.zeros((1, 16), dtype=torch.long, device=next(fp_model.parameters()).device)
+        dummy = torch.zeros((1, 16), dtype=torch.long, device=device_of(fp_model))
         rounded = Adaround.apply_adaround(
             fp_model,
             dummy,

@@ -31,7 +31,7 @@ from aimet_torch.quantsim import QuantizationSimModel
 from torch import nn
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.models import PreparedLM
+from aimet_quadapter.models import PreparedLM, device_of
 from aimet_quadapter.quant.quantizers import quantizers
 from aimet_quadapter.settings import check_fields, setting
 
@@ -133,7 +133,7 @@ def apply_policy(sim_model: nn.Module, policy: QuantPolicy, logits_module: nn.Mo
 
 def build_sim(model: PreparedLM, policy: QuantPolicy = QuantPolicy(), seq_len: int = 16) -> QuantizationSimModel:
     """A ``QuantizationSimModel`` of ``model`` (deep-copied: the FP model stays as it is) under ``policy``."""
-    dummy = torch.zeros((1, seq_len), dtype=torch.long, device=next(model.parameters()).device)
+    dummy = torch.zeros((1, seq_len), dtype=torch.long, device=device_of(model))
     sim = QuantizationSimModel(
         model,
         dummy,
@@ -158,7 +158,7 @@ def sim_policy(sim: QuantizationSimModel) -> QuantPolicy:
 
 def run_batches(model: nn.Module, batches: Iterable[torch.Tensor]) -> None:
     """AIMET's ``forward_pass_callback``: forward every batch, no gradients."""
-    device = next(model.parameters()).device
+    device = device_of(model)
     with torch.no_grad():
         for batch in batches:
             model(batch.to(device))
