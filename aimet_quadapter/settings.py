@@ -28,6 +28,11 @@ def setting(
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def default_of(f: dataclasses.Field) -> Any:
+    """The default value of field ``f`` (a fresh one when it has a factory)."""
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def bounds(f: dataclasses.Field) -> dict[str, float]:
     """The bounds of field ``f`` that are set, as pydantic ``Field`` keyword arguments."""
     return {k: f.metadata[k] for k in _BOUNDS if f.metadata.get(k) is not None}

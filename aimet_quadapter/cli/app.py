@@ -23,6 +23,7 @@ import yaml
 
 from aimet_quadapter.cli.export import add_export_command
 from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.settings import default_of
 
 if TYPE_CHECKING:  # for the annotation only
     from aimet_quadapter.experiments.recipes import Recipe
@@ -31,18 +32,12 @@ _PREFIX = "section:"
 
 
 def _sections() -> list[tuple[str, type, tuple[str, ...]]]:
-    """(recipe section, its parameter dataclass, fields that are not options): what the options come from."""
-    from aimet_quadapter.quadapter import Phase1Parameters, Phase2Parameters, QuadapterParameters
-    from aimet_quadapter.quant.baselines import BaselineParameters
-    from aimet_quadapter.quant.policy import QuantPolicy
+    """The recipe's parameter sections, less the fields that are no option (the runner puts checkpoints in
+    the run folder)."""
+    from aimet_quadapter.experiments.recipes import parameter_sections
 
-    return [
-        ("policy", QuantPolicy, ()),
-        ("quadapter", QuadapterParameters, ("phase1", "phase2")),
-        ("phase1", Phase1Parameters, ()),
-        ("phase2", Phase2Parameters, ("checkpoint_dir",)),  # the runner puts checkpoints in the run folder
-        ("baselines", BaselineParameters, ()),
-    ]
+    not_options = {"phase2": ("checkpoint_dir",)}
+    return [(name, source, exclude + not_options.get(name, ())) for name, source, exclude in parameter_sections()]
 
 
 def _yaml_value(text: str) -> Any:
@@ -61,8 +56,7 @@ def _add_section_options(p: argparse.ArgumentParser, section: str, source: type,
             continue
         flag = f"--{section}-{f.name.replace('_', '-')}"
         dest = f"{_PREFIX}{section}.{f.name}"
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        text = f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%")  # argparse %-formats help
+        text = f"{f.metadata.get('help', '')} (default: {default_of(f)})".replace("%", "%%")  # argparse %-formats help
         if hints[f.name] is bool:
             g.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
@@ -185,9 +179,7 @@ def _cmd_describe(args: argparse.Namespace) -> int:
     length = defaults["length"] if args.calib_len is None else args.calib_len
     seed = defaults["seed"] if args.seed is None else args.seed
     if args.calib_dataset:
-        limit = model.max_positions
-        if limit and length > limit:
-            raise QuadapterError(f"--calib-len {length} exceeds the model's {limit} positions")
+        model.check_length(length, "--calib-len")
     sim = build_sim(model, policy)
     if args.calib_dataset:
         calibrate(sim, calibration_batches(tokenizer, args.calib_dataset, samples, length, seed))

@@ -74,9 +74,7 @@ def _cmd_export(args) -> int:
     state_path = resolve_state(args.state)
     state = QuadapterState.load(state_path)
     model, tokenizer = load_model(args.model, quiet=True)
-    limit = model.max_positions
-    if limit and args.seq_len > limit:
-        raise QuadapterError(f"--seq-len {args.seq_len} exceeds the model's {limit} positions")
+    model.check_length(args.seq_len, "--seq-len")
     sim = state.build_sim(model)
     del model  # the sim holds its own (folded) copy; a large model's FP weights are not needed again
     windows = eval_windows_for(

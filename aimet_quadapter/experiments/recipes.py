@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
-from dataclasses import MISSING
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 
@@ -29,7 +28,7 @@ from pydantic import create_model as _create_model
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import EXTRA_SITE_GROUPS
-from aimet_quadapter.settings import bounds
+from aimet_quadapter.settings import bounds, default_of
 
 DATA_ENV = "AIMET_QUADAPTER_DATA"
 
@@ -53,7 +52,7 @@ def _mirror(source: type, name: str, exclude: tuple[str, ...] = (), **narrow: An
         choices = f.metadata.get("choices")
         if choices is not None:
             annotation = Literal[choices]  # type: ignore[valid-type]
-        default: Any = f.default_factory() if f.default_factory is not MISSING else f.default
+        default = default_of(f)
         description = f.metadata.get("help") or None
         limits = bounds(f)
         field = Field(default, description=description, ge=limits.get("ge"), gt=limits.get("gt"), le=limits.get("le"))
@@ -61,23 +60,28 @@ def _mirror(source: type, name: str, exclude: tuple[str, ...] = (), **narrow: An
     return _create_model(name, __base__=_Section, **fields)
 
 
-def _sections() -> dict[str, type[BaseModel]]:
+def parameter_sections() -> list[tuple[str, type, tuple[str, ...]]]:
+    """(recipe section, the parameter dataclass it mirrors, fields that are not part of it): the recipe
+    schema and the command-line options are both built from this list."""
     from aimet_quadapter.quadapter import Phase1Parameters, Phase2Parameters, QuadapterParameters
     from aimet_quadapter.quant.baselines import BaselineParameters
     from aimet_quadapter.quant.policy import QuantPolicy
 
-    quadapter = _mirror(
-        QuadapterParameters,
-        "QuadapterBase",
-        exclude=("phase1", "phase2"),
-        extra_sites=bool | list[Literal[EXTRA_SITE_GROUPS]] | None,  # type: ignore[valid-type]
-    )
+    return [
+        ("policy", QuantPolicy, ()),
+        ("quadapter", QuadapterParameters, ("phase1", "phase2")),  # those two are sections of their own
+        ("phase1", Phase1Parameters, ()),
+        ("phase2", Phase2Parameters, ()),
+        ("baselines", BaselineParameters, ()),
+    ]
+
+
+def _sections() -> dict[str, type[BaseModel]]:
+    # the schema can be stricter than the dataclass: extra_sites takes only known site groups
+    narrow = {"quadapter": {"extra_sites": bool | list[Literal[EXTRA_SITE_GROUPS]] | None}}  # type: ignore[valid-type]
     return {
-        "policy": _mirror(QuantPolicy, "PolicySection"),
-        "phase1": _mirror(Phase1Parameters, "Phase1Section"),
-        "phase2": _mirror(Phase2Parameters, "Phase2Section"),
-        "baselines": _mirror(BaselineParameters, "BaselinesSection"),
-        "quadapter": quadapter,
+        section: _mirror(source, f"{section.capitalize()}Section", exclude, **narrow.get(section, {}))
+        for section, source, exclude in parameter_sections()
     }
 
 

@@ -294,18 +294,12 @@ class RecipeRun:
             raise QuadapterError(f"{self.recipe.where()}: {e}") from None
 
     def _check_lengths(self, model: PreparedLM) -> None:
-        limit = model.max_positions
-        if not limit:
-            return
         lengths = [("calibration.length", self.recipe.calibration.length)]
         if any(self.registry[c.method].finetunes for c in self.cells):
             lengths.append(("phase2.seq_len", self.recipe.phase2.seq_len))
         lengths += [(f"eval.datasets ({s.ref.label}) seq_len", s.seq_len) for s in self.evals]
         for field, length in lengths:
-            if length > limit:
-                raise QuadapterError(
-                    f"{self.recipe.where()}: field {field}: {length} exceeds the model's {limit} positions"
-                )
+            model.check_length(length, f"{self.recipe.where()}: field {field}:")
 
     @cache  # noqa: B019 - one run object per recipe run; the cache dies with it
     def _tokens(self, source: str, split: str) -> torch.Tensor:

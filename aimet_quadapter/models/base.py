@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import QuadapterError
+
 
 @dataclass(frozen=True)
 class SiteSpec:
@@ -129,6 +131,12 @@ class PreparedLM(nn.Module):
         """The longest sequence the model takes (GPT-2's position table fails deep inside beyond it)."""
         config = self.config
         return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+
+    def check_length(self, length: int, what: str) -> None:
+        """Refuse ``length`` tokens beyond :attr:`max_positions`, naming ``what`` asked for them."""
+        limit = self.max_positions
+        if limit and length > limit:
+            raise QuadapterError(f"{what} {length} exceeds the model's {limit} positions")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         length = input_ids.shape[-1]
