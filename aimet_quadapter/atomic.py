@@ -12,3 +12,8 @@ def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
     os.replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """``path.write_text(text)``, atomically (see :func:`write_atomic`)."""
+    write_atomic(path, lambda tmp: tmp.write_text(text))

@@ -7,3 +7,7 @@ class QuadapterError(Exception):
     The CLI prints its message on one line and exits with status 2, without a traceback:
     the message itself must name the bad field, file or model and say what to do.
     """
+
+
+class TrainingDiverged(QuadapterError):
+    """A training loss became NaN or infinite: the method stops there; a run's other cells go on."""

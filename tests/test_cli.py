@@ -40,11 +40,13 @@ def _cells(saved: dict) -> dict[str, dict]:
 def test_eval_local_model_and_file(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
     """``eval`` is a recipe run: the same results.json as ``run``, and the printed table holds its numbers."""
     out_json = tmp_path / "results.json"
-    code = main(["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), "--json", str(out_json), *SMALL])
+    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), "--device", "cpu"]
+    code = main([*argv, "--json", str(out_json), *SMALL])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     saved = json.loads(out_json.read_text())
     assert saved["model"] == str(tiny_gpt2_dir)
+    assert saved["recipes"]["eval"]["settings"]["device"] == "cpu"
     assert saved["recipes"]["eval"]["settings"]["eval"]["seq_len"] == 64
     assert [d["label"] for d in saved["datasets"]] == [corpus_file.stem]
     cells = _cells(saved)
@@ -53,6 +55,41 @@ def test_eval_local_model_and_file(tiny_gpt2_dir, corpus_file, tmp_path, capsys)
     assert math.isfinite(fp) and math.isfinite(ptq) and fp > 1.0 and fp != ptq
     for label, value in (("FP32", fp), (_ptq_key(cells), ptq)):
         assert any(f"| {label} |" in line and f"{value:.2f}" in line for line in captured.out.splitlines())
+
+
+def _never_load(monkeypatch):
+    """Loading a model fails the test: the error must come before it."""
+    from aimet_quadapter.models import loading
+
+    def fail(name):
+        raise AssertionError(f"model {name} was loaded before the error")
+
+    monkeypatch.setattr(loading, "load_hf_model", fail)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("command", ["eval", "describe", "run"])
+def test_device_cuda_without_cuda_is_one_line(command, tiny_gpt2_dir, corpus_file, tmp_path, capsys, monkeypatch):
+    _never_load(monkeypatch)
+    if command == "run":
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(f"model: {tiny_gpt2_dir}\nmethods: [fp]\neval: {{datasets: [{corpus_file}]}}\n")
+        argv = ["run", str(recipe), "--out", str(tmp_path / "run")]
+    else:
+        argv = [command, "--model", str(tiny_gpt2_dir)] + (["--dataset", str(corpus_file)] if command == "eval" else [])
+    assert main([*argv, "--device", "cuda"]) == 2
+    line = _error_line(capsys)
+    assert "'cuda'" in line and "no CUDA device" in line
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "CPU"])
+def test_bad_device_names_the_recipe_field(device, tiny_gpt2_dir, corpus_file, tmp_path, capsys, monkeypatch):
+    _never_load(monkeypatch)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {tiny_gpt2_dir}\nmethods: [fp]\ndevice: {device}\neval: {{datasets: [{corpus_file}]}}\n")
+    assert main(["run", str(recipe), "--out", str(tmp_path / "run")]) == 2
+    line = _error_line(capsys)
+    assert "field device" in line and repr(device) in line
 
 
 def test_eval_fp_only_two_datasets(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
@@ -117,7 +154,10 @@ def test_eval_options_are_the_dataclass_fields(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["eval", "--help"])
     text = " ".join(capsys.readouterr().out.split())
+    assert "--phase1-checkpoint-dir" not in text  # the runner puts checkpoints in the run folder
     for f in dataclasses.fields(Phase1Parameters):
+        if f.name == "checkpoint_dir":
+            continue
         flag = f"--phase1-{f.name.replace('_', '-')}"
         found = re.search(rf" {flag}(?:, --no-{flag[2:]}| VALUE) (.*?)(?= --|$)", text)
         assert found, flag

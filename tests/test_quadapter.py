@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -292,6 +293,31 @@ def test_phase2_lowers_training_loss_and_keeps_weights(setup):
             assert torch.equal(p, weights[n]), f"weight {n} changed in phase 2"
 
 
+def test_phase2_micro_batches_give_the_whole_batch_gradient(setup):
+    """Accumulating the gradient a few sequences at a time (the memory setting) gives the whole batch's loss
+    and gradient. Compared on one step: Adam turns the float rounding of a near-zero gradient into a step of
+    the full learning rate, so trajectories of a few steps part for reasons that have nothing to do with this."""
+    from aimet_quadapter.quant.quantizers import range_parameters
+
+    model, calib, train = setup["model"], setup["calib"], setup["train"]
+    runs = {}
+    for micro in (None, 1, 3):  # 3: uneven slices of the 4-sequence batch
+        sim = build_sim(model)
+        calibrate(sim, calib)
+        qset = attach_quadapters(sim)
+        params = Phase2Parameters(steps=1, lr_alpha=0.0, lr_ranges=0.0, micro_batch_size=micro)
+        losses = run_phase2(sim.model, qset, train, params, progress=False).losses
+        trained = [q.theta for q in qset] + range_parameters(sim.model)
+        runs[micro] = losses, torch.cat([p.grad.flatten() for p in trained if p.grad is not None])
+    whole_losses, whole_grad = runs[None]
+    assert whole_grad.abs().max() > 0
+    for micro in (1, 3):
+        losses, grad = runs[micro]
+        assert len(grad) == len(whole_grad)
+        assert losses == pytest.approx(whole_losses, rel=1e-6)
+        assert torch.allclose(grad, whole_grad, rtol=1e-4, atol=1e-6 * whole_grad.abs().max().item()), micro
+
+
 def test_gathered_embedding_quantization_is_exact(setup, monkeypatch):
     """Quantizing only the looked-up embedding rows (a speed-up) gives the same logits, and phase 2 with
     and without it the same losses and the same learned alphas and ranges."""
@@ -405,7 +431,7 @@ def test_phase2_resume_continues_where_it_stopped(setup, tmp_path):
             train,
             Phase2Parameters(steps=6, checkpoint_every=2, checkpoint_dir=str(ckpt)),
             progress=False,
-            loss_fn=_interrupt_after(4),
+            loss_fn=_interrupt_after(4 * len(train[0])),  # one loss per sequence (micro_batch_size 1)
         )
     assert (ckpt / "phase2.pt").is_file()
     sim, qset = fresh()
@@ -420,6 +446,32 @@ def test_phase2_resume_continues_where_it_stopped(setup, tmp_path):
     assert resumed.losses == pytest.approx(full.losses, rel=1e-5)
     for a, b in zip(full_q, qset):
         assert torch.allclose(a.theta, b.theta, atol=1e-6)
+
+
+def test_phase2_stops_at_a_nan_loss_and_keeps_the_last_good_checkpoint(setup, tmp_path):
+    from aimet_quadapter.errors import TrainingDiverged
+
+    model, calib, train = setup["model"], setup["calib"], setup["train"]
+    sim = build_sim(model)
+    calibrate(sim, calib)
+    qset = attach_quadapters(sim)
+    calls = {"n": 0}
+
+    def nan_at_step_3(m, batch):
+        calls["n"] += 1
+        loss = lm_loss(m, batch)
+        return loss * float("nan") if calls["n"] > 2 else loss  # one call per step (micro_batch_size None)
+
+    params = Phase2Parameters(steps=5, checkpoint_every=1, checkpoint_dir=str(tmp_path), micro_batch_size=None)
+    with pytest.raises(TrainingDiverged, match="step 3 of 5.*holds step 2"):
+        run_phase2(sim.model, qset, train, params, progress=False, loss_fn=nan_at_step_3)
+    saved = torch.load(tmp_path / "phase2.pt", weights_only=False)
+    assert saved["step"] == 2 and all(math.isfinite(v) for v in saved["losses"])
+    # the parameters are those of the last good step: the NaN loss was never stepped on
+    current = qset.state_dict()
+    assert any((v != 0).any() for k, v in saved["qset"].items() if k.endswith("theta"))
+    for key, value in saved["qset"].items():
+        assert torch.equal(current[key], value), key
 
 
 def _interrupt_after(n: int):

@@ -246,6 +246,22 @@ def test_interrupted_run_keeps_finished_cells(world, tmp_path, monkeypatch):
     assert set(_results(run)["cells"]) == {"fp", "calib:a/ptq", "calib:a/cle"}
 
 
+def test_a_diverged_cell_stops_alone_and_the_matrix_goes_on(world, tmp_path, capsys):
+    out = tmp_path / "run"
+    overrides = ["--set", "methods=[fp,ptq,quadapter]", "--set", "phase2.lr_alpha=1e30"]  # alpha -> inf
+    code = main(["run", str(world / "r.yaml"), "--out", str(out), "--no-progress", *overrides])
+    err = capsys.readouterr().err
+    assert code == 1
+    cells = _results(out)["cells"]
+    assert set(cells) == {"fp", "calib:a/ptq", "a/quadapter"}
+    assert cells["fp"]["ppl"] and cells["calib:a/ptq"]["ppl"]
+    stopped = cells["a/quadapter"]
+    assert stopped["ppl"] == {} and "step 2 of 2" in stopped["error"]
+    assert "a/quadapter" in err and "step 2 of 2" in err
+    assert main(["report", str(out)]) == 0
+    assert "Quadapter (stopped: training diverged)" in capsys.readouterr().out
+
+
 def test_lengths_beyond_the_model_name_the_field(world, tmp_path, capsys):
     args = ["run", str(world / "r.yaml"), "--out", str(tmp_path / "run"), "--no-progress"]
     assert main([*args, "--set", "eval.seq_len=512"]) == 2

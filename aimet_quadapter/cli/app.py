@@ -36,7 +36,7 @@ def _sections() -> list[tuple[str, type, tuple[str, ...]]]:
     the run folder)."""
     from aimet_quadapter.experiments.recipes import parameter_sections
 
-    not_options = {"phase2": ("checkpoint_dir",)}
+    not_options = {"phase1": ("checkpoint_dir",), "phase2": ("checkpoint_dir",)}
     return [(name, source, exclude + not_options.get(name, ())) for name, source, exclude in parameter_sections()]
 
 
@@ -76,6 +76,16 @@ def _add_model_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_device_option(p: argparse.ArgumentParser, recipe: bool = False) -> None:
+    """``--device``: where the model, the sim and every tensor of the run live."""
+    where = "overrides the recipe's `device`; " if recipe else ""
+    p.add_argument(
+        "--device",
+        default=None if recipe else "auto",
+        help=f"auto (CUDA when there is one, else the CPU), cpu, cuda or cuda:N ({where}default auto)",
+    )
+
+
 def _calibration_defaults() -> dict[str, Any]:
     from aimet_quadapter.experiments.recipes import CalibrationSection
 
@@ -103,6 +113,7 @@ def _eval_recipe(args: argparse.Namespace) -> Recipe:
         "calibration": {"dataset": calib},
         "fid": [args.finetune_dataset or calib],
         "eval": {"datasets": list(args.dataset), "split": args.split},
+        "device": args.device,
     }
     given = {
         "calibration.samples": args.calib_samples,
@@ -136,7 +147,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             shutil.copyfile(Path(folder) / "results.json", args.json)
     if args.out:
         print(f"results: {Path(folder) / 'results.json'}")
-    return 0
+    return _stopped_cells(results)
 
 
 def _eval_export(args: argparse.Namespace) -> int:
@@ -173,14 +184,14 @@ def _cmd_describe(args: argparse.Namespace) -> int:
 
     given = {k.split(".", 1)[1]: v for k, v in _section_overrides(args).items() if k.startswith("policy.")}
     policy = QuantPolicy(**given)
-    model, tokenizer = load_model(args.model, quiet=True)
+    model, tokenizer = load_model(args.model, quiet=True, device=args.device)
     defaults = _calibration_defaults()
     samples = defaults["samples"] if args.calib_samples is None else args.calib_samples
     length = defaults["length"] if args.calib_len is None else args.calib_len
     seed = defaults["seed"] if args.seed is None else args.seed
     if args.calib_dataset:
         model.check_length(length, "--calib-len")
-    sim = build_sim(model, policy)
+    sim = build_sim(model, policy, in_place=True)  # the FP model is not used again
     if args.calib_dataset:
         calibrate(sim, calibration_batches(tokenizer, args.calib_dataset, samples, length, seed))
     print(format_description(describe(sim.model)))
@@ -225,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-dataset", help="dataset whose train split calibrates (default: the first --dataset)")
     p.add_argument("--finetune-dataset", help="phase-2 data (train split; default: the calibration dataset)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_device_option(p)
     _add_calibration_options(p)
     for section, source, exclude in _sections():
         _add_section_options(p, section, source, exclude)
@@ -234,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_option(p)
     p.add_argument("--no-extra-sites", action="store_true", help="list only the paper's norm -> linear sites")
     p.add_argument("--calib-dataset", help="calibrate on this dataset's train split first (shows the ranges)")
+    add_device_option(p)
     _add_calibration_options(p)
     _add_section_options(p, *_sections()[0])
     p.set_defaults(func=_cmd_describe)
@@ -251,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
         "repeatable",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_device_option(p, recipe=True)
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("report", help="markdown tables and figures of a run folder (writes RUN_DIR/report.md)")
@@ -263,14 +277,23 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_run(args: argparse.Namespace) -> int:
     from aimet_quadapter.experiments.recipes import load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)  # validated before the heavy imports below
+    overrides = [*args.overrides, *([f"device={args.device}"] if args.device else [])]
+    recipe = load_recipe(args.recipe, overrides)  # validated before the heavy imports below
     from aimet_quadapter.experiments.report import results_table
     from aimet_quadapter.experiments.runner import run_recipe
 
     folder, results = run_recipe(recipe, args.out, progress=not args.no_progress)
     print(results_table(results))
     print(f"results: {folder / 'results.json'}; `aimet-quadapter report {folder}` writes the full report")
-    return 0
+    return _stopped_cells(results)
+
+
+def _stopped_cells(results: dict) -> int:
+    """1 when some cell's training diverged (the others were recorded), after saying which; else 0."""
+    stopped = {key: cell["error"] for key, cell in results["cells"].items() if cell.get("error")}
+    for key, error in stopped.items():
+        print(f"aimet-quadapter: {key} stopped: {error}", file=sys.stderr)
+    return 1 if stopped else 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

@@ -61,22 +61,26 @@ def add_export_command(subparsers) -> None:
         help="where consumers of one tensor learned different ranges, give them the union (changes the model)",
     )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument(
+        "--device", default="auto", help="where the sim runs: auto (CUDA when there is one), cpu, cuda or cuda:N"
+    )
     p.set_defaults(func=_cmd_export)
 
 
 def _cmd_export(args) -> int:
     from aimet_quadapter.experiments.evaluation import eval_windows_for
     from aimet_quadapter.export.exporter import export_quantized, resolve_state, sha256_file
-    from aimet_quadapter.models import load_model
+    from aimet_quadapter.models import load_model, resolve_device
     from aimet_quadapter.quadapter.state import QuadapterState
 
     start = time.time()
+    device = resolve_device(args.device)
     state_path = resolve_state(args.state)
     state = QuadapterState.load(state_path)
-    model, tokenizer = load_model(args.model, quiet=True)
+    model, tokenizer = load_model(args.model, quiet=True, device=device)
     model.check_length(args.seq_len, "--seq-len")
-    sim = state.build_sim(model)
-    del model  # the sim holds its own (folded) copy; a large model's FP weights are not needed again
+    sim = state.build_sim(model, in_place=True)  # the FP weights are not needed again: no copy of them
+    del model
     windows = eval_windows_for(
         tokenizer, args.verify_dataset, args.verify_split, args.seq_len, None, args.seq_len * args.verify_windows
     )

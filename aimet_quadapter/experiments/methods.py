@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import torch
 from aimet_torch.quantsim import QuantizationSimModel
 
 from aimet_quadapter import distributed
+from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.experiments.plots import plot_channel_ranges, plot_phase1_curves
 from aimet_quadapter.models import PreparedLM
@@ -107,15 +109,22 @@ def _cle(ctx: MethodContext) -> QuantizationSimModel:
 
 def _quadapter_bc(ctx: MethodContext) -> QuantizationSimModel:
     sim = build_sim(ctx.model, ctx.policy)
-    result = apply_phase1(sim, ctx.model, ctx.calibration, ctx.params, ctx.progress, ctx.validation)
+    params = ctx.params
+    checkpoints = ctx.out_dir / "checkpoints" / "phase1" if ctx.out_dir is not None else None
+    if checkpoints is not None and params.phase1.checkpoint_dir is None:  # a killed phase 1 resumes by site
+        params = dataclasses.replace(params, phase1=dataclasses.replace(params.phase1, checkpoint_dir=str(checkpoints)))
+    result = apply_phase1(sim, ctx.model, ctx.calibration, params, ctx.progress, ctx.validation)
     ctx._bc = (sim, result)
     ctx.bc_state = result.state
     _save(ctx, "quadapter_bc", result.state)
+    if checkpoints is not None and distributed.is_main():  # the saved state is what a rerun starts from now
+        shutil.rmtree(checkpoints, ignore_errors=True)
     if result.phase1 is not None and result.phase1.validation is not None:
         ctx.info["quadapter_bc"] = {f"validation_{k}": v for k, v in result.phase1.validation.items()}
     folder = _write_dir(ctx)
     if folder is not None and result.phase1 is not None:
-        (folder / "phase1_losses.json").write_text(
+        write_text_atomic(
+            folder / "phase1_losses.json",
             json.dumps(
                 {
                     "losses": result.phase1.losses,
@@ -123,7 +132,7 @@ def _quadapter_bc(ctx: MethodContext) -> QuantizationSimModel:
                     "error_after": result.phase1.error_after,
                     "validation": result.phase1.validation,
                 }
-            )
+            ),
         )
         plot_phase1_curves(result.phase1.losses, folder / "phase1_curves.png")
         _plot_head_site(ctx, result.state, folder / "channel_ranges.png")
@@ -177,7 +186,7 @@ def _quadapter_phase2(ctx: MethodContext, name: str, learn_ranges: bool | None) 
     folder = _write_dir(ctx)
     if folder is not None and result.phase2 is not None:
         losses = "phase2_losses.json" if name == "quadapter" else f"{name}_phase2_losses.json"
-        (folder / losses).write_text(json.dumps(result.phase2.losses))
+        write_text_atomic(folder / losses, json.dumps(result.phase2.losses))
         _plot_head_site(ctx, result.state, folder / f"channel_ranges_{name}.png")
     return sim
 
@@ -275,7 +284,7 @@ def _write_losses(ctx: MethodContext, name: str, losses: list[float]) -> None:
     folder = _write_dir(ctx)
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{name}_phase2_losses.json").write_text(json.dumps(losses))
+        write_text_atomic(folder / f"{name}_phase2_losses.json", json.dumps(losses))
 
 
 def _plot_head_site(ctx: MethodContext, state: QuadapterState, path: Path) -> None:

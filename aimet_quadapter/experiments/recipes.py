@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
@@ -28,6 +29,7 @@ from pydantic import create_model as _create_model
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import EXTRA_SITE_GROUPS
+from aimet_quadapter.models.devices import DEVICE_CHOICES, DEVICE_PATTERN
 from aimet_quadapter.settings import bounds, default_of
 
 DATA_ENV = "AIMET_QUADAPTER_DATA"
@@ -112,6 +114,13 @@ def _known_method(name: str) -> str:
     return name
 
 
+def _device_name(name: str) -> str:
+    if not re.match(DEVICE_PATTERN, name):
+        raise ValueError(f"{name!r} is not a device: {DEVICE_CHOICES}")
+    return name
+
+
+DeviceName = Annotated[str, AfterValidator(_device_name)]
 DatasetGroup = Annotated[list[str], BeforeValidator(_as_list), Field(min_length=1)]
 MethodName = Annotated[str, AfterValidator(_known_method)]
 
@@ -158,6 +167,9 @@ class Recipe(_Section):
     description: str | None = None
     model: str
     out: str | None = None  # default run folder (relative to the current directory); --out overrides
+    # where every cell computes (auto: CUDA when there is one); not part of a cell's fingerprint, since the
+    # result is the same within float rounding
+    device: DeviceName = "auto"
     data_dirs: list[str] = Field(default_factory=list)
     policy: PolicySection = Field(default_factory=PolicySection)
     calibration: CalibrationSection = Field(default_factory=CalibrationSection)
@@ -345,6 +357,8 @@ def read_recipe_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
     base_path = (folder / base).resolve()
     if base_path in _seen:
         raise QuadapterError(f"{where}: field base: {base} includes itself")
+    if not base_path.is_file():
+        raise QuadapterError(f"{where}: field base: {base_path} does not exist")
     return _merge(read_recipe_file(base_path, (*_seen, path.resolve())), raw)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.experiments.results_file import load_results
 
 REFERENCES = {"fp", "fp_finetuned"}  # not quantized: upper bounds, never "best"
@@ -50,7 +51,8 @@ def ordered_rows(results: dict) -> list[dict]:
 
 
 def _row_label(cell: dict) -> str:
-    return cell["label"] + (f" (n={cell['size']})" if cell.get("size") else "")
+    stopped = " (stopped: training diverged)" if cell.get("error") else ""
+    return cell["label"] + (f" (n={cell['size']})" if cell.get("size") else "") + stopped
 
 
 def _best(rows: list[dict], columns: list[str]) -> dict[str, float]:
@@ -154,6 +156,9 @@ def timing_table(results: dict) -> str:
     lines = ["| Cell | Method (s) | Evaluation (s) | Wall (s) | Notes |", "| --- | ---: | ---: | ---: | --- |"]
     for r in ordered_rows(results):
         key = next(k for k, v in results["cells"].items() if v is r)
+        if r.get("error"):  # a stopped cell has no times: its training diverged
+            lines.append(f"| {key} | – | – | – | stopped: {r['error']} |")
+            continue
         lines.append(
             f"| {key} | {r['method_time_s']:.1f} | {r['eval_time_s']:.1f} | {r['wall_time_s']:.1f} "
             f"| {info_text(r.get('info', {}))} |"
@@ -231,5 +236,5 @@ def build_report(run_dir: str | Path) -> str:
 def write_report(run_dir: str | Path) -> tuple[Path, str]:
     text = build_report(run_dir)
     path = Path(run_dir) / "report.md"
-    path.write_text(text)
+    write_text_atomic(path, text)
     return path, text

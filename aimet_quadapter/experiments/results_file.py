@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from aimet_quadapter.atomic import write_atomic
+from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.errors import QuadapterError
 
 RESULTS = "results.json"
@@ -13,7 +13,7 @@ FORMAT = 1  # of results.json, written by the runner and by the ONNX evaluation
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
-    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2)))
+    write_text_atomic(path, json.dumps(obj, indent=2))
 
 
 def load_results(run_dir: str | Path) -> dict:

@@ -21,6 +21,7 @@ deleted once their cell is recorded: the result and the Quadapter state are what
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -37,7 +38,9 @@ import torch
 from tqdm.auto import tqdm
 
 from aimet_quadapter import distributed
-from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.atomic import write_text_atomic
+from aimet_quadapter.errors import QuadapterError, TrainingDiverged
+from aimet_quadapter.experiments.lock import RunLock
 from aimet_quadapter.experiments.recipes import Recipe
 from aimet_quadapter.experiments.results_file import FORMAT, RESULTS, load_results, write_json_atomic
 
@@ -108,6 +111,11 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._+-@" else "_" for c in name) or "_"
 
 
+def _named(ref: DatasetRef) -> str:
+    """A dataset as an error message names it: its label, and its file or folder when it is local."""
+    return ref.label if ref.source == ref.spec and not Path(ref.source).exists() else f"{ref.label} ({ref.source})"
+
+
 def _fingerprint(payload: dict) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -124,6 +132,7 @@ class RecipeRun:
         self.log = log
         self.registry = REGISTRY
         self.model_name = recipe.resolve_model()
+        self.device = self._device()
         self.fids = {self._group_name(g): g for g in (self._refs(group) for group in recipe.fid)}
         shared = recipe.calibration.dataset
         self.shared_calibration = self._refs(shared) if shared else None
@@ -142,6 +151,14 @@ class RecipeRun:
         if not self.main:
             self.progress = False
             self.log = lambda _message: None
+
+    def _device(self) -> torch.device:
+        from aimet_quadapter.models.devices import resolve_device
+
+        try:
+            return resolve_device(self.recipe.device)
+        except QuadapterError as e:
+            raise QuadapterError(f"{self.recipe.where()}: field device: {e}") from None
 
     # --- plan ---------------------------------------------------------------------------------------
     def _refs(self, names: list[str]) -> list[DatasetRef]:
@@ -208,8 +225,8 @@ class RecipeRun:
 
     # --- fingerprints ---------------------------------------------------------------------------------
     def _sections(self, names: tuple[str, ...]) -> dict:
-        # where checkpoints go and how often does not change a result
-        skip = {"checkpoint_every", "checkpoint_dir"}
+        # where checkpoints go, how often, and how a batch is sliced for memory do not change a result
+        skip = {"checkpoint_every", "checkpoint_dir", "micro_batch_size"}
         return {n: getattr(self.recipe, n).model_dump(mode="json", exclude=skip) for n in names}
 
     def _base_payload(self) -> dict:
@@ -277,10 +294,29 @@ class RecipeRun:
         if self._model is None:
             from aimet_quadapter.models import load_model
 
-            self._model, self._tokenizer = load_model(self.model_name, quiet=True)
+            self._model, self._tokenizer = load_model(self.model_name, quiet=True, device=self.device)
             self._check_lengths(self._model)
             self._check_sites(self._model)  # site names are known once the model is: before any cell's work
         return self._model
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from aimet_quadapter.models import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model_name)
+        return self._tokenizer
+
+    def check_data(self, cells: list[Cell]) -> None:
+        """Read, tokenize and cut every text ``cells`` need, before the model loads: a missing, binary or
+        too-short text stops the run in seconds, not after minutes of loading and calibrating."""
+        self.eval_windows()
+        for cell in cells:
+            if cell.calibration is not None and cell.method not in _NO_CALIBRATION:
+                self.calibration_batches(cell.calibration)
+                if self.registry[cell.method].from_bc or cell.method == "quadapter_bc":
+                    self.validation_batches(cell.calibration)
+            if cell.fid is not None:
+                self.finetune_batches(cell.fid, cell.size)
 
     def _check_sites(self, model: PreparedLM) -> None:
         if not self.recipe.phase1.keep_start:
@@ -294,7 +330,9 @@ class RecipeRun:
             raise QuadapterError(f"{self.recipe.where()}: {e}") from None
 
     def _check_lengths(self, model: PreparedLM) -> None:
-        lengths = [("calibration.length", self.recipe.calibration.length)]
+        lengths = []
+        if any(c.method not in _NO_CALIBRATION for c in self.cells):  # FP32 alone calibrates nothing
+            lengths.append(("calibration.length", self.recipe.calibration.length))
         if any(self.registry[c.method].finetunes for c in self.cells):
             lengths.append(("phase2.seq_len", self.recipe.phase2.seq_len))
         lengths += [(f"eval.datasets ({s.ref.label}) seq_len", s.seq_len) for s in self.evals]
@@ -305,8 +343,7 @@ class RecipeRun:
     def _tokens(self, source: str, split: str) -> torch.Tensor:
         from aimet_quadapter.experiments import data
 
-        self._load_model()
-        return data.tokenize(self._tokenizer, data.load_text(source, split))
+        return data.tokenize(self.tokenizer(), data.load_text(source, split))
 
     def _crops(self, refs: list[DatasetRef], num: int, length: int, seed: int) -> torch.Tensor:
         """``num`` crops of the train split(s), shared out evenly over the datasets of an expanded F-ID."""
@@ -319,7 +356,7 @@ class RecipeRun:
                 try:
                     parts.append(random_crops(self._tokens(ref.source, "train"), n, length, seed))
                 except QuadapterError as exc:
-                    raise QuadapterError(f"{self.recipe.where()}: train split of {ref.label}: {exc}") from None
+                    raise QuadapterError(f"{self.recipe.where()}: train split of {_named(ref)}: {exc}") from None
         crops = torch.cat(parts)
         if len(refs) > 1:  # mix the datasets within every batch
             crops = crops[torch.randperm(len(crops), generator=torch.Generator().manual_seed(seed))]
@@ -357,10 +394,16 @@ class RecipeRun:
     def eval_windows(self) -> dict[str, list]:
         from aimet_quadapter.experiments.data import eval_windows
 
-        return {
-            s.ref.label: eval_windows(self._tokens(s.ref.source, s.split), s.seq_len, s.stride, s.max_tokens)
-            for s in self.evals
-        }
+        out = {}
+        for s in self.evals:
+            tokens = self._tokens(s.ref.source, s.split)
+            out[s.ref.label] = eval_windows(tokens, s.seq_len, s.stride, s.max_tokens)
+            if not out[s.ref.label]:
+                raise QuadapterError(
+                    f"{self.recipe.where()}: eval dataset {_named(s.ref)}, split {s.split}: the text has "
+                    f"{len(tokens)} token(s); at least 2 are needed to score one"
+                )
+        return out
 
     # --- execution ----------------------------------------------------------------------------------
     def _context(self, cell_dir: Path | None, cal: str | None, fid: str | None, size: int | None):
@@ -403,7 +446,7 @@ class RecipeRun:
         ctx = self._context(folder, cal, None, None)
         run_method("quadapter_bc", ctx)
         if self.main:
-            stamp.write_text(self.bc_fingerprint(cal))
+            write_text_atomic(stamp, self.bc_fingerprint(cal))
         info["bc_time_s"] = time.time() - start
         self._bc[cal] = ctx.bc_state
         return ctx.bc_state
@@ -421,7 +464,7 @@ class RecipeRun:
             if checkpoints.exists() and not (stamp.is_file() and stamp.read_text() == fingerprint):
                 shutil.rmtree(checkpoints)
             checkpoints.mkdir(parents=True, exist_ok=True)
-            stamp.write_text(fingerprint)
+            write_text_atomic(stamp, fingerprint)
         distributed.barrier()  # under torchrun: no process resumes from a checkpoint the first one removes
         extra: dict = {}
         start = time.time()
@@ -433,7 +476,7 @@ class RecipeRun:
         method_time = time.time() - method_start
         if cell.method == "quadapter_bc":
             if self.main:
-                (cell_dir / "bc_fingerprint.txt").write_text(self.bc_fingerprint(cell.calibration_set))
+                write_text_atomic(cell_dir / "bc_fingerprint.txt", self.bc_fingerprint(cell.calibration_set))
             self._bc[cell.calibration_set] = ctx.bc_state
         from aimet_quadapter.experiments.evaluation import evaluate
 
@@ -443,33 +486,51 @@ class RecipeRun:
         if self.main:
             shutil.rmtree(cell_dir / "checkpoints", ignore_errors=True)
         record = {
-            "method": cell.method,
-            "label": spec.label,
-            "rank": list(self.registry).index(cell.method),
-            "group": cell.group,
-            "calibration": cell.calibration,
-            "fid": cell.fid,
-            "size": cell.size,
+            **self._record(cell),
             "finetune_sequences": sum(len(b) for b in ctx.finetune) if ctx.finetune else None,
             "ppl": ppl,
             "method_time_s": method_time,
             "eval_time_s": eval_time,
             "wall_time_s": time.time() - start,
-            "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "fingerprint": fingerprint,
-            "folder": cell.folder,
             "info": {**extra, **ctx.info.get(cell.method, {})},
         }
         del evaluated, ctx
         gc.collect()
         return record
 
+    def _record(self, cell: Cell) -> dict:
+        """What every results.json record of ``cell`` says, finished or stopped."""
+        return {
+            "method": cell.method,
+            "label": self.registry[cell.method].label,
+            "rank": list(self.registry).index(cell.method),
+            "group": cell.group,
+            "calibration": cell.calibration,
+            "fid": cell.fid,
+            "size": cell.size,
+            "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "fingerprint": self.fingerprint(cell),
+            "folder": cell.folder,
+        }
+
+    def failed_record(self, cell: Cell, error: str) -> dict:
+        """The record of a cell whose training diverged: no perplexity, so a rerun computes it again."""
+        return {**self._record(cell), "ppl": {}, "error": error}
+
     def _write(self, results: dict) -> None:
         if self.main:
             write_json_atomic(self.out_dir / RESULTS, results)
 
     def run(self) -> dict:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise QuadapterError(f"run folder {self.out_dir} cannot be created: {exc.strerror or exc}") from None
+        lock = RunLock(self.out_dir) if self.main else contextlib.nullcontext()
+        with lock:
+            return self._run()
+
+    def _run(self) -> dict:
         results = self._load_or_new()
         self._write(results)
         p2 = self.recipe.phase2
@@ -483,16 +544,24 @@ class RecipeRun:
         skipped = len(self.cells) - len(pending)
         if skipped:
             self.log(f"{skipped} of {len(self.cells)} cells already in {self.out_dir / RESULTS}: skipped")
+        self.check_data(pending)
         bar = tqdm(pending, desc="matrix", unit="cell", disable=not self.progress)
         for cell in bar:
             bar.set_postfix(cell=cell.key)
-            record = self.run_cell(cell)
+            try:
+                record = self.run_cell(cell)
+            except TrainingDiverged as exc:  # this method stops; the matrix goes on (a rerun tries it again)
+                record = self.failed_record(cell, str(exc))
             results["cells"][cell.key] = record
             results["updated"] = record["finished"]
             self._write(results)
             values = ", ".join(f"{k} {v:.3f}" for k, v in record["ppl"].items())
             if self.main:
-                tqdm.write(f"{cell.key} ({record['wall_time_s']:.0f} s): {values}")
+                tqdm.write(
+                    f"{cell.key}: stopped: {record['error']}"
+                    if "error" in record
+                    else f"{cell.key} ({record['wall_time_s']:.0f} s): {values}"
+                )
         bar.close()
         return results
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .base import Architecture, PreparedLM, Site, SiteSpec, device_of, is_tied, tensor_of, untie_lm_head
+from .devices import resolve_device
 from .gpt2 import GPT2
 from .llama import LLAMA
 from .loading import load_model, load_tokenizer, quiet_libraries
@@ -24,6 +25,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "quiet_libraries",
+    "resolve_device",
     "prepare_model",
     "tiny_model",
     "tensor_of",

@@ -85,15 +85,19 @@ def quiet_libraries() -> None:
     transformers.logging.set_verbosity_error()
 
 
-def load_model(name: str, untie: bool = True, quiet: bool = False):
+def load_model(name: str, untie: bool = True, quiet: bool = False, device: str | torch.device = "cpu"):
     """``(PreparedLM, tokenizer)`` for a hub id, a local folder, or an alias in :data:`OFFLINE_MODELS`.
 
     ``quiet``: first silence AIMET's and transformers' loggers (:func:`quiet_libraries`), as the CLI does.
+    ``device``: a ``torch.device`` or a name :func:`~aimet_quadapter.models.devices.resolve_device` takes
+    (``auto``, ``cpu``, ``cuda``, ``cuda:N``); checked before the weights are read.
     """
     from . import prepare_model
+    from .devices import resolve_device
 
+    target = device if isinstance(device, torch.device) else resolve_device(device)
     if quiet:
         quiet_libraries()
 
     hf_model = load_hf_model(name)
-    return prepare_model(hf_model, untie=untie), load_tokenizer(name)
+    return prepare_model(hf_model, untie=untie).to(target), load_tokenizer(name)

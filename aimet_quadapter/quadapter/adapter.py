@@ -28,6 +28,7 @@ from aimet_quadapter.models import PreparedLM, Site, tensor_of
 def fold_site(model: nn.Module, site: Site, alpha: torch.Tensor) -> None:
     """Eq. 3: the producer's rows (or gamma) and bias times alpha, the consumers' columns (or rows) divided by it."""
     producer = model.get_submodule(site.producer)
+    alpha = alpha.to(tensor_of(producer, "weight").device)  # a loaded state's alphas are on the CPU
     _scale_rows(producer, site.producer_scale(alpha))
     scale = site.consumer_scale(alpha)
     for path in site.consumers:
@@ -143,6 +144,7 @@ class QuadapterSet(nn.Module):
         for site in self.sites:
             producer = model.get_submodule(site.producer)
             self.adapters[_key(site.name)] = Quadapter(site, site.channels(tensor_of(producer, "weight").shape[0]))
+        self.to(tensor_of(model.get_submodule(self.sites[0].producer)).device if self.sites else "cpu")
         self._handles: list = []
         self._patches: dict[int, _ModulePatch] = {}
 

@@ -33,18 +33,24 @@ before it would be.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import hashlib
+import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter import distributed
+from aimet_quadapter.atomic import write_atomic
+from aimet_quadapter.errors import QuadapterError, TrainingDiverged
 from aimet_quadapter.models import PreparedLM, Site, device_of
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quant.quantizers import DynamicRanges, plain_tensors, quantizers_in
@@ -147,6 +153,7 @@ class Phase1Parameters:
         (), help="sites (fnmatch patterns of site names) left at their start alpha, in effect but not trained"
     )
     seed: int = setting(0, help="seed of the loss-token sample")
+    checkpoint_dir: str | None = setting(None, help="folder of the checkpoint written after every site (resumable)")
 
     def __post_init__(self):
         check_fields(self, "phase1")
@@ -194,8 +201,9 @@ class SiteBlock:
                 self.q_input = ((_rows(_first_input(q_input)),), {})
                 n = fp_rows.shape[0]
                 take = params.loss_tokens
-                generator = torch.Generator().manual_seed(params.seed)
-                self.rows = torch.randperm(n, generator=generator)[:take].sort().values if take and take < n else None
+                generator = torch.Generator().manual_seed(params.seed)  # on the CPU: the same rows on any device
+                rows = torch.randperm(n, generator=generator)[:take].sort().values if take and take < n else None
+                self.rows = None if rows is None else rows.to(fp_rows.device)
                 picked = fp_rows if self.rows is None else fp_rows[self.rows]
                 # The consumers' outputs in the frame the sites around them put them in (a v->o alpha scales
                 # v_proj's rows): the FP function of the sim's own modules with every alpha as it is now.
@@ -262,8 +270,10 @@ def calibrate_site(block: SiteBlock, qset: QuadapterSet, params: Phase1Parameter
             optimizer.zero_grad(set_to_none=True)
             loss = block.loss()
             score(loss.item())
-            if not math.isfinite(losses[-1]):  # diverged: on to the next stage, from the best alpha
-                continue
+            if not math.isfinite(losses[-1]):
+                if step == 0:  # at the start alpha: nothing to go back to (NaN in the model or the data)
+                    raise TrainingDiverged(f"phase 1: site {block.site.name}: the loss is {losses[-1]} at step 1")
+                continue  # diverged: on to the next stage, from the best alpha
             loss.backward()
             optimizer.step()
             bar.update(1)
@@ -314,6 +324,51 @@ def _input_scale(qset: QuadapterSet, scope: str) -> torch.Tensor | float:
     return scale
 
 
+class _Checkpoint:
+    """Phase 1's alphas and curves after every finished site, so that a killed run resumes from there.
+
+    The file names what it was computed from (settings, sites, starting alphas, the calibration
+    activations), and a run from anything else starts over rather than resume another run's sites.
+    """
+
+    def __init__(self, folder: str, params: Phase1Parameters, qset: QuadapterSet, fp_call: Captured):
+        self.path = Path(folder) / "phase1.pt"
+        settings = {k: v for k, v in dataclasses.asdict(params).items() if k != "checkpoint_dir"}
+        digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+        for q in qset:
+            digest.update(q.site.name.encode())
+            digest.update(q.theta.detach().cpu().numpy().tobytes())
+        digest.update(_first_input(fp_call).detach().float().cpu().numpy().tobytes())
+        self.key = digest.hexdigest()
+
+    def resume(self, qset: QuadapterSet, result: Phase1Result) -> set[str]:
+        """The sites already done (their alphas loaded into ``qset``, their curves into ``result``)."""
+        if not self.path.is_file():
+            return set()
+        try:
+            state = torch.load(self.path, map_location="cpu", weights_only=True)
+        except Exception:  # written atomically, so only a foreign file gets here: start over
+            return set()
+        if state.get("key") != self.key:
+            return set()
+        qset.load_state_dict(state["qset"])
+        result.losses.update(state["losses"])
+        result.error_before.update(state["error_before"])
+        result.error_after.update(state["error_after"])
+        return set(state["losses"])
+
+    def save(self, qset: QuadapterSet, result: Phase1Result) -> None:
+        state = {
+            "key": self.key,
+            "qset": qset.state_dict(),
+            "losses": result.losses,
+            "error_before": result.error_before,
+            "error_after": result.error_after,
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.path, lambda tmp: torch.save(state, tmp))
+
+
 def run_phase1(
     sim_model: PreparedLM,
     fp_model: PreparedLM,
@@ -343,22 +398,32 @@ def run_phase1(
         (by_block[owner] if owner else head_sites).append(q.site)
 
     result = Phase1Result({}, {}, {})
+    checkpoint = _Checkpoint(params.checkpoint_dir, params, qset, fp_call) if params.checkpoint_dir else None
+    done = checkpoint.resume(qset, result) if checkpoint else set()
     outer = tqdm(
-        total=len(qset) - len(kept), desc="phase 1 (block-wise calibration)", unit="site", disable=not progress
+        total=len(qset) - len(kept),
+        initial=len(done),
+        desc="phase 1 (block-wise calibration)",
+        unit="site",
+        disable=not progress,
     )
 
     def calibrate(site: Site, fp_in: Captured, q_in: Captured) -> None:
+        if site.name in done:  # resumed: its alpha came from the checkpoint
+            return
         if from_fp and site.scope:
             q_in = _with_hidden(q_in, _first_input(q_in) * _input_scale(qset, site.scope))
         block = SiteBlock(site, fp_model, sim_model, fp_in, q_in, params)
-        done = calibrate_site(block, qset, params, progress=progress)
-        result.losses[site.name] = done.losses
-        result.error_before[site.name] = done.losses[0] if done.losses else math.nan
-        result.error_after[site.name] = done.best
+        site_result = calibrate_site(block, qset, params, progress=progress)
+        result.losses[site.name] = site_result.losses
+        result.error_before[site.name] = site_result.losses[0] if site_result.losses else math.nan
+        result.error_after[site.name] = site_result.best
+        if checkpoint is not None and distributed.is_main():
+            checkpoint.save(qset, result)
         if on_site_done:
-            on_site_done(site, done.losses)
+            on_site_done(site, site_result.losses)
         outer.update(1)
-        outer.set_postfix(site=site.name, err=f"{result.error_before[site.name]:.3g}->{done.best:.3g}")
+        outer.set_postfix(site=site.name, err=f"{result.error_before[site.name]:.3g}->{site_result.best:.3g}")
 
     for path in blocks:
         fp_block, q_block = fp_model.get_submodule(path), sim_model.get_submodule(path)

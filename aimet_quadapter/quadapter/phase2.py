@@ -9,6 +9,7 @@ loses at most one interval.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -22,7 +23,7 @@ from tqdm.auto import tqdm
 
 from aimet_quadapter import distributed
 from aimet_quadapter.atomic import write_atomic
-from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.errors import QuadapterError, TrainingDiverged
 from aimet_quadapter.models import device_of
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quant.quantizers import gathered_embedding_quantization, plain_tensors, range_parameters
@@ -50,6 +51,11 @@ class Phase2Parameters:
 
     steps: int = setting(10_000, ge=0, help="training steps (0: Quadapter BC alone)")
     batch_size: int = setting(4, ge=1, help="sequences per step")
+    # Gradients of the slices are summed into the step's gradient, so the result is the whole batch's up to
+    # float rounding; activations for the backward pass are kept for one slice at a time.
+    micro_batch_size: int | None = setting(
+        1, ge=1, help="sequences per forward/backward pass, accumulated to batch_size (None: the whole batch)"
+    )
     seq_len: int = setting(512, ge=2, help="tokens per sequence")
     lr_alpha: float = setting(1e-3, ge=0, help="learning rate of log alpha, decaying linearly to 0")
     lr_ranges: float = setting(1e-3, ge=0, help="learning rate of the quantizers' min/max (LSQ+)")
@@ -110,7 +116,7 @@ def run_phase2(
     start = 0
     ckpt = Path(params.checkpoint_dir) / "phase2.pt" if params.checkpoint_dir else None
     if ckpt is not None and ckpt.is_file():
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, weights_only=False, map_location=device_of(sim_model))
         _load_trainable(sim_model, qset, state)
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
@@ -127,12 +133,14 @@ def run_phase2(
             for step in bar:
                 optimizer.zero_grad(set_to_none=True)
                 # under torchrun each process takes its share of the global batch; gradients are averaged
-                loss = loss_fn(sim_model, distributed.local_part(batches[step % len(batches)]))
-                loss.backward()
+                loss = _accumulate(sim_model, distributed.local_part(batches[step % len(batches)]), loss_fn, params)
+                if not math.isfinite(loss):  # before the step: the parameters and checkpoint stay the last good ones
+                    where = f"; the last checkpoint ({ckpt}) holds step {_saved_step(ckpt)}" if ckpt else ""
+                    raise TrainingDiverged(f"{desc}: the loss is {loss} at step {step + 1} of {params.steps}{where}")
                 distributed.average_gradients(trainable)
                 optimizer.step()
                 schedule.step()
-                value = distributed.mean_over_ranks(loss.item())
+                value = distributed.mean_over_ranks(loss)
                 result.losses.append(value)
                 bar.set_postfix(loss=f"{value:.4f}")
                 due = (step + 1) % params.checkpoint_every == 0 or step + 1 == params.steps
@@ -150,6 +158,25 @@ def run_phase2(
         for p in sim_model.parameters():
             p.requires_grad_(False)
     return result
+
+
+def _saved_step(ckpt: Path) -> int:
+    return int(torch.load(ckpt, weights_only=False, map_location="cpu")["step"]) if ckpt.is_file() else 0
+
+
+def _accumulate(model: nn.Module, batch: torch.Tensor, loss_fn: LossFn, params: Phase2Parameters) -> float:
+    """Backward of ``loss_fn`` on ``batch`` in slices of ``micro_batch_size`` sequences; the batch's mean loss.
+
+    A slice's loss is weighted by its share of the sequences: with sequences of one length the sum of the
+    slices' gradients is the gradient of the whole batch's mean loss.
+    """
+    size = params.micro_batch_size or len(batch)
+    total = 0.0
+    for part in batch.split(size):
+        loss = loss_fn(model, part) * (len(part) / len(batch))
+        loss.backward()
+        total += loss.item()
+    return total
 
 
 def _save(state: dict, path: Path) -> None:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from aimet_quadapter.atomic import write_atomic
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.models import PreparedLM
+from aimet_quadapter.models import PreparedLM, tensor_of
 from aimet_quadapter.quadapter.adapter import fold_alphas
 from aimet_quadapter.quant.policy import QuantPolicy, build_sim, sim_policy
 from aimet_quadapter.quant.quantizers import quantizers
@@ -58,31 +58,50 @@ class QuadapterState:
             raise QuadapterError(f"Quadapter state file {path} does not exist")
         from safetensors import safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        tensors = load_file(str(path))
-        alphas = {k.removeprefix("alpha/"): v for k, v in tensors.items() if k.startswith("alpha/")}
-        ranges = {
-            k.removeprefix("min/"): (v, tensors["max/" + k.removeprefix("min/")])
-            for k, v in tensors.items()
-            if k.startswith("min/")
-        }
-        policy = QuantPolicy(**json.loads(meta.get("policy", "{}")))
-        return cls(alphas, ranges, policy, json.loads(meta.get("metadata", "{}")))
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+            tensors = load_file(str(path))
+            policy = QuantPolicy(**json.loads(meta.get("policy", "{}")))
+            metadata = json.loads(meta.get("metadata", "{}"))
+            alphas = {k.removeprefix("alpha/"): v for k, v in tensors.items() if k.startswith("alpha/")}
+            ranges = {
+                k.removeprefix("min/"): (v, tensors["max/" + k.removeprefix("min/")])
+                for k, v in tensors.items()
+                if k.startswith("min/")
+            }
+        except QuadapterError as exc:
+            raise QuadapterError(f"Quadapter state file {path}: {exc}") from None
+        except Exception as exc:  # safetensors, json and the dataclass raise their own types
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise QuadapterError(f"{path} is not a Quadapter state file (corrupt or truncated?): {reason}") from None
+        return cls(alphas, ranges, policy, metadata)
 
-    def folded_model(self, fp_model: PreparedLM) -> PreparedLM:
-        """A copy of ``fp_model`` with every alpha folded into its weights (Eq. 3)."""
-        model = copy.deepcopy(fp_model)
+    def folded_model(self, fp_model: PreparedLM, in_place: bool = False) -> PreparedLM:
+        """A copy of ``fp_model`` (``in_place``: the model itself) with every alpha folded into its weights (Eq. 3)."""
+        model = fp_model if in_place else copy.deepcopy(fp_model)
         sites = model.sites(extra=True)
         missing = sorted(set(self.alphas) - {s.name for s in sites})
         if missing:
             raise QuadapterError(f"state names sites this model does not have: {', '.join(missing[:3])}")
+        for site in sites:
+            alpha = self.alphas.get(site.name)
+            width = site.channels(tensor_of(model.get_submodule(site.producer)).shape[0])
+            if alpha is not None and alpha.shape != (width,):
+                raise QuadapterError(
+                    f"state's alpha for {site.name} has {alpha.numel()} channels, this model's site {width}: "
+                    f"the state was trained on another model"
+                )
         fold_alphas(model, sites, self.alphas)
         return model
 
-    def build_sim(self, fp_model: PreparedLM) -> QuantizationSimModel:
-        """A fresh sim of the folded FP model with this state's ranges: the deployable result."""
-        sim = build_sim(self.folded_model(fp_model), self.policy)
+    def build_sim(self, fp_model: PreparedLM, in_place: bool = False) -> QuantizationSimModel:
+        """A fresh sim of the folded FP model with this state's ranges: the deployable result.
+
+        ``in_place``: fold into ``fp_model`` and make it the sim's model (it is no longer the FP model then);
+        for a caller that needs the FP model no more, one copy of the weights fewer.
+        """
+        sim = build_sim(self.folded_model(fp_model, in_place), self.policy, in_place=True)
         load_ranges(sim, self.ranges)
         return sim
 
@@ -94,4 +113,10 @@ def load_ranges(sim: QuantizationSimModel, ranges: dict[str, tuple[torch.Tensor,
         raise QuadapterError(f"state has ranges for quantizers this sim does not have: {', '.join(unknown[:3])}")
     with torch.no_grad():
         for key, (lo, hi) in ranges.items():
-            found[key].set_range(lo, hi)
+            q = found[key]
+            if lo.shape != q.min.shape or hi.shape != q.max.shape:
+                raise QuadapterError(
+                    f"state's range for {key} has shape {tuple(lo.shape)}, this sim's quantizer "
+                    f"{tuple(q.min.shape)}: the state was made under another quantization policy"
+                )
+            q.set_range(lo, hi)

@@ -185,7 +185,7 @@ def seq_mse_changes(sim: QuantizationSimModel) -> dict:
     layers = clipped = 0
     ratios = []
     for _, (module, q) in linear_weight_quantizers(sim.model).items():
-        ref = QuantizeDequantize(q.shape, q.bitwidth, q.symmetric)
+        ref = QuantizeDequantize(q.shape, q.bitwidth, q.symmetric).to(module.weight.device)
         with ref.compute_encodings():
             ref(module.weight)
         lo0, hi0, lo1, hi1 = ref.get_min(), ref.get_max(), q.get_min(), q.get_max()

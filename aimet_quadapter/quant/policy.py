@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from aimet_common.defs import QuantScheme
+from aimet_torch.common.defs import QuantScheme
 from aimet_torch.nn.modules.custom import MatMul
 from aimet_torch.quantization.affine import QuantizeDequantize
 from aimet_torch.quantization.encoding_analyzer import (
@@ -131,18 +131,23 @@ def apply_policy(sim_model: nn.Module, policy: QuantPolicy, logits_module: nn.Mo
                 qm.param_quantizers[name] = _weight_quantizer(module, policy) if quantize else None
 
 
-def build_sim(model: PreparedLM, policy: QuantPolicy = QuantPolicy(), seq_len: int = 16) -> QuantizationSimModel:
-    """A ``QuantizationSimModel`` of ``model`` (deep-copied: the FP model stays as it is) under ``policy``."""
+def build_sim(
+    model: PreparedLM, policy: QuantPolicy = QuantPolicy(), seq_len: int = 16, in_place: bool = False
+) -> QuantizationSimModel:
+    """A ``QuantizationSimModel`` of ``model`` under ``policy``: of a deep copy, the FP model staying as it is,
+    or, with ``in_place``, of ``model`` itself (a copy made for this sim: no second copy of the weights)."""
     dummy = torch.zeros((1, seq_len), dtype=torch.long, device=device_of(model))
     sim = QuantizationSimModel(
         model,
         dummy,
+        in_place=in_place,
         quant_scheme=QUANT_SCHEMES[policy.quant_scheme],
         default_output_bw=policy.activation_bits,
         default_param_bw=policy.weight_bits,
     )
     logits = sim.model.get_submodule(f"lm.{model.arch.lm_head}")
     apply_policy(sim.model, policy, logits_module=logits)
+    sim.model.to(dummy.device)  # the policy's quantizers are made on the CPU; AIMET placed its own already
     sim.quadapter_policy = policy  # so that a saved state can rebuild the same sim
     sim.model.eval()
     # Nothing trains unless a training phase asks for it: no gradient for weights or quantizer ranges.

@@ -1,0 +1,185 @@
+"""Every input a user can get wrong ends in one line that names it, exit code 2, no traceback; and the errors
+about options, files and datasets come before any model is loaded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aimet_quadapter.cli import main
+
+SMALL = ["--seq-len", "64", "--max-tokens", "256", "--calib-samples", "2", "--calib-len", "64"]
+
+
+def _error_line(capsys) -> str:
+    """The error: one line, the last on stderr (progress bars of the work done before it may come first)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line.strip() for line in err.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    assert errors == [lines[-1]], err
+    assert lines[-1].startswith("aimet-quadapter: error: ")
+    return lines[-1]
+
+
+@pytest.fixture
+def never_load(monkeypatch):
+    """Loading model weights fails the test: the error must come before it."""
+    from aimet_quadapter.models import loading
+
+    def fail(name):
+        raise AssertionError(f"model {name} was loaded before the error")
+
+    monkeypatch.setattr(loading, "load_hf_model", fail)
+
+
+def _files(tmp_path: Path, corpus_file: Path) -> dict[str, Path]:
+    binary = tmp_path / "random.bin"
+    binary.write_bytes(bytes(range(256)) * 40)
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes(bytes(range(128, 256)) * 40)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    short = tmp_path / "short.txt"
+    short.write_text("the market fell .\n")
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    return {
+        "binary": binary,
+        "latin": latin,
+        "empty": empty,
+        "short": short,
+        "corrupt": corrupt,
+        "blocked_out": blocker / "run",
+        "corpus": corpus_file,
+        "missing": tmp_path / "missing.txt",
+    }
+
+
+# (argv after `eval --model MODEL`, a word the message must hold); MODEL is the tiny GPT-2 folder
+EVAL_CASES = {
+    "binary dataset": (["--dataset", "{binary}"], "random.bin"),
+    "undecodable dataset": (["--dataset", "{latin}"], "latin1.txt"),
+    "empty dataset": (["--dataset", "{empty}"], "empty.txt"),
+    "too-short dataset": (["--dataset", "{short}"], "short"),
+    "missing dataset": (["--dataset", "{missing}"], "missing.txt"),
+    "unknown corpus": (["--dataset", "nosuchcorpus"], "nosuchcorpus"),
+    "negative phase-1 steps": (["--dataset", "{corpus}", "--phase1-steps", "-5"], "phase1.steps"),
+    "zero phase-2 batch": (["--dataset", "{corpus}", "--phase2-batch-size", "0"], "phase2.batch_size"),
+    "bad weight bits": (["--dataset", "{corpus}", "--policy-weight-bits", "1"], "weight_bits"),
+    "unknown method": (["--dataset", "{corpus}", "--methods", "fp,foo"], "foo"),
+    "negative calibration crops": (["--dataset", "{corpus}", "--calib-samples", "-1"], "calibration.samples"),
+    "bad device": (["--dataset", "{corpus}", "--device", "gpu"], "device"),
+    "unwritable run folder": (["--dataset", "{corpus}", "--out", "{blocked_out}"], "a-file"),
+}
+
+
+@pytest.mark.parametrize("case", list(EVAL_CASES))
+def test_eval_bad_input_is_one_line_before_the_model_loads(
+    case, tiny_gpt2_dir, corpus_file, tmp_path, capsys, never_load
+):
+    files = _files(tmp_path, corpus_file)
+    extra, word = EVAL_CASES[case]
+    argv = ["eval", "--model", str(tiny_gpt2_dir), *SMALL, "--methods", "fp,ptq"]
+    argv += [a.format(**files) for a in extra]
+    assert main(argv) == 2
+    assert word in _error_line(capsys)
+
+
+def test_corrupt_state_is_one_line_before_the_model_loads(tmp_path, corpus_file, capsys, never_load):
+    files = _files(tmp_path, corpus_file)
+    assert main(["export", str(files["corrupt"]), "--model", "x", "--out", str(tmp_path / "e")]) == 2
+    line = _error_line(capsys)
+    assert "corrupt.safetensors" in line and "not a Quadapter state file" in line
+
+
+def test_a_state_of_another_model_is_one_line(tmp_path, tiny_gpt2_dir, corpus_file, capsys):
+    """A state trained on a model with other widths: refused by name, after loading (it takes the model)."""
+    from aimet_quadapter.quadapter.api import apply_cle
+    from aimet_quadapter.quadapter.state import QuadapterState
+    from aimet_quadapter.quant.policy import build_sim, calibrate
+    from aimet_quadapter.testing import sample_corpus, toy_model
+
+    other = toy_model("gpt2", hidden=96)  # the folder's model is 64 wide (the tiny config's default)
+    batches = [sample_corpus(other, 2, 32, seed=1)]
+    sim = build_sim(other)
+    qset = apply_cle(sim, other, batches)
+    calibrate(sim, batches)
+    path = QuadapterState.from_sim(sim, qset.total_alpha(), method="cle").save(tmp_path / "other.safetensors")
+    argv = ["export", str(path), "--model", str(tiny_gpt2_dir), "--out", str(tmp_path / "e"), "--seq-len", "32"]
+    assert main([*argv, "--verify-dataset", str(corpus_file)]) == 2
+    line = _error_line(capsys)
+    assert "another model" in line or "does not have" in line
+
+
+RECIPE = "model: {model}\nmethods: [fp]\neval: {{datasets: [{corpus}], seq_len: 64, max_tokens: 256}}\n"
+
+
+def test_missing_base_names_the_recipe_that_asked(tmp_path, tiny_gpt2_dir, corpus_file, capsys):
+    recipe = tmp_path / "child.yaml"
+    recipe.write_text("base: parent.yaml\n" + RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_file))
+    assert main(["run", str(recipe)]) == 2
+    line = _error_line(capsys)
+    assert "child.yaml" in line and "field base" in line and "parent.yaml" in line
+
+
+def test_fp_alone_needs_no_calibration_text(tmp_path, tiny_gpt2_dir, capsys):
+    """256 tokens to score and none to calibrate on: FP32 alone runs (the calibration default is 10 x 512)."""
+    from conftest import make_corpus
+
+    text = tmp_path / "small.txt"
+    text.write_text(make_corpus(300, seed=3))
+    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(text), "--methods", "fp", "--seq-len", "64"]
+    assert main([*argv, "--no-progress"]) == 0, capsys.readouterr().err
+
+
+def test_a_second_run_on_a_folder_is_refused_and_a_stale_lock_is_taken_over(tmp_path, tiny_gpt2_dir, corpus_file):
+    from aimet_quadapter.experiments.lock import LOCK, RunLock
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_file))
+    out = tmp_path / "run"
+    out.mkdir()
+    # a live holder: a process that sleeps, with the lock written as its own
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        import json
+        import socket
+
+        (out / LOCK).write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname(), "started": "now"}))
+        refused = _cli(["run", str(recipe), "--out", str(out), "--no-progress"])
+        assert refused.returncode == 2
+        assert refused.stderr.strip().splitlines()[-1].startswith("aimet-quadapter: error: ")
+        assert f"in use by process {sleeper.pid}" in refused.stderr
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    # the holder is gone (killed): the next run takes the lock over, runs, and leaves no lock behind
+    done = _cli(["run", str(recipe), "--out", str(out), "--no-progress"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (out / LOCK).exists()
+    with RunLock(out):  # and the folder can be locked again
+        assert (out / LOCK).exists()
+
+
+def _cli(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "aimet_quadapter.cli", *argv], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_importing_the_package_raises_no_future_warning():
+    """aimet's `aimet_common` package warns on import; the package imports AIMET where it does not."""
+    code = (
+        "import aimet_quadapter.cli, aimet_quadapter.experiments.methods, aimet_quadapter.export.exporter, "
+        "aimet_quadapter.quant.baselines"
+    )
+    env = {**os.environ, "PYTHONWARNINGS": "error::FutureWarning"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -1,0 +1,95 @@
+"""The tiny pipeline on CUDA equals the same pipeline on the CPU: PTQ, phase 1, phase 2, evaluation, export.
+
+Skipped, with the reason printed by ``pytest -rs``, on a machine without CUDA. On a GPU machine:
+``pytest tests/test_cuda.py -rs``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from aimet_quadapter.cli import main
+from aimet_quadapter.experiments.data import eval_windows
+from aimet_quadapter.experiments.evaluation import perplexity
+from aimet_quadapter.export.exporter import export_quantized
+from aimet_quadapter.models import device_of, quiet_libraries
+from aimet_quadapter.quadapter.api import QuadapterParameters, apply_quadapter
+from aimet_quadapter.quadapter.phase1 import Phase1Parameters
+from aimet_quadapter.quadapter.phase2 import Phase2Parameters
+from aimet_quadapter.quadapter.state import QuadapterState
+from aimet_quadapter.quant.policy import build_sim, calibrate
+from aimet_quadapter.testing import sample_corpus, toy_model
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason=f"no CUDA device (torch {torch.__version__}, CUDA build {torch.version.cuda})"
+)
+quiet_libraries()
+SEQ = 32
+
+
+def _pipeline(family: str, device: str, tmp_path) -> dict:
+    """PTQ and Quadapter (both phases) of one toy model on ``device``; perplexities, alphas and the export."""
+    torch.backends.cuda.matmul.allow_tf32 = False  # TF32 would make CUDA differ from the CPU by far more
+    model = toy_model(family).to(device)
+    corpus = sample_corpus(toy_model(family), 12, SEQ, seed=1)  # sampled on the CPU: the same tokens for both
+    calib, train = [corpus[:2], corpus[2:4]], [corpus[4:6]]
+    windows = [w for row in corpus[6:10] for w in eval_windows(row, SEQ)]
+    ptq = build_sim(model)
+    calibrate(ptq, calib)
+    assert device_of(ptq.model).type == device and all(p.device.type == device for p in ptq.model.parameters())
+    sim = build_sim(model)
+    params = QuadapterParameters(
+        phase1=Phase1Parameters(steps=4), phase2=Phase2Parameters(steps=3, lr_alpha=1e-2, lr_ranges=1e-2)
+    )
+    result = apply_quadapter(sim, model, calib, train, params, progress=False)
+    assert all(q.theta.device.type == device for q in result.qset)
+    path = result.state.save(tmp_path / f"{device}.safetensors")
+    rebuilt = QuadapterState.load(path).build_sim(copy.deepcopy(model))
+    export = export_quantized(
+        rebuilt, tmp_path / f"export-{device}", SEQ, verify_windows=list(corpus[10:12]), merge_shared_ranges=True
+    )
+    return {
+        "ptq": perplexity(ptq.model, windows, progress=False).ppl,
+        "quadapter": perplexity(sim.model, windows, progress=False).ppl,
+        "rebuilt": perplexity(rebuilt.model, windows, progress=False).ppl,
+        "losses": result.phase2.losses if result.phase2 else [],
+        "alphas": {k: v.cpu() for k, v in result.state.alphas.items()},
+        "onnx_ppl": export.verification.agreements[0].ppl,
+    }
+
+
+# Without training, CUDA and the CPU differ by float summation order only. Training (Adam) turns that rounding
+# into steps of the full learning rate wherever a gradient is near zero, so trained results get a wider bound.
+EXACT, TRAINED = 1e-4, 2e-2
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_tiny_pipeline_on_cuda_equals_cpu(family, tmp_path):
+    cpu, cuda = _pipeline(family, "cpu", tmp_path), _pipeline(family, "cuda", tmp_path)
+    assert cuda["ptq"] == pytest.approx(cpu["ptq"], rel=EXACT)
+    for key in ("quadapter", "rebuilt", "onnx_ppl"):
+        assert cuda[key] == pytest.approx(cpu[key], rel=TRAINED), key
+    assert cuda["losses"] == pytest.approx(cpu["losses"], rel=TRAINED)
+    assert cuda["alphas"].keys() == cpu["alphas"].keys()
+    moved = [k for k, a in cpu["alphas"].items() if (a - 1).abs().max() > 1e-3]
+    assert moved and all((cuda["alphas"][k] - 1).abs().max() > 1e-3 for k in moved)
+
+
+def test_cli_eval_on_cuda_equals_cpu(tiny_gpt2_dir, corpus_file, tmp_path):
+    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), "--no-progress"]
+    argv += ["--seq-len", "64", "--max-tokens", "256", "--calib-samples", "2", "--calib-len", "64"]
+    argv += ["--methods", "fp,ptq,quadapter", "--phase1-steps", "3", "--phase2-steps", "2", "--phase2-seq-len", "64"]
+    results = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / f"{device}.json"
+        assert main([*argv, "--device", device, "--json", str(out)]) == 0
+        cells = json.loads(out.read_text())["cells"]
+        results[device] = {c["label"]: c["ppl"][corpus_file.stem] for c in cells.values()}
+    assert results["cuda"].keys() == results["cpu"].keys()
+    for label, value in results["cpu"].items():
+        bound = EXACT if label in ("FP32", "PTQ") else TRAINED
+        assert results["cuda"][label] == pytest.approx(value, rel=bound), label
