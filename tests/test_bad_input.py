@@ -92,6 +92,42 @@ def test_eval_bad_input_is_one_line_before_the_model_loads(
     assert word in _error_line(capsys)
 
 
+def test_offline_hub_dataset_is_one_line_before_the_model_loads(
+    tiny_gpt2_dir, corpus_file, capsys, never_load, offline
+):
+    argv = ["eval", "--model", str(tiny_gpt2_dir), *SMALL, "--dataset", str(corpus_file), "--dataset", "wikitext2"]
+    assert main(argv) == 2
+    line = _error_line(capsys)
+    assert "wikitext2" in line and "Offline?" in line
+
+
+# (argv, a word the message must hold) of the commands other than eval
+OTHER_CASES = {
+    "export of a missing state": (["export", "{tmp}/none.safetensors", "--model", "x", "--out", "{tmp}/e"], "none"),
+    "export of a corrupt state": (["export", "{corrupt}", "--model", "x", "--out", "{tmp}/e"], "corrupt.safetensors"),
+    "report of an empty folder": (["report", "{tmp}"], "results.json"),
+    "run into a folder that cannot be made": (["run", "{recipe}", "--out", "{blocked_out}"], "a-file"),
+    "run with a --set typo": (["run", "{recipe}", "--set", "phase1.stpes=3"], "stpes"),
+    "run with a negative count": (["run", "{recipe}", "--set", "phase2.steps=-1"], "phase2.steps"),
+    "run of a recipe that is not YAML": (["run", "{not_yaml}"], "not valid YAML"),
+}
+
+
+@pytest.mark.parametrize("case", list(OTHER_CASES))
+def test_other_commands_bad_input_is_one_line_before_the_model_loads(
+    case, tiny_gpt2_dir, corpus_file, tmp_path, capsys, never_load
+):
+    files = _files(tmp_path, corpus_file)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_file))
+    not_yaml = tmp_path / "bad.yaml"
+    not_yaml.write_text("methods: [fp\nmodel: {")
+    argv, word = OTHER_CASES[case]
+    names = {**files, "tmp": tmp_path, "recipe": recipe, "not_yaml": not_yaml}
+    assert main([a.format(**names) for a in argv]) == 2
+    assert word in _error_line(capsys)
+
+
 def test_corrupt_state_is_one_line_before_the_model_loads(tmp_path, corpus_file, capsys, never_load):
     files = _files(tmp_path, corpus_file)
     assert main(["export", str(files["corrupt"]), "--model", "x", "--out", str(tmp_path / "e")]) == 2
