@@ -17,3 +17,11 @@ def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
 def write_text_atomic(path: Path, text: str) -> None:
     """``path.write_text(text)``, atomically (see :func:`write_atomic`)."""
     write_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def check_new_folder(out_dir: Path, overwrite: bool) -> None:
+    """Refuse an output folder that exists and holds files, unless ``overwrite``: checked before the work."""
+    from aimet_quadapter.errors import QuadapterError
+
+    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not overwrite:
+        raise QuadapterError(f"{out_dir} already exists: choose another --out, or pass --force to replace it")

@@ -219,3 +219,43 @@ def test_importing_the_package_raises_no_future_warning():
     env = {**os.environ, "PYTHONWARNINGS": "error::FutureWarning"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "--model", "{model}", "--dataset", "{corpus}", "--phase1-steps", "-5"],
+        ["eval", "--model", "{model}", "--dataset", "{tmp}/missing.txt"],
+        ["run", "{tmp}/r.yaml", "--set", "phase2.steps=-1"],
+        ["export", "{tmp}/none.safetensors", "--model", "{model}", "--out", "{tmp}/e"],
+    ],
+    ids=["eval option", "eval dataset", "run --set", "export state"],
+)
+def test_bad_input_is_refused_without_importing_aimet_or_model_code(argv, tmp_path, tiny_gpt2_dir, corpus_file):
+    """AIMET's import alone takes seconds on a CPU: a bad input must be refused without it (and without the
+    transformers modelling code), so that a typo costs the time of reading the recipe."""
+    (tmp_path / "r.yaml").write_text(RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_file))
+    args = [a.format(model=tiny_gpt2_dir, corpus=corpus_file, tmp=tmp_path) for a in argv]
+    code = (
+        "import sys\nfrom aimet_quadapter.cli import main\n"
+        f"rc = main({args!r})\n"
+        "heavy = sorted(m for m in sys.modules if m.startswith(('aimet_torch', 'transformers.models.')))\n"
+        "print(rc, heavy[:5])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip().splitlines()[-1] == "2 []", done.stdout + done.stderr[-2000:]
+
+
+def test_no_progress_reaches_the_libraries_own_bars(tmp_path, tiny_gpt2_dir):
+    """transformers' GGUF loading bar takes no switch: --no-progress must still silence a bar like it."""
+    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(tmp_path / "none.txt"), "--no-progress"]
+    code = (
+        "from aimet_quadapter.cli import main\n"
+        f"main({argv!r})\n"
+        "from tqdm.auto import tqdm\n"
+        "print(tqdm(range(2), desc='a library bar').disable)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TQDM_")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.stdout.strip().splitlines()[-1] == "True", done.stdout + done.stderr[-2000:]
+    assert "a library bar" not in done.stderr

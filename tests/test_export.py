@@ -18,7 +18,6 @@ from aimet_quadapter.export import exporter as export_module
 from aimet_quadapter.export.exporter import (
     Tolerance,
     export_quantized,
-    resolve_state,
     shared_activation_groups,
     verify_export,
 )
@@ -27,7 +26,7 @@ from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.api import QuadapterParameters, apply_quadapter
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters
 from aimet_quadapter.quadapter.phase2 import Phase2Parameters
-from aimet_quadapter.quadapter.state import QuadapterState
+from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
 from aimet_quadapter.quant.policy import build_sim, calibrate
 from aimet_quadapter.quant.quantizers import quantizers
 from aimet_quadapter.testing import sample_corpus, toy_model

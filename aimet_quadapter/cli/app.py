@@ -180,7 +180,8 @@ def _eval_export(args: argparse.Namespace) -> int:
 def _cmd_describe(args: argparse.Namespace) -> int:
     from aimet_quadapter.experiments.data import calibration_batches
     from aimet_quadapter.models import load_model
-    from aimet_quadapter.quant.policy import QuantPolicy, build_sim, calibrate, describe, format_description
+    from aimet_quadapter.quant.config import QuantPolicy
+    from aimet_quadapter.quant.policy import build_sim, calibrate, describe, format_description
 
     given = {k.split(".", 1)[1]: v for k, v in _section_overrides(args).items() if k.startswith("policy.")}
     policy = QuantPolicy(**given)
@@ -306,6 +307,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--no-progress" in argv:
+        # The libraries' own bars (transformers' GGUF loading) take no switch. tqdm reads TQDM_* once, when
+        # imported, and building the parser imports torch, which imports tqdm: so this comes first.
+        os.environ["TQDM_DISABLE"] = "1"
     parser = build_parser()
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

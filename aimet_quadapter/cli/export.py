@@ -68,15 +68,24 @@ def add_export_command(subparsers) -> None:
 
 
 def _cmd_export(args) -> int:
-    from aimet_quadapter.experiments.evaluation import eval_windows_for
-    from aimet_quadapter.export.exporter import export_quantized, resolve_state, sha256_file
-    from aimet_quadapter.models import load_model, resolve_device
-    from aimet_quadapter.quadapter.state import QuadapterState
+    from aimet_quadapter.atomic import check_new_folder
+    from aimet_quadapter.models.devices import resolve_device
+    from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
 
+    # everything a user can get wrong is checked before the model loads
     start = time.time()
     device = resolve_device(args.device)
     state_path = resolve_state(args.state)
     state = QuadapterState.load(state_path)
+    check_new_folder(Path(args.out).expanduser().absolute(), args.force)
+    from aimet_quadapter.experiments import data
+
+    data.load_text(args.verify_dataset, args.verify_split)  # read again below, once the tokenizer is there
+
+    from aimet_quadapter.experiments.evaluation import eval_windows_for
+    from aimet_quadapter.export.exporter import export_quantized, sha256_file
+    from aimet_quadapter.models import load_model
+
     model, tokenizer = load_model(args.model, quiet=True, device=device)
     model.check_length(args.seq_len, "--seq-len")
     sim = state.build_sim(model, in_place=True)  # the FP weights are not needed again: no copy of them

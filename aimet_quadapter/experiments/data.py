@@ -65,13 +65,15 @@ _MAX_UNDECODABLE = 0.01
 
 
 def read_text_file(path: Path) -> str:
-    """``path`` as UTF-8 text; a file that is not text (NUL bytes, or mostly undecodable) is refused by name."""
+    """``path`` as UTF-8 text; a file that is not text (empty, NUL bytes, or mostly undecodable) is refused by name."""
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise QuadapterError(f"dataset file {path} cannot be read: {exc.strerror or exc}") from None
     if b"\x00" in data:
         raise QuadapterError(f"dataset file {path} is not text: it holds NUL bytes (a binary file?)")
+    if not data.strip():  # refused here, before a tokenizer is loaded to count its tokens
+        raise QuadapterError(f"dataset file {path} holds no text")
     text = data.decode("utf-8", errors="replace")
     bad = text.count("\ufffd")
     if bad > _MAX_UNDECODABLE * max(len(text), 1):

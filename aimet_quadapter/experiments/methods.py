@@ -23,21 +23,23 @@ from aimet_torch.quantsim import QuantizationSimModel
 from aimet_quadapter import distributed
 from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.experiments.catalog import CATALOG
 from aimet_quadapter.experiments.plots import plot_channel_ranges, plot_phase1_curves
 from aimet_quadapter.models import PreparedLM
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quadapter.api import (
-    QuadapterParameters,
     QuadapterResult,
     apply_cle,
     apply_phase1,
     apply_phase2,
 )
 from aimet_quadapter.quadapter.cle import channel_min_max
-from aimet_quadapter.quadapter.phase2 import Phase2Parameters, run_phase2
+from aimet_quadapter.quadapter.config import Phase2Parameters, QuadapterParameters
+from aimet_quadapter.quadapter.phase2 import run_phase2
 from aimet_quadapter.quadapter.state import QuadapterState
-from aimet_quadapter.quant.baselines import BaselineParameters, apply_adaround, apply_seq_mse
-from aimet_quadapter.quant.policy import QuantPolicy, build_sim, calibrate
+from aimet_quadapter.quant.baselines import apply_adaround, apply_seq_mse
+from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
+from aimet_quadapter.quant.policy import build_sim, calibrate
 
 
 @dataclass
@@ -237,22 +239,25 @@ def _fp_finetuned(ctx: MethodContext) -> PreparedLM:
     return model
 
 
+_FUNCTIONS: dict[str, Method] = {
+    "fp": _fp,
+    "fp_finetuned": _fp_finetuned,
+    "ptq": _ptq,
+    "adaround": _adaround,
+    "seq_mse": _seq_mse,
+    "cle": _cle,
+    "quadapter_bc": _quadapter_bc,
+    "qat": _qat,
+    "qat_fixed_ranges": _qat_fixed_ranges,
+    "quadapter_bc_qat": _quadapter_bc_qat,
+    "quadapter_bc_qat_fixed_ranges": _quadapter_bc_qat_fixed_ranges,
+    "quadapter": _quadapter,
+    "quadapter_fixed_ranges": _quadapter_fixed_ranges,
+}
+if _FUNCTIONS.keys() != CATALOG.keys():  # a method added to one and not the other
+    raise ImportError(f"methods and catalog disagree: {sorted(_FUNCTIONS.keys() ^ CATALOG.keys())}")
 REGISTRY: dict[str, MethodSpec] = {
-    "fp": MethodSpec(_fp, "FP32"),
-    "fp_finetuned": MethodSpec(_fp_finetuned, "FP fine-tuned", finetunes=True),
-    "ptq": MethodSpec(_ptq, "PTQ"),
-    "adaround": MethodSpec(_adaround, "AdaRound"),
-    "seq_mse": MethodSpec(_seq_mse, "SeqMSE"),
-    "cle": MethodSpec(_cle, "CLE"),
-    "quadapter_bc": MethodSpec(_quadapter_bc, "Quadapter BC"),
-    "qat": MethodSpec(_qat, "QAT", finetunes=True),
-    "qat_fixed_ranges": MethodSpec(_qat_fixed_ranges, "QAT w/o LSQ+", finetunes=True),
-    "quadapter_bc_qat": MethodSpec(_quadapter_bc_qat, "Quadapter BC+QAT", finetunes=True, from_bc=True),
-    "quadapter_bc_qat_fixed_ranges": MethodSpec(
-        _quadapter_bc_qat_fixed_ranges, "Quadapter BC+QAT w/o LSQ+", finetunes=True, from_bc=True
-    ),
-    "quadapter": MethodSpec(_quadapter, "Quadapter", finetunes=True, from_bc=True),
-    "quadapter_fixed_ranges": MethodSpec(_quadapter_fixed_ranges, "Quadapter w/o LSQ+", finetunes=True, from_bc=True),
+    name: MethodSpec(_FUNCTIONS[name], info.label, info.finetunes, info.from_bc) for name, info in CATALOG.items()
 }
 # The plain views the eval command uses.
 METHODS: dict[str, Method] = {name: spec.fn for name, spec in REGISTRY.items()}

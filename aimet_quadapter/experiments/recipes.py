@@ -28,6 +28,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic import create_model as _create_model
 
 from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.experiments.catalog import CATALOG
 from aimet_quadapter.models import EXTRA_SITE_GROUPS
 from aimet_quadapter.models.devices import DEVICE_CHOICES, DEVICE_PATTERN
 from aimet_quadapter.settings import bounds, default_of
@@ -65,9 +66,8 @@ def _mirror(source: type, name: str, exclude: tuple[str, ...] = (), **narrow: An
 def parameter_sections() -> list[tuple[str, type, tuple[str, ...]]]:
     """(recipe section, the parameter dataclass it mirrors, fields that are not part of it): the recipe
     schema and the command-line options are both built from this list."""
-    from aimet_quadapter.quadapter import Phase1Parameters, Phase2Parameters, QuadapterParameters
-    from aimet_quadapter.quant.baselines import BaselineParameters
-    from aimet_quadapter.quant.policy import QuantPolicy
+    from aimet_quadapter.quadapter.config import Phase1Parameters, Phase2Parameters, QuadapterParameters
+    from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
 
     return [
         ("policy", QuantPolicy, ()),
@@ -107,10 +107,8 @@ def _as_list(value: Any) -> Any:
 
 
 def _known_method(name: str) -> str:
-    from aimet_quadapter.experiments.methods import REGISTRY
-
-    if name not in REGISTRY:
-        raise ValueError(f"unknown method {name!r}; known: {', '.join(REGISTRY)}")
+    if name not in CATALOG:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(CATALOG)}")
     return name
 
 
@@ -190,14 +188,12 @@ class Recipe(_Section):
 
     # --- conversions to the package's parameter objects -----------------------------------------------
     def quant_policy(self):
-        from aimet_quadapter.quant.policy import QuantPolicy
+        from aimet_quadapter.quant.config import QuantPolicy
 
         return QuantPolicy(**self.policy.model_dump())
 
     def quadapter_parameters(self):
-        from aimet_quadapter.quadapter.api import QuadapterParameters
-        from aimet_quadapter.quadapter.phase1 import Phase1Parameters
-        from aimet_quadapter.quadapter.phase2 import Phase2Parameters
+        from aimet_quadapter.quadapter.config import Phase1Parameters, Phase2Parameters, QuadapterParameters
 
         return QuadapterParameters(
             phase1=Phase1Parameters(**self.phase1.model_dump()),
@@ -207,7 +203,7 @@ class Recipe(_Section):
         )
 
     def baseline_parameters(self):
-        from aimet_quadapter.quant.baselines import BaselineParameters
+        from aimet_quadapter.quant.config import BaselineParameters
 
         return BaselineParameters(**self.baselines.model_dump())
 
@@ -386,9 +382,7 @@ def validate_recipe(raw: dict, where: str = "recipe", overridden: list[str] | No
             f"{where}: field fid: {calibrated[0]} needs calibration data: give an F-ID dataset "
             f"(its train split calibrates), or set calibration.dataset"
         )
-    from aimet_quadapter.experiments.methods import REGISTRY
-
-    tuning = [m for m in recipe.methods if REGISTRY[m].finetunes]
+    tuning = [m for m in recipe.methods if CATALOG[m].finetunes]
     if tuning and not recipe.fid:
         raise QuadapterError(f"{where}: field fid: methods {', '.join(tuning)} fine-tune, so they need an F-ID dataset")
     return recipe

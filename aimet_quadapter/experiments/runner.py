@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from aimet_quadapter import distributed
 from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.errors import QuadapterError, TrainingDiverged
+from aimet_quadapter.experiments.catalog import CATALOG
 from aimet_quadapter.experiments.lock import RunLock
 from aimet_quadapter.experiments.recipes import Recipe
 from aimet_quadapter.experiments.results_file import FORMAT, RESULTS, load_results, write_json_atomic
@@ -124,13 +125,11 @@ class RecipeRun:
     """The plan of one recipe into one run folder, and its execution."""
 
     def __init__(self, recipe: Recipe, out_dir: Path, progress: bool = True, log: Callable[[str], None] = print):
-        from aimet_quadapter.experiments.methods import REGISTRY
-
         self.recipe = recipe
         self.out_dir = Path(out_dir)
         self.progress = progress
         self.log = log
-        self.registry = REGISTRY
+        self.catalog = CATALOG
         self.model_name = recipe.resolve_model()
         self.device = self._device()
         self.fids = {self._group_name(g): g for g in (self._refs(group) for group in recipe.fid)}
@@ -209,14 +208,14 @@ class RecipeRun:
             if m in _NO_CALIBRATION:
                 cells.append(Cell(m, m, "-", None, None, None))
         for m in methods:
-            if m in _NO_CALIBRATION or self.registry[m].finetunes:
+            if m in _NO_CALIBRATION or self.catalog[m].finetunes:
                 continue
             for cal in self.calibration_sets:
                 cells.append(Cell(f"calib:{cal}/{m}", m, f"calib:{cal}", cal, None, None))
         sizes: list[int | None] = [*self.recipe.finetune_sizes] if self.recipe.finetune_sizes else [None]
         for fid in self.fids:
             for m in methods:
-                if not self.registry[m].finetunes:
+                if not self.catalog[m].finetunes:
                     continue
                 for size in sizes:
                     key = f"{fid}/{m}" + (f"@{size}" if size else "")
@@ -246,7 +245,7 @@ class RecipeRun:
         if cell.method in _NO_CALIBRATION:
             return _fingerprint(payload)
         payload.update(self._calibration_payload(cell.calibration_set))
-        if not self.registry[cell.method].finetunes:
+        if not self.catalog[cell.method].finetunes:
             sections = _CALIBRATION_SECTIONS.get(cell.method, ("phase1", "phase2", "quadapter", "baselines"))
             payload.update(self._sections(sections))
             return _fingerprint(payload)
@@ -313,7 +312,7 @@ class RecipeRun:
         for cell in cells:
             if cell.calibration is not None and cell.method not in _NO_CALIBRATION:
                 self.calibration_batches(cell.calibration)
-                if self.registry[cell.method].from_bc or cell.method == "quadapter_bc":
+                if self.catalog[cell.method].from_bc or cell.method == "quadapter_bc":
                     self.validation_batches(cell.calibration)
             if cell.fid is not None:
                 self.finetune_batches(cell.fid, cell.size)
@@ -333,7 +332,7 @@ class RecipeRun:
         lengths = []
         if any(c.method not in _NO_CALIBRATION for c in self.cells):  # FP32 alone calibrates nothing
             lengths.append(("calibration.length", self.recipe.calibration.length))
-        if any(self.registry[c.method].finetunes for c in self.cells):
+        if any(self.catalog[c.method].finetunes for c in self.cells):
             lengths.append(("phase2.seq_len", self.recipe.phase2.seq_len))
         lengths += [(f"eval.datasets ({s.ref.label}) seq_len", s.seq_len) for s in self.evals]
         for field, length in lengths:
@@ -343,7 +342,8 @@ class RecipeRun:
     def _tokens(self, source: str, split: str) -> torch.Tensor:
         from aimet_quadapter.experiments import data
 
-        return data.tokenize(self.tokenizer(), data.load_text(source, split))
+        text = data.load_text(source, split)  # a file that is not text is refused before the tokenizer loads
+        return data.tokenize(self.tokenizer(), text)
 
     def _crops(self, refs: list[DatasetRef], num: int, length: int, seed: int) -> torch.Tensor:
         """``num`` crops of the train split(s), shared out evenly over the datasets of an expanded F-ID."""
@@ -454,7 +454,7 @@ class RecipeRun:
     def run_cell(self, cell: Cell) -> dict:
         from aimet_quadapter.experiments.methods import run_method
 
-        spec = self.registry[cell.method]
+        spec = self.catalog[cell.method]
         cell_dir = self.out_dir / cell.folder
         fingerprint = self.fingerprint(cell)
         # A phase-2 checkpoint left by an interrupted run resumes the cell, but only under the same settings.
@@ -502,8 +502,8 @@ class RecipeRun:
         """What every results.json record of ``cell`` says, finished or stopped."""
         return {
             "method": cell.method,
-            "label": self.registry[cell.method].label,
-            "rank": list(self.registry).index(cell.method),
+            "label": self.catalog[cell.method].label,
+            "rank": list(self.catalog).index(cell.method),
             "group": cell.group,
             "calibration": cell.calibration,
             "fid": cell.fid,

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from aimet_torch.quantsim import QuantizationSimModel
 
+from aimet_quadapter.atomic import check_new_folder
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.experiments.data import Window
 from aimet_quadapter.experiments.evaluation import window_nll
@@ -509,8 +510,7 @@ def export_quantized(
         # prove the dynamic axis too: the same text at another length
         windows.append(Window(windows[0].ids[: max(2, len(windows[0].ids) // 2)], 1))
     out_dir = Path(out_dir).expanduser().absolute()
-    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not overwrite:
-        raise QuadapterError(f"{out_dir} already exists: choose another --out, or pass --force to replace it")
+    check_new_folder(out_dir, overwrite)
     n_quantizers = _check_calibrated(sim)
     merged = reconcile_shared_ranges(sim, merge=merge_shared_ranges)
 
@@ -596,43 +596,6 @@ def export_quantized(
 # --- state files --------------------------------------------------------------------------------------
 
 
-def resolve_state(path: str | Path) -> Path:
-    """A Quadapter state file from ``path``: the file itself, or a run folder holding exactly one.
-
-    In a folder, the candidates are the ``*.safetensors`` files beside its ``results.json``, or the
-    files that ``results.json`` lists under ``"states"`` where it does.
-    """
-    path = Path(path).expanduser()
-    if path.is_file():
-        if path.suffix != ".safetensors":
-            raise QuadapterError(f"{path} is not a Quadapter state (.safetensors) file")
-        return path
-    if not path.is_dir():
-        raise QuadapterError(f"Quadapter state {path} does not exist")
-    candidates = sorted(path.glob("*.safetensors"))
-    results = path / "results.json"
-    if results.is_file():
-        try:
-            states = json.loads(results.read_text()).get("states")
-        except (json.JSONDecodeError, AttributeError):
-            states = None
-        if isinstance(states, dict):
-            states = list(states.values())
-        if isinstance(states, list) and states:
-            candidates = sorted(path / s for s in states)
-    if len(candidates) == 1:
-        if not candidates[0].is_file():
-            raise QuadapterError(f"{results} names the state {candidates[0]}, which does not exist")
-        return candidates[0]
-    if not candidates:
-        raise QuadapterError(f"{path} holds no Quadapter state (*.safetensors): pass the state file")
-    names = ", ".join(c.name for c in candidates)
-    raise QuadapterError(
-        f"{path} holds {len(candidates)} Quadapter states ({names}): pass the one to export, "
-        f"e.g. {path / candidates[-1].name}"
-    )
-
-
 __all__ = [
     "Agreement",
     "ExportResult",
@@ -642,7 +605,6 @@ __all__ = [
     "check_quantizer_coverage",
     "export_quantized",
     "reconcile_shared_ranges",
-    "resolve_state",
     "shared_activation_groups",
     "verify_export",
 ]

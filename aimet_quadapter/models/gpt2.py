@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import GPT2Config
-from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
-from transformers.pytorch_utils import Conv1D
 
-from .attention import use_quantizable_attention
 from .base import Architecture, SiteSpec
+
+if TYPE_CHECKING:
+    from transformers import GPT2Config
+    from transformers.pytorch_utils import Conv1D
 
 # Hugging Face activation names -> a torch module AIMET knows how to quantize.
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -36,6 +36,12 @@ def _conv1d_to_linear(conv: Conv1D) -> nn.Linear:
 
 
 def prepare(hf_model: Any) -> None:  # transformers models: config and submodules are dynamic
+    # imported here: the modelling code and AIMET take seconds, and the site specs below must not need them
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+    from transformers.pytorch_utils import Conv1D
+
+    from .attention import use_quantizable_attention
+
     for parent in list(hf_model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Conv1D):
@@ -49,6 +55,8 @@ def prepare(hf_model: Any) -> None:  # transformers models: config and submodule
 
 
 def tiny_config(vocab_size: int = 512, hidden: int = 64, layers: int = 2, heads: int = 4, **kw) -> GPT2Config:
+    from transformers import GPT2Config
+
     return GPT2Config(
         vocab_size=vocab_size,
         n_positions=256,

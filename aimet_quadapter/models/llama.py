@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaAttention
-
-from .attention import use_quantizable_attention
 from .base import Architecture, SiteSpec
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 
 def prepare(hf_model: Any) -> None:  # transformers models: config and submodules are dynamic
     # RMSNorm, Linear, SiLU and Embedding are modules AIMET knows; only attention needs rerouting.
+    # Imported here: the modelling code and AIMET take seconds, and the site specs must not need them.
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from .attention import use_quantizable_attention
+
     use_quantizable_attention(hf_model, LlamaAttention)
 
 
@@ -27,6 +31,8 @@ def tiny_config(vocab_size: int = 512, hidden: int = 64, layers: int = 2, heads:
     kw.setdefault("num_key_value_heads", max(1, heads // 2))
     kw.setdefault("intermediate_size", hidden * 3)
     kw.setdefault("max_position_embeddings", 256)
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,

@@ -10,7 +10,7 @@ On return the sim holds the folded weights and the learned encodings: evaluate o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from aimet_torch.quantsim import QuantizationSimModel
@@ -19,28 +19,12 @@ from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import PreparedLM
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quadapter.cle import init_with_cle
-from aimet_quadapter.quadapter.phase1 import Phase1Parameters, Phase1Result, run_phase1
-from aimet_quadapter.quadapter.phase2 import Phase2Parameters, Phase2Result, mean_lm_loss, run_phase2
+from aimet_quadapter.quadapter.config import Phase2Parameters, QuadapterParameters
+from aimet_quadapter.quadapter.phase1 import Phase1Result, run_phase1
+from aimet_quadapter.quadapter.phase2 import Phase2Result, mean_lm_loss, run_phase2
 from aimet_quadapter.quadapter.state import QuadapterState
 from aimet_quadapter.quant.policy import calibrate
 from aimet_quadapter.quant.quantizers import fast_inference
-from aimet_quadapter.settings import check_fields, setting
-
-
-@dataclass
-class QuadapterParameters:
-    """All of Quadapter's settings. Defaults are the paper's; ``phase2.steps = 0`` gives Quadapter BC."""
-
-    phase1: Phase1Parameters = field(default_factory=Phase1Parameters)
-    phase2: Phase2Parameters = field(default_factory=Phase2Parameters)
-    init: str = setting("ones", choices=("ones", "cle"), help="phase 1's start: alpha = 1 (the paper) or CLE's")
-    extra_sites: bool | list[str] | None = setting(
-        None,
-        help="beyond-paper site groups (linear: v->o, up->down; qk: Q.K^T), true for all; None: the family's default",
-    )
-
-    def __post_init__(self):
-        check_fields(self, "quadapter")
 
 
 @dataclass

@@ -53,8 +53,8 @@ from aimet_quadapter.atomic import write_atomic
 from aimet_quadapter.errors import QuadapterError, TrainingDiverged
 from aimet_quadapter.models import PreparedLM, Site, device_of
 from aimet_quadapter.quadapter.adapter import QuadapterSet
+from aimet_quadapter.quadapter.config import Phase1Parameters
 from aimet_quadapter.quant.quantizers import DynamicRanges, plain_tensors, quantizers_in
-from aimet_quadapter.settings import check_fields, setting
 
 Captured = tuple[tuple, dict]  # (args, kwargs) of one call
 
@@ -126,47 +126,6 @@ def run_capturing(block: nn.Module, call: Captured, model: nn.Module, paths: lis
         for h in handles:
             h.remove()
     return out, got
-
-
-@dataclass
-class Phase1Parameters:
-    """Phase-1 settings; defaults are the paper's (Appendix, "Block-wise Calibration")."""
-
-    steps: int = setting(500, ge=0, help="Adam steps per site (the paper: 500)")
-    lr: float = setting(0.1, gt=0, help="learning rate of log alpha (the paper's, for its 500 steps; see reach_steps)")
-    # Adam moves theta = log(alpha) by about the learning rate per step, so the number of steps caps how far
-    # alpha can travel. A run shorter than reach_steps has its learning rate scaled by reach_steps / steps,
-    # so that its first stage reaches as far as the paper's; each later stage restarts from the best alpha
-    # so far, so a start that was already good is refined, not lost.
-    reach_steps: int | None = setting(
-        500, ge=1, help="a run of fewer steps scales the lr by reach_steps / steps (None: the lr as given)"
-    )
-    lr_decay: float = setting(0.2, gt=0, help="the learning rate is multiplied by this at each stage")
-    lr_stages: int = setting(5, ge=1, help="lr_stages - 1 equal intervals of decay (the paper: every 100 of 500)")
-    range_gradient: bool = setting(True, help="min/max seen by autograd; False: AIMET's no-gradient ranges")
-    input_source: str = setting("fp", choices=("fp", "quantized"), help="where a site's input comes from")
-    loss_tokens: int | None = setting(
-        None, ge=1, help="token-wise sites: the loss on this many calibration tokens (None: all)"
-    )
-    # A block-wise optimum fitted to the calibration text can generalise worse than the start (see README).
-    keep_start: tuple[str, ...] = setting(
-        (), help="sites (fnmatch patterns of site names) left at their start alpha, in effect but not trained"
-    )
-    seed: int = setting(0, help="seed of the loss-token sample")
-    checkpoint_dir: str | None = setting(None, help="folder of the checkpoint written after every site (resumable)")
-
-    def __post_init__(self):
-        check_fields(self, "phase1")
-
-    @property
-    def first_lr(self) -> float:
-        if self.reach_steps is None or self.steps == 0:
-            return self.lr
-        return self.lr * max(1.0, self.reach_steps / self.steps)
-
-    @property
-    def decay_every(self) -> int:
-        return max(1, math.ceil(self.steps / self.lr_stages))
 
 
 class SiteBlock:

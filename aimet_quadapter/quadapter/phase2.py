@@ -26,8 +26,8 @@ from aimet_quadapter.atomic import write_atomic
 from aimet_quadapter.errors import QuadapterError, TrainingDiverged
 from aimet_quadapter.models import device_of
 from aimet_quadapter.quadapter.adapter import QuadapterSet
+from aimet_quadapter.quadapter.config import Phase2Parameters
 from aimet_quadapter.quant.quantizers import gathered_embedding_quantization, plain_tensors, range_parameters
-from aimet_quadapter.settings import check_fields, setting
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -43,29 +43,6 @@ def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 def mean_lm_loss(model: nn.Module, batches: Sequence[torch.Tensor]) -> float:
     """The mean of :func:`lm_loss` over ``batches``."""
     return sum(lm_loss(model, b).item() for b in batches) / max(len(batches), 1)
-
-
-@dataclass
-class Phase2Parameters:
-    """Phase-2 settings; defaults are the paper's (Appendix, "End-to-end Fine-tuning")."""
-
-    steps: int = setting(10_000, ge=0, help="training steps (0: Quadapter BC alone)")
-    batch_size: int = setting(4, ge=1, help="sequences per step")
-    # Gradients of the slices are summed into the step's gradient, so the result is the whole batch's up to
-    # float rounding; activations for the backward pass are kept for one slice at a time.
-    micro_batch_size: int | None = setting(
-        1, ge=1, help="sequences per forward/backward pass, accumulated to batch_size (None: the whole batch)"
-    )
-    seq_len: int = setting(512, ge=2, help="tokens per sequence")
-    lr_alpha: float = setting(1e-3, ge=0, help="learning rate of log alpha, decaying linearly to 0")
-    lr_ranges: float = setting(1e-3, ge=0, help="learning rate of the quantizers' min/max (LSQ+)")
-    learn_ranges: bool = setting(True, help="train the quantizer ranges; False: the paper's 'without LSQ+'")
-    lr_weights: float = setting(0.0, ge=0, help="> 0 trains the model weights too (QAT)")
-    checkpoint_every: int = setting(200, ge=1, help="steps between checkpoints (with checkpoint_dir)")
-    checkpoint_dir: str | None = setting(None, help="folder of the resumable checkpoint")
-
-    def __post_init__(self):
-        check_fields(self, "phase2")
 
 
 @dataclass

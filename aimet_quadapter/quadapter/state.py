@@ -2,6 +2,9 @@
 
 That is all a trained result needs besides the FP model: fold the alphas into a copy of the FP model,
 build a sim under the same policy, set the ranges, and it computes what the trained sim computed.
+
+Reading a state needs no AIMET (imported where a sim is built): a missing or corrupt file is refused in
+the first seconds of a command.
 """
 
 from __future__ import annotations
@@ -10,17 +13,19 @@ import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from aimet_torch.quantsim import QuantizationSimModel
 from safetensors.torch import load_file, save_file
 
 from aimet_quadapter.atomic import write_atomic
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import PreparedLM, tensor_of
 from aimet_quadapter.quadapter.adapter import fold_alphas
-from aimet_quadapter.quant.policy import QuantPolicy, build_sim, sim_policy
-from aimet_quadapter.quant.quantizers import quantizers
+from aimet_quadapter.quant.config import QuantPolicy
+
+if TYPE_CHECKING:
+    from aimet_torch.quantsim import QuantizationSimModel
 
 
 @dataclass
@@ -32,6 +37,9 @@ class QuadapterState:
 
     @classmethod
     def from_sim(cls, sim: QuantizationSimModel, alphas: dict[str, torch.Tensor], **metadata) -> QuadapterState:
+        from aimet_quadapter.quant.policy import sim_policy
+        from aimet_quadapter.quant.quantizers import quantizers
+
         ranges = {}
         for path, role, q in quantizers(sim.model):
             if q.is_initialized():
@@ -101,12 +109,16 @@ class QuadapterState:
         ``in_place``: fold into ``fp_model`` and make it the sim's model (it is no longer the FP model then);
         for a caller that needs the FP model no more, one copy of the weights fewer.
         """
+        from aimet_quadapter.quant.policy import build_sim
+
         sim = build_sim(self.folded_model(fp_model, in_place), self.policy, in_place=True)
         load_ranges(sim, self.ranges)
         return sim
 
 
 def load_ranges(sim: QuantizationSimModel, ranges: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    from aimet_quadapter.quant.quantizers import quantizers
+
     found = {f"{path}.{role}": q for path, role, q in quantizers(sim.model)}
     unknown = sorted(set(ranges) - set(found))
     if unknown:
@@ -120,3 +132,40 @@ def load_ranges(sim: QuantizationSimModel, ranges: dict[str, tuple[torch.Tensor,
                     f"{tuple(q.min.shape)}: the state was made under another quantization policy"
                 )
             q.set_range(lo, hi)
+
+
+def resolve_state(path: str | Path) -> Path:
+    """A Quadapter state file from ``path``: the file itself, or a run folder holding exactly one.
+
+    In a folder, the candidates are the ``*.safetensors`` files beside its ``results.json``, or the
+    files that ``results.json`` lists under ``"states"`` where it does.
+    """
+    path = Path(path).expanduser()
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise QuadapterError(f"{path} is not a Quadapter state (.safetensors) file")
+        return path
+    if not path.is_dir():
+        raise QuadapterError(f"Quadapter state {path} does not exist")
+    candidates = sorted(path.glob("*.safetensors"))
+    results = path / "results.json"
+    if results.is_file():
+        try:
+            states = json.loads(results.read_text()).get("states")
+        except (json.JSONDecodeError, AttributeError):
+            states = None
+        if isinstance(states, dict):
+            states = list(states.values())
+        if isinstance(states, list) and states:
+            candidates = sorted(path / s for s in states)
+    if len(candidates) == 1:
+        if not candidates[0].is_file():
+            raise QuadapterError(f"{results} names the state {candidates[0]}, which does not exist")
+        return candidates[0]
+    if not candidates:
+        raise QuadapterError(f"{path} holds no Quadapter state (*.safetensors): pass the state file")
+    names = ", ".join(c.name for c in candidates)
+    raise QuadapterError(
+        f"{path} holds {len(candidates)} Quadapter states ({names}): pass the one to export, "
+        f"e.g. {path / candidates[-1].name}"
+    )

@@ -11,7 +11,6 @@ import json
 import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,26 +22,8 @@ from torch import nn
 from aimet_quadapter import distributed
 from aimet_quadapter.models import PreparedLM, device_of
 from aimet_quadapter.quant.aimet_adapter import seq_mse_bitwidth_limit
-from aimet_quadapter.quant.policy import QUANT_SCHEMES, QuantPolicy, calibrate, sim_policy
-from aimet_quadapter.settings import check_fields, setting
-
-
-@dataclass
-class BaselineParameters:
-    """Settings of the non-Quadapter rows. AIMET's own AdaRound default is 10,000 iterations per layer."""
-
-    adaround_iterations: int = setting(10_000, ge=1, help="AdaRound optimisation steps per layer")
-    adaround_reg_param: float = setting(0.01, ge=0, help="AdaRound's rounding regulariser weight")
-    # AIMET reruns the model on each of these batches for every layer it rounds, to sample that layer's
-    # inputs and outputs, on top of the iterations.
-    adaround_batches: int | None = setting(None, ge=1, help="calibration batches AdaRound uses (None: all)")
-    seq_mse_candidates: int = setting(20, ge=1, help="SeqMSE's candidate ranges per layer")
-    # AIMET skips every layer above 4 weight bits (see quant/aimet_adapter.py)
-    seq_mse_any_bits: bool = setting(True, help="lift AIMET's 4-bit limit so that SeqMSE searches 8-bit ranges")
-    qat_lr_weights: float = setting(1e-5, gt=0, help="learning rate of the model weights in every QAT-style row")
-
-    def __post_init__(self):
-        check_fields(self, "baselines")
+from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
+from aimet_quadapter.quant.policy import aimet_quant_scheme, calibrate, sim_policy
 
 
 def _forward(model: nn.Module, batch: torch.Tensor):
@@ -117,7 +98,7 @@ def apply_adaround(
             path=str(folder),
             filename_prefix="adaround",
             default_param_bw=policy.weight_bits,
-            default_quant_scheme=QUANT_SCHEMES[policy.quant_scheme],
+            default_quant_scheme=aimet_quant_scheme(policy),
             default_config_file=str(config),
         )
         encodings = folder / "adaround.encodings"

@@ -14,7 +14,6 @@ quantization), so the sim is built with AIMET's defaults and every quantizer is 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -30,17 +29,14 @@ from aimet_torch.quantization.encoding_analyzer import (
 from aimet_torch.quantsim import QuantizationSimModel
 from torch import nn
 
-from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import PreparedLM, device_of
+from aimet_quadapter.quant.config import QUANT_SCHEMES, QuantPolicy
 from aimet_quadapter.quant.quantizers import quantizers
-from aimet_quadapter.settings import check_fields, setting
 
-QUANT_SCHEMES = {
-    "min_max": QuantScheme.min_max,
-    "tf": QuantScheme.min_max,
-    "tf_enhanced": QuantScheme.post_training_tf_enhanced,
-    "percentile": QuantScheme.post_training_percentile,
-}
+
+def aimet_quant_scheme(policy: QuantPolicy) -> QuantScheme:
+    """AIMET's ``QuantScheme`` for ``policy.quant_scheme``."""
+    return getattr(QuantScheme, QUANT_SCHEMES[policy.quant_scheme])
 
 
 def encoding_analyzer(policy: QuantPolicy, shape: tuple[int, ...]) -> EncodingAnalyzer:
@@ -51,39 +47,6 @@ def encoding_analyzer(policy: QuantPolicy, shape: tuple[int, ...]) -> EncodingAn
     if policy.quant_scheme == "percentile":
         return PercentileEncodingAnalyzer(shape, percentile=policy.percentile)
     return MinMaxEncodingAnalyzer(shape)
-
-
-@dataclass(frozen=True)
-class QuantPolicy:
-    """Which tensors are quantized, to how many bits, and how their ranges are set. Defaults: the paper's W8A8."""
-
-    weight_bits: int = setting(8, ge=2, le=16, help="weight bit-width")
-    activation_bits: int = setting(8, ge=2, le=16, help="activation bit-width")
-    per_channel_weights: bool = setting(False, help="per-output-channel weight ranges")
-    symmetric_weights: bool = setting(False, help="symmetric weight ranges")
-    # the paper's W1 of the LayerNorm -> Linear block
-    quantize_norm_weights: bool = setting(True, help="quantize the norms' gamma")
-    quantize_logits: bool = setting(False, help="quantize the lm_head output too (a choice the paper leaves open)")
-    quant_scheme: str = setting(
-        "min_max",
-        choices=tuple(QUANT_SCHEMES),
-        help="how compute_encodings sets ranges: min_max (alias tf), tf_enhanced (SQNR) or percentile",
-    )
-    percentile: float = setting(99.99, ge=50, le=100, help="the kept share of values under 'percentile', in %")
-
-    def __post_init__(self):
-        check_fields(self, "policy")
-        for name in ("weight_bits", "activation_bits"):
-            if not isinstance(getattr(self, name), int):
-                raise QuadapterError(f"policy.{name} must be an integer, got {getattr(self, name)!r}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def label(self) -> str:
-        gran = "per-channel" if self.per_channel_weights else "per-tensor"
-        sym = "symmetric" if self.symmetric_weights else "asymmetric"
-        return f"W{self.weight_bits}A{self.activation_bits} ({sym} {gran} weights, asymmetric activations)"
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -141,7 +104,7 @@ def build_sim(
         model,
         dummy,
         in_place=in_place,
-        quant_scheme=QUANT_SCHEMES[policy.quant_scheme],
+        quant_scheme=aimet_quant_scheme(policy),
         default_output_bw=policy.activation_bits,
         default_param_bw=policy.weight_bits,
     )

@@ -1,0 +1,33 @@
+"""The methods a recipe can name, as data: their table labels and what each needs.
+
+Apart from :mod:`aimet_quadapter.experiments.methods` (the code that runs them, which imports AIMET) so
+that a recipe's method names are checked in the first seconds of a command.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    label: str  # the paper's row name
+    finetunes: bool = False  # needs the F-ID training data
+    from_bc: bool = False  # continues from Quadapter BC
+
+
+CATALOG: dict[str, MethodInfo] = {
+    "fp": MethodInfo("FP32"),
+    "fp_finetuned": MethodInfo("FP fine-tuned", finetunes=True),
+    "ptq": MethodInfo("PTQ"),
+    "adaround": MethodInfo("AdaRound"),
+    "seq_mse": MethodInfo("SeqMSE"),
+    "cle": MethodInfo("CLE"),
+    "quadapter_bc": MethodInfo("Quadapter BC"),
+    "qat": MethodInfo("QAT", finetunes=True),
+    "qat_fixed_ranges": MethodInfo("QAT w/o LSQ+", finetunes=True),
+    "quadapter_bc_qat": MethodInfo("Quadapter BC+QAT", finetunes=True, from_bc=True),
+    "quadapter_bc_qat_fixed_ranges": MethodInfo("Quadapter BC+QAT w/o LSQ+", finetunes=True, from_bc=True),
+    "quadapter": MethodInfo("Quadapter", finetunes=True, from_bc=True),
+    "quadapter_fixed_ranges": MethodInfo("Quadapter w/o LSQ+", finetunes=True, from_bc=True),
+}

@@ -1,0 +1,92 @@
+"""Quadapter's settings: plain dataclasses, apart from the code that uses them.
+
+The recipe schema and the command-line options are built from these fields, so a bad value is refused
+before torch, transformers or AIMET are imported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from aimet_quadapter.settings import check_fields, setting
+
+
+@dataclass
+class Phase1Parameters:
+    """Phase-1 settings; defaults are the paper's (Appendix, "Block-wise Calibration")."""
+
+    steps: int = setting(500, ge=0, help="Adam steps per site (the paper: 500)")
+    lr: float = setting(0.1, gt=0, help="learning rate of log alpha (the paper's, for its 500 steps; see reach_steps)")
+    # Adam moves theta = log(alpha) by about the learning rate per step, so the number of steps caps how far
+    # alpha can travel. A run shorter than reach_steps has its learning rate scaled by reach_steps / steps,
+    # so that its first stage reaches as far as the paper's; each later stage restarts from the best alpha
+    # so far, so a start that was already good is refined, not lost.
+    reach_steps: int | None = setting(
+        500, ge=1, help="a run of fewer steps scales the lr by reach_steps / steps (None: the lr as given)"
+    )
+    lr_decay: float = setting(0.2, gt=0, help="the learning rate is multiplied by this at each stage")
+    lr_stages: int = setting(5, ge=1, help="lr_stages - 1 equal intervals of decay (the paper: every 100 of 500)")
+    range_gradient: bool = setting(True, help="min/max seen by autograd; False: AIMET's no-gradient ranges")
+    input_source: str = setting("fp", choices=("fp", "quantized"), help="where a site's input comes from")
+    loss_tokens: int | None = setting(
+        None, ge=1, help="token-wise sites: the loss on this many calibration tokens (None: all)"
+    )
+    # A block-wise optimum fitted to the calibration text can generalise worse than the start (see README).
+    keep_start: tuple[str, ...] = setting(
+        (), help="sites (fnmatch patterns of site names) left at their start alpha, in effect but not trained"
+    )
+    seed: int = setting(0, help="seed of the loss-token sample")
+    checkpoint_dir: str | None = setting(None, help="folder of the checkpoint written after every site (resumable)")
+
+    def __post_init__(self):
+        check_fields(self, "phase1")
+
+    @property
+    def first_lr(self) -> float:
+        if self.reach_steps is None or self.steps == 0:
+            return self.lr
+        return self.lr * max(1.0, self.reach_steps / self.steps)
+
+    @property
+    def decay_every(self) -> int:
+        return max(1, math.ceil(self.steps / self.lr_stages))
+
+
+@dataclass
+class Phase2Parameters:
+    """Phase-2 settings; defaults are the paper's (Appendix, "End-to-end Fine-tuning")."""
+
+    steps: int = setting(10_000, ge=0, help="training steps (0: Quadapter BC alone)")
+    batch_size: int = setting(4, ge=1, help="sequences per step")
+    # Gradients of the slices are summed into the step's gradient, so the result is the whole batch's up to
+    # float rounding; activations for the backward pass are kept for one slice at a time.
+    micro_batch_size: int | None = setting(
+        1, ge=1, help="sequences per forward/backward pass, accumulated to batch_size (None: the whole batch)"
+    )
+    seq_len: int = setting(512, ge=2, help="tokens per sequence")
+    lr_alpha: float = setting(1e-3, ge=0, help="learning rate of log alpha, decaying linearly to 0")
+    lr_ranges: float = setting(1e-3, ge=0, help="learning rate of the quantizers' min/max (LSQ+)")
+    learn_ranges: bool = setting(True, help="train the quantizer ranges; False: the paper's 'without LSQ+'")
+    lr_weights: float = setting(0.0, ge=0, help="> 0 trains the model weights too (QAT)")
+    checkpoint_every: int = setting(200, ge=1, help="steps between checkpoints (with checkpoint_dir)")
+    checkpoint_dir: str | None = setting(None, help="folder of the resumable checkpoint")
+
+    def __post_init__(self):
+        check_fields(self, "phase2")
+
+
+@dataclass
+class QuadapterParameters:
+    """All of Quadapter's settings. Defaults are the paper's; ``phase2.steps = 0`` gives Quadapter BC."""
+
+    phase1: Phase1Parameters = field(default_factory=Phase1Parameters)
+    phase2: Phase2Parameters = field(default_factory=Phase2Parameters)
+    init: str = setting("ones", choices=("ones", "cle"), help="phase 1's start: alpha = 1 (the paper) or CLE's")
+    extra_sites: bool | list[str] | None = setting(
+        None,
+        help="beyond-paper site groups (linear: v->o, up->down; qk: Q.K^T), true for all; None: the family's default",
+    )
+
+    def __post_init__(self):
+        check_fields(self, "quadapter")

@@ -1,0 +1,71 @@
+"""The quantization policy and the baseline techniques' settings: plain dataclasses, apart from AIMET.
+
+The recipe schema and the command-line options are built from these fields, so a bad value is refused
+before AIMET is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.settings import check_fields, setting
+
+# quant_scheme's names -> the member of AIMET's QuantScheme each stands for (resolved in quant.policy)
+QUANT_SCHEMES: dict[str, str] = {
+    "min_max": "min_max",
+    "tf": "min_max",
+    "tf_enhanced": "post_training_tf_enhanced",
+    "percentile": "post_training_percentile",
+}
+
+
+@dataclass(frozen=True)
+class QuantPolicy:
+    """Which tensors are quantized, to how many bits, and how their ranges are set. Defaults: the paper's W8A8."""
+
+    weight_bits: int = setting(8, ge=2, le=16, help="weight bit-width")
+    activation_bits: int = setting(8, ge=2, le=16, help="activation bit-width")
+    per_channel_weights: bool = setting(False, help="per-output-channel weight ranges")
+    symmetric_weights: bool = setting(False, help="symmetric weight ranges")
+    # the paper's W1 of the LayerNorm -> Linear block
+    quantize_norm_weights: bool = setting(True, help="quantize the norms' gamma")
+    quantize_logits: bool = setting(False, help="quantize the lm_head output too (a choice the paper leaves open)")
+    quant_scheme: str = setting(
+        "min_max",
+        choices=tuple(QUANT_SCHEMES),
+        help="how compute_encodings sets ranges: min_max (alias tf), tf_enhanced (SQNR) or percentile",
+    )
+    percentile: float = setting(99.99, ge=50, le=100, help="the kept share of values under 'percentile', in %")
+
+    def __post_init__(self):
+        check_fields(self, "policy")
+        for name in ("weight_bits", "activation_bits"):
+            if not isinstance(getattr(self, name), int):
+                raise QuadapterError(f"policy.{name} must be an integer, got {getattr(self, name)!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def label(self) -> str:
+        gran = "per-channel" if self.per_channel_weights else "per-tensor"
+        sym = "symmetric" if self.symmetric_weights else "asymmetric"
+        return f"W{self.weight_bits}A{self.activation_bits} ({sym} {gran} weights, asymmetric activations)"
+
+
+@dataclass
+class BaselineParameters:
+    """Settings of the non-Quadapter rows. AIMET's own AdaRound default is 10,000 iterations per layer."""
+
+    adaround_iterations: int = setting(10_000, ge=1, help="AdaRound optimisation steps per layer")
+    adaround_reg_param: float = setting(0.01, ge=0, help="AdaRound's rounding regulariser weight")
+    # AIMET reruns the model on each of these batches for every layer it rounds, to sample that layer's
+    # inputs and outputs, on top of the iterations.
+    adaround_batches: int | None = setting(None, ge=1, help="calibration batches AdaRound uses (None: all)")
+    seq_mse_candidates: int = setting(20, ge=1, help="SeqMSE's candidate ranges per layer")
+    # AIMET skips every layer above 4 weight bits (see quant/aimet_adapter.py)
+    seq_mse_any_bits: bool = setting(True, help="lift AIMET's 4-bit limit so that SeqMSE searches 8-bit ranges")
+    qat_lr_weights: float = setting(1e-5, gt=0, help="learning rate of the model weights in every QAT-style row")
+
+    def __post_init__(self):
+        check_fields(self, "baselines")
