@@ -241,3 +241,29 @@ def test_eval_smollm2_ptb(tmp_path, capsys):
     fp, ptq = cells["FP32"]["ppl"]["ptb"], cells[_ptq_key(cells)]["ppl"]["ptb"]
     assert math.isfinite(fp) and math.isfinite(ptq)
     assert 1.0 < fp < ptq
+
+
+def test_eval_state_scores_a_saved_state_as_its_run_did(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
+    """`eval --state`: the sim rebuilt from the saved file gives the perplexity the training run reported,
+    for a state whose alphas moved (Quadapter BC) and one that keeps them at CLE's."""
+    run = tmp_path / "run"
+    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), *SMALL, "--no-progress"]
+    assert main([*argv, "--methods", "cle,quadapter_bc", "--phase1-steps", "4", "--out", str(run)]) == 0
+    saved = _cells(json.loads((run / "results.json").read_text()))
+    for method, label in (("quadapter_bc", "Quadapter BC"), ("cle", "CLE")):
+        (state,) = run.glob(f"*/{method}/{method}.safetensors")
+        scored = tmp_path / f"{method}.json"
+        assert main([*argv, "--state", str(state), "--json", str(scored)]) == 0, capsys.readouterr().err
+        got = json.loads(scored.read_text())["ppl"][corpus_file.stem]
+        want = saved[label]["ppl"][corpus_file.stem]
+        assert got == pytest.approx(want, rel=1e-6), (method, got, want)
+    assert "quadapter_bc (" in capsys.readouterr().out
+
+
+def test_eval_state_refuses_methods_and_a_missing_state(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
+    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), *SMALL]
+    assert main([*argv, "--state", str(tmp_path / "none.safetensors")]) == 2
+    assert "none.safetensors" in _error_line(capsys)
+    (tmp_path / "s.safetensors").write_bytes(b"")
+    assert main([*argv, "--state", str(tmp_path / "s.safetensors"), "--methods", "ptq"]) == 2
+    assert "--methods" in _error_line(capsys)

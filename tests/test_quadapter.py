@@ -198,6 +198,38 @@ def test_phase1_ranges_come_from_every_row_when_the_loss_is_subsampled(setup):
     assert torch.equal(part.target, full.target[part.rows])
 
 
+def test_a_wide_block_scored_in_row_chunks_has_the_loss_and_gradient_of_all_rows(setup, monkeypatch):
+    """The head site's loss is taken in row chunks recomputed in the backward pass (to bound memory): the
+    same loss and the same gradient of alpha as all rows at once, ranges included (range_gradient)."""
+    from aimet_quadapter.quadapter import phase1
+    from aimet_quadapter.quadapter.phase1 import SiteBlock, batched, capture_inputs
+
+    model, calib = setup["model"], setup["calib"]
+    sim = build_sim(model)
+    qset = attach_quadapters(sim)
+    _random_alphas(qset)
+    site = model.sites()[-1]
+    assert tuple(site.consumers) == (f"lm.{model.arch.lm_head}",)
+    call = batched(capture_inputs(model, site.producer, calib))
+    block = SiteBlock(site, model, sim.model, call, call, Phase1Parameters(steps=1))
+    theta = qset[site.name].theta
+
+    def loss_and_grad(chunk_elements: int) -> tuple[float, torch.Tensor]:
+        monkeypatch.setattr(phase1, "CHUNK_ELEMENTS", chunk_elements)
+        theta.grad = None
+        with block.quantizing():
+            loss = block.loss()
+            loss.backward()
+        return loss.item(), theta.grad.clone()
+
+    whole, whole_grad = loss_and_grad(block.target.numel())
+    chunked, chunked_grad = loss_and_grad(block.target.shape[-1] * 7)  # 7 rows a chunk: many chunks, one short
+    assert block.target.shape[0] % 7 != 0
+    assert chunked == pytest.approx(whole, rel=1e-5)
+    assert whole_grad.abs().max() > 0
+    assert torch.allclose(chunked_grad, whole_grad, rtol=1e-4, atol=1e-6 * whole_grad.abs().max().item())
+
+
 def test_a_norm_block_sees_the_weights_the_deployed_model_has(setup):
     """The sites after a norm (v->o, Q*K^T, up->down) scale rows of the linears the norm feeds, and so their
     per-tensor weight ranges: the norm's block must run with them in effect. Its quantized output is the

@@ -104,7 +104,7 @@ def _eval_recipe(args: argparse.Namespace) -> Recipe:
     """The recipe ``eval``'s options describe, validated like a file's (errors name the recipe field)."""
     from aimet_quadapter.experiments.recipes import validate_recipe
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = [m.strip() for m in (args.methods or "fp,ptq").split(",") if m.strip()]
     calib = args.calib_dataset or args.dataset[0]
     raw: dict[str, Any] = {
         "name": "eval",
@@ -136,6 +136,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     if onnx_eval.is_export(args.model):  # an exported ONNX model: its perplexity in onnxruntime
         return _eval_export(args)
+    if args.state:
+        return _eval_state(args)
     recipe = _eval_recipe(args)  # validated before the heavy imports below
     from aimet_quadapter.experiments.report import results_table
     from aimet_quadapter.experiments.runner import run_recipe
@@ -148,6 +150,33 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.out:
         print(f"results: {Path(folder) / 'results.json'}")
     return _stopped_cells(results)
+
+
+def _eval_state(args: argparse.Namespace) -> int:
+    """A saved state's perplexity on ``--dataset``: the sim rebuilt from it, as the training run scored it."""
+    from aimet_quadapter.experiments.results_file import write_json_atomic
+    from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
+
+    if args.methods:
+        raise QuadapterError("--state and --methods exclude each other: a state is scored as it was saved")
+    path = resolve_state(args.state)
+    state = QuadapterState.load(path)
+    args.methods = "fp"  # the recipe's eval section and model are all that is used
+    recipe = _eval_recipe(args)
+    from aimet_quadapter.experiments.runner import score_state
+
+    ppl = score_state(recipe, state, progress=not args.no_progress)
+    method = state.metadata.get("method") or "state"
+    for name, value in ppl.items():
+        print(f"{method} ({path}): {name} {value:.3f}")
+    results = {"state": str(path), "method": method, "model": args.model, "ppl": ppl}
+    paths = [Path(args.json)] if args.json else []
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        paths.append(Path(args.out) / "results.json")
+    for out in paths:
+        write_json_atomic(out, results)
+    return 0
 
 
 def _eval_export(args: argparse.Namespace) -> int:
@@ -229,8 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=_yaml_value, help="sliding-window stride (default: non-overlapping)")
     p.add_argument(
         "--methods",
-        default="fp,ptq",
         help="comma-separated method names, e.g. fp,ptq,cle,quadapter_bc,quadapter (default fp,ptq)",
+    )
+    p.add_argument(
+        "--state",
+        help="score this saved state (.safetensors, or a run folder holding one) instead of running methods",
     )
     p.add_argument("--json", help="also write results.json to this file")
     p.add_argument("--out", help="run folder for results.json, Quadapter states and checkpoints (default: none kept)")

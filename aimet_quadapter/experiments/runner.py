@@ -566,6 +566,19 @@ class RecipeRun:
         return results
 
 
+def score_state(recipe: Recipe, state: QuadapterState, progress: bool = True) -> dict[str, float]:
+    """Perplexity of a saved state on ``recipe``'s evaluation texts (its ``eval`` section), with the sim
+    rebuilt from the state: no calibration, no training, the windows a training run of ``recipe`` scores."""
+    from aimet_quadapter.experiments.evaluation import evaluate
+
+    run = RecipeRun(recipe, Path(".unused"), progress)
+    windows = run.eval_windows()  # a bad text is refused before the model loads
+    model = run._load_model()
+    run._model = None  # the sim takes the model's weights over (in place): no copy of them
+    sim = state.build_sim(model, in_place=True)
+    return evaluate(sim, windows, str(state.metadata.get("method") or "state"), progress)
+
+
 def run_recipe(recipe: Recipe, out_dir: Path | str | None = None, progress: bool = True) -> tuple[Path, dict]:
     """Run every cell of ``recipe`` not yet in ``out_dir``; returns the folder and its results."""
     folder = Path(out_dir or recipe.out or Path("runs") / recipe.display_name)

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 from aimet_quadapter import distributed
@@ -128,6 +129,11 @@ def run_capturing(block: nn.Module, call: Captured, model: nn.Module, paths: lis
     return out, got
 
 
+# A token-wise block whose target holds more elements than this has its loss taken in row chunks of about
+# this size (see SiteBlock.loss): 128 MB of float32 per chunk.
+CHUNK_ELEMENTS = 1 << 25
+
+
 class SiteBlock:
     """One site's block on the whole calibration set: the FP target, and the quantized block's loss."""
 
@@ -189,8 +195,29 @@ class SiteBlock:
     def _consumed(self, mid: torch.Tensor) -> torch.Tensor:
         return torch.cat([c(mid) for c in self.q_consumers], dim=-1)
 
+    def _squared_error(self, mid: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (self._consumed(mid) - target).pow(2).sum()
+
     def loss(self) -> torch.Tensor:
-        return (self.output() - self.target).pow(2).mean()
+        """The mean squared error of :meth:`output` (inside :meth:`quantizing`).
+
+        A wide token-wise block (the head site: vocabulary-wide outputs) is scored in row chunks, each
+        recomputed in the backward pass, so its outputs and their gradients are never all held at once.
+        The ranges are those of every row all the same: they are pinned before the rows are cut.
+        """
+        if self.site.scope or self.target.numel() <= CHUNK_ELEMENTS:
+            return (self.output() - self.target).pow(2).mean()
+        args, kwargs = self.q_input
+        mid = self.q_producer(*args, **kwargs)
+        self.ranges.pin(self.shared_input, mid)
+        if self.rows is not None:
+            mid = mid[self.rows]
+        step = max(1, CHUNK_ELEMENTS // self.target.shape[-1])
+        chunks = [
+            checkpoint(self._squared_error, mid[i : i + step], self.target[i : i + step], use_reentrant=False)
+            for i in range(0, mid.shape[0], step)
+        ]
+        return torch.stack(chunks).sum() / self.target.numel()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
