@@ -154,7 +154,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _eval_state(args: argparse.Namespace) -> int:
     """A saved state's perplexity on ``--dataset``: the sim rebuilt from it, as the training run scored it."""
-    from aimet_quadapter.experiments.results_file import write_json_atomic
     from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
 
     if args.methods:
@@ -169,20 +168,25 @@ def _eval_state(args: argparse.Namespace) -> int:
     method = state.metadata.get("method") or "state"
     for name, value in ppl.items():
         print(f"{method} ({path}): {name} {value:.3f}")
-    results = {"state": str(path), "method": method, "model": args.model, "ppl": ppl}
+    _write_results(args, {"state": str(path), "method": method, "model": args.model, "ppl": ppl})
+    return 0
+
+
+def _write_results(args: argparse.Namespace, results: dict) -> None:
+    """``results`` to ``--json`` and to ``--out``/results.json, where given."""
+    from aimet_quadapter.experiments.results_file import write_json_atomic
+
     paths = [Path(args.json)] if args.json else []
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         paths.append(Path(args.out) / "results.json")
-    for out in paths:
-        write_json_atomic(out, results)
-    return 0
+    for path in paths:
+        write_json_atomic(path, results)
 
 
 def _eval_export(args: argparse.Namespace) -> int:
     from aimet_quadapter.experiments.recipes import EvalSection
     from aimet_quadapter.experiments.report import results_table
-    from aimet_quadapter.experiments.results_file import write_json_atomic
     from aimet_quadapter.export.onnx_eval import eval_exported
 
     defaults = EvalSection.model_fields
@@ -197,12 +201,7 @@ def _eval_export(args: argparse.Namespace) -> int:
         log=lambda text: print(text, file=sys.stderr),
     )
     print(results_table(results))
-    paths = [Path(args.json)] if args.json else []
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        paths.append(Path(args.out) / "results.json")
-    for path in paths:
-        write_json_atomic(path, results)
+    _write_results(args, results)
     return 0
 
 
