@@ -350,6 +350,36 @@ def test_phase2_micro_batches_give_the_whole_batch_gradient(setup):
         assert torch.allclose(grad, whole_grad, rtol=1e-4, atol=1e-6 * whole_grad.abs().max().item()), micro
 
 
+def test_phase2_recomputed_blocks_give_the_same_losses_and_gradients(setup):
+    """Recomputing each decoder block in the backward pass (the memory setting) runs every block twice
+    per step and gives the losses and gradients of keeping its activations; the blocks are left as found."""
+    from aimet_quadapter.quant.quantizers import range_parameters
+
+    model, calib, train = setup["model"], setup["calib"], setup["train"]
+    runs = {}
+    for recompute in (False, True):
+        sim = build_sim(model)
+        calibrate(sim, calib)
+        qset = attach_quadapters(sim)
+        first = sim.model.get_submodule(model.block_paths()[0])
+        calls = []
+        inner = next(first.children())  # the block's first norm: a recomputation calls it again
+        hook = inner.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
+        params = Phase2Parameters(steps=2, lr_alpha=1e-2, lr_ranges=1e-3, recompute_blocks=recompute)
+        losses = run_phase2(sim.model, qset, train, params, progress=False).losses
+        hook.remove()
+        assert "forward" not in first.__dict__
+        trained = [q.theta for q in qset] + range_parameters(sim.model)
+        grads = torch.cat([p.grad.flatten() for p in trained if p.grad is not None])
+        runs[recompute] = losses, grads, len(calls)
+    kept_losses, kept_grad, kept_calls = runs[False]
+    losses, grad, recomputed_calls = runs[True]
+    assert kept_calls == 2 * len(train[0]) and recomputed_calls == 2 * kept_calls  # micro-batches of 1
+    assert kept_grad.abs().max() > 0
+    assert losses == pytest.approx(kept_losses, rel=1e-6)
+    assert torch.allclose(grad, kept_grad, rtol=1e-5, atol=1e-7 * kept_grad.abs().max().item())
+
+
 def test_gathered_embedding_quantization_is_exact(setup, monkeypatch):
     """Quantizing only the looked-up embedding rows (a speed-up) gives the same logits, and phase 2 with
     and without it the same losses and the same learned alphas and ranges."""

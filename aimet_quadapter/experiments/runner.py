@@ -224,8 +224,8 @@ class RecipeRun:
 
     # --- fingerprints ---------------------------------------------------------------------------------
     def _sections(self, names: tuple[str, ...]) -> dict:
-        # where checkpoints go, how often, and how a batch is sliced for memory do not change a result
-        skip = {"checkpoint_every", "checkpoint_dir", "micro_batch_size"}
+        # where checkpoints go, how often, and how a batch is sliced or recomputed for memory do not change a result
+        skip = {"checkpoint_every", "checkpoint_dir", "micro_batch_size", "recompute_blocks"}
         return {n: getattr(self.recipe, n).model_dump(mode="json", exclude=skip) for n in names}
 
     def _base_payload(self) -> dict:

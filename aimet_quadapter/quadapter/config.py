@@ -65,6 +65,9 @@ class Phase2Parameters:
         1, ge=1, help="sequences per forward/backward pass, accumulated to batch_size (None: the whole batch)"
     )
     seq_len: int = setting(512, ge=2, help="tokens per sequence")
+    # Every block's fake-quantized weights and activations would otherwise be kept for the backward pass;
+    # recomputed, only one block's are alive at a time, for one more forward pass per step.
+    recompute_blocks: bool = setting(True, help="recompute each decoder block in the backward pass (less memory)")
     lr_alpha: float = setting(1e-3, ge=0, help="learning rate of log alpha, decaying linearly to 0")
     lr_ranges: float = setting(1e-3, ge=0, help="learning rate of the quantizers' min/max (LSQ+)")
     learn_ranges: bool = setting(True, help="train the quantizer ranges; False: the paper's 'without LSQ+'")

@@ -10,7 +10,8 @@ loses at most one interval.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 from aimet_quadapter import distributed
@@ -106,7 +108,7 @@ def run_phase2(
     progress = progress and distributed.is_main()
     bar = tqdm(range(start, params.steps), desc=desc, initial=start, total=params.steps, disable=not progress)
     try:
-        with gathered_embedding_quantization(sim_model), plain_tensors():
+        with gathered_embedding_quantization(sim_model), plain_tensors(), _recomputed_blocks(sim_model, params):
             for step in bar:
                 optimizer.zero_grad(set_to_none=True)
                 # under torchrun each process takes its share of the global batch; gradients are averaged
@@ -135,6 +137,28 @@ def run_phase2(
         for p in sim_model.parameters():
             p.requires_grad_(False)
     return result
+
+
+@contextmanager
+def _recomputed_blocks(model: nn.Module, params: Phase2Parameters) -> Iterator[None]:
+    """Under ``params.recompute_blocks``, run each decoder block of ``model`` (a PreparedLM or its sim's
+    model) through non-reentrant activation checkpointing: its activations are recomputed in the backward
+    pass, with the same values, instead of being kept."""
+    block_paths = getattr(model, "block_paths", None) if params.recompute_blocks else None
+    paths: list[str] = block_paths() if callable(block_paths) else []
+    blocks = [model.get_submodule(path) for path in paths]
+    own = ["forward" in block.__dict__ for block in blocks]  # a forward set on the instance is put back as is
+    saved = [block.forward for block in blocks]
+    for block, forward in zip(blocks, saved):
+        block.forward = partial(checkpoint, forward, use_reentrant=False)
+    try:
+        yield
+    finally:
+        for block, forward, kept in zip(blocks, saved, own):
+            if kept:
+                block.forward = forward
+            else:
+                del block.forward
 
 
 def _saved_step(ckpt: Path) -> int:
