@@ -87,7 +87,7 @@ def test_export_after_ptq_matches_the_sim(toy, version, tmp_path):
     assert qdq.graph.input[0].type.tensor_type.shape.dim[1].dim_value == SEQ  # static by default
     report = result.verification
     assert report.quantizers == sum(1 for _ in quantizers(sim.model))
-    for agreement in [*report.agreements, report.floor, report.encodings_vs_qdq]:
+    for agreement in [*report.agreements, report.floor, report.sim_floor, report.encodings_vs_qdq]:
         # float32 reassociation only, and no rounding flipped: far inside the tolerance
         assert agreement.ppl_rel_diff < 1e-5 and agreement.max_abs_logit_diff < 1e-4 * report.max_abs_sim_logit
         assert agreement.top1_agreement == 1.0
