@@ -77,6 +77,7 @@ EVAL_CASES = {
     "negative calibration crops": (["--dataset", "{corpus}", "--calib-samples", "-1"], "calibration.samples"),
     "bad device": (["--dataset", "{corpus}", "--device", "gpu"], "device"),
     "unwritable run folder": (["--dataset", "{corpus}", "--out", "{blocked_out}"], "a-file"),
+    "window beyond the model's positions": (["--dataset", "{corpus}", "--seq-len", "100000"], "100000"),
 }
 
 
@@ -101,10 +102,27 @@ def test_offline_hub_dataset_is_one_line_before_the_model_loads(
     assert "wikitext2" in line and "Offline?" in line
 
 
+@pytest.fixture(scope="module")
+def tmp_state(tmp_path_factory) -> Path:
+    """A valid state file (PTQ ranges of a toy GPT-2), for the errors that come after it is read."""
+    from aimet_quadapter.quadapter.state import QuadapterState
+    from aimet_quadapter.quant.policy import build_sim, calibrate
+    from aimet_quadapter.testing import sample_corpus, toy_model
+
+    model = toy_model("gpt2")
+    sim = build_sim(model)
+    calibrate(sim, [sample_corpus(model, 2, 32, seed=1)])
+    return QuadapterState.from_sim(sim, {}, method="ptq").save(tmp_path_factory.mktemp("state") / "ptq.safetensors")
+
+
 # (argv, a word the message must hold) of the commands other than eval
 OTHER_CASES = {
     "export of a missing state": (["export", "{tmp}/none.safetensors", "--model", "x", "--out", "{tmp}/e"], "none"),
     "export of a corrupt state": (["export", "{corrupt}", "--model", "x", "--out", "{tmp}/e"], "corrupt.safetensors"),
+    "export longer than the model's positions": (
+        ["export", "{state}", "--model", "{model}", "--out", "{tmp}/e", "--seq-len", "100000"],
+        "--seq-len 100000",
+    ),
     "report of an empty folder": (["report", "{tmp}"], "results.json"),
     "run into a folder that cannot be made": (["run", "{recipe}", "--out", "{blocked_out}"], "a-file"),
     "run with a --set typo": (["run", "{recipe}", "--set", "phase1.stpes=3"], "stpes"),
@@ -115,7 +133,7 @@ OTHER_CASES = {
 
 @pytest.mark.parametrize("case", list(OTHER_CASES))
 def test_other_commands_bad_input_is_one_line_before_the_model_loads(
-    case, tiny_gpt2_dir, corpus_file, tmp_path, capsys, never_load
+    case, tiny_gpt2_dir, corpus_file, tmp_path, capsys, tmp_state, never_load
 ):
     files = _files(tmp_path, corpus_file)
     recipe = tmp_path / "r.yaml"
@@ -123,7 +141,8 @@ def test_other_commands_bad_input_is_one_line_before_the_model_loads(
     not_yaml = tmp_path / "bad.yaml"
     not_yaml.write_text("methods: [fp\nmodel: {")
     argv, word = OTHER_CASES[case]
-    names = {**files, "tmp": tmp_path, "recipe": recipe, "not_yaml": not_yaml}
+    names = {**files, "tmp": tmp_path, "recipe": recipe, "not_yaml": not_yaml, "model": tiny_gpt2_dir}
+    names["state"] = tmp_state
     assert main([a.format(**names) for a in argv]) == 2
     assert word in _error_line(capsys)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
+from onnx.external_data_helper import uses_external_data
 
 from aimet_quadapter.cli import main
 from aimet_quadapter.errors import QuadapterError
@@ -77,6 +78,11 @@ def test_export_after_ptq_matches_the_sim(toy, version, tmp_path):
     assert manifest["method"] == "ptq" and manifest["encodings_version"] == version and manifest["seq_len"] == SEQ
     assert manifest["opset"]["model_qdq.onnx"] == 21
     assert set(manifest["files"]) == {"model.onnx", "model.encodings", "model_qdq.onnx"}
+    # AIMET's passes ran with the weights in external files: the kept graphs hold them again, nothing else is left
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model.encodings", "model.onnx", "model_qdq.onnx"]
+    for name in ("model.onnx", "model_qdq.onnx"):
+        graph = onnx.load(str(out / name), load_external_data=False)
+        assert not any(uses_external_data(t) for t in graph.graph.initializer)
     for name, info in manifest["files"].items():
         data = (out / name).read_bytes()
         assert info["bytes"] == len(data) and info["sha256"] == hashlib.sha256(data).hexdigest()

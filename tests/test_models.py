@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,3 +197,51 @@ def test_load_local_folder(tiny_gpt2_dir, tiny_tokenizer):
     with torch.no_grad():
         assert (model(ids) - reference(input_ids=ids).logits).abs().max().item() <= 1e-4
     assert not is_tied(model)
+
+
+def _offline_file(alias: str):
+    from aimet_quadapter.models import loading
+
+    entry = loading.OFFLINE_MODELS[alias]
+    if importlib.util.find_spec(entry.package) is None:
+        pytest.skip(f"{entry.requirement} is not installed")
+    folder, name = loading._offline_source(alias)
+    return Path(folder) / name
+
+
+@pytest.mark.parametrize("alias", ["smollm2-135m"])
+def test_offline_alias_declares_its_files_context_length(alias):
+    """The length checks read the alias's declared positions instead of parsing the GGUF: it must be the file's."""
+    from gguf import GGUFReader
+
+    from aimet_quadapter.models.loading import OFFLINE_MODELS, max_positions
+
+    fields = GGUFReader(str(_offline_file(alias))).fields
+    arch = fields["general.architecture"]
+    key = f"{bytes(arch.parts[arch.data[0]]).decode()}.context_length"
+    assert int(fields[key].parts[fields[key].data[0]][0]) == OFFLINE_MODELS[alias].positions == max_positions(alias)
+
+
+def test_offline_tokenizer_is_cached_and_equal_to_the_converted_one(tmp_path, monkeypatch):
+    """The tokenizer converted from the GGUF is kept in the cache; a second load reads it and tokenizes alike."""
+    from aimet_quadapter.models import loading
+
+    _offline_file("smollm2-135m")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    converted = loading.load_tokenizer("smollm2-135m")
+    saved = list((tmp_path / "aimet-quadapter" / "tokenizers").glob("*/tokenizer.json"))
+    assert len(saved) == 1
+    cached = loading.load_tokenizer("smollm2-135m")
+    assert Path(cached.name_or_path) == saved[0].parent
+    text = "The market fell 3.5 % on Tuesday ; Mr. Darcy's <unk> said: « naïve » — 2,400x!\n"
+    assert cached(text)["input_ids"] == converted(text)["input_ids"]
+    assert cached.decode(cached(text)["input_ids"]) == converted.decode(converted(text)["input_ids"])
+    assert len(cached) == len(converted) and cached.eos_token == converted.eos_token
+
+
+def test_local_folder_positions_come_from_its_config(tiny_gpt2_dir, tmp_path):
+    from aimet_quadapter.models.loading import max_positions
+
+    config = json.loads((tiny_gpt2_dir / "config.json").read_text())
+    assert max_positions(str(tiny_gpt2_dir)) == config["n_positions"]
+    assert max_positions(str(tmp_path)) is None  # no config.json: known once the model loads

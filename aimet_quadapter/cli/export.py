@@ -81,6 +81,9 @@ def _cmd_export(args) -> int:
     from aimet_quadapter.experiments import data
 
     data.load_text(args.verify_dataset, args.verify_split)  # read again below, once the tokenizer is there
+    from aimet_quadapter.models.loading import check_length, max_positions
+
+    check_length(max_positions(args.model), args.seq_len, "--seq-len")
 
     from aimet_quadapter.experiments.evaluation import eval_windows_for
     from aimet_quadapter.export.exporter import export_quantized, sha256_file

@@ -294,7 +294,7 @@ class RecipeRun:
             from aimet_quadapter.models import load_model
 
             self._model, self._tokenizer = load_model(self.model_name, quiet=True, device=self.device)
-            self._check_lengths(self._model)
+            self._check_lengths(self._model.max_positions)  # a hub model's limit is known only now
             self._check_sites(self._model)  # site names are known once the model is: before any cell's work
         return self._model
 
@@ -308,6 +308,9 @@ class RecipeRun:
     def check_data(self, cells: list[Cell]) -> None:
         """Read, tokenize and cut every text ``cells`` need, before the model loads: a missing, binary or
         too-short text stops the run in seconds, not after minutes of loading and calibrating."""
+        from aimet_quadapter.models.loading import max_positions
+
+        self._check_lengths(max_positions(self.model_name))
         self.eval_windows()
         for cell in cells:
             if cell.calibration is not None and cell.method not in _NO_CALIBRATION:
@@ -328,7 +331,9 @@ class RecipeRun:
         except QuadapterError as e:
             raise QuadapterError(f"{self.recipe.where()}: {e}") from None
 
-    def _check_lengths(self, model: PreparedLM) -> None:
+    def _check_lengths(self, limit: int | None) -> None:
+        from aimet_quadapter.models.loading import check_length
+
         lengths = []
         if any(c.method not in _NO_CALIBRATION for c in self.cells):  # FP32 alone calibrates nothing
             lengths.append(("calibration.length", self.recipe.calibration.length))
@@ -336,7 +341,7 @@ class RecipeRun:
             lengths.append(("phase2.seq_len", self.recipe.phase2.seq_len))
         lengths += [(f"eval.datasets ({s.ref.label}) seq_len", s.seq_len) for s in self.evals]
         for field, length in lengths:
-            model.check_length(length, f"{self.recipe.where()}: field {field}:")
+            check_length(limit, length, f"{self.recipe.where()}: field {field}:")
 
     @cache  # noqa: B019 - one run object per recipe run; the cache dies with it
     def _tokens(self, source: str, split: str) -> torch.Tensor:

@@ -55,7 +55,9 @@ from aimet_quadapter.export.onnx_eval import (
     qdq_graph_encodings,
     read_encodings,
 )
+from aimet_quadapter.memory import release_freed_memory
 from aimet_quadapter.models import device_of
+from aimet_quadapter.quant.aimet_adapter import onnx_weights_outside_the_graph
 from aimet_quadapter.quant.policy import sim_policy
 from aimet_quadapter.quant.quantizers import DynamicRanges, fast_inference, quantizers, quantizers_in
 
@@ -289,12 +291,11 @@ def _as_windows(windows: Sequence[Window | torch.Tensor]) -> list[Window]:
     return out
 
 
-def _serialized(model) -> bytes:
+def _check_protobuf_size(model) -> None:
     import onnx
 
     if model.ByteSize() >= onnx.checker.MAXIMUM_PROTOBUF:
         raise QuadapterError("the FP graph is over 2 GB: the fp+encodings check needs it in one protobuf")
-    return model.SerializeToString()
 
 
 class _Comparison:
@@ -370,8 +371,6 @@ def verify_export(
        optimizations) and of ``model.onnx`` with ``model.encodings`` applied (see
        :func:`~aimet_quadapter.export.onnx_eval.apply_encodings`) agree with the sim's within ``tolerance``.
     """
-    import gc
-
     import onnx
     from tqdm.auto import tqdm
 
@@ -383,9 +382,11 @@ def verify_export(
     check_encoding_names(fp_model, entries)
     n_quantizers = check_quantizer_coverage(sim, entries)
     del fp_model
+    release_freed_memory()
     qdq_model = onnx.load(str(folder / QDQ_ONNX))
     check_quantizer_coverage(sim, qdq_graph_encodings(qdq_model), where=f"the QDQ graph {QDQ_ONNX}")
     del qdq_model
+    release_freed_memory()
 
     # The sim first, then one onnxruntime session at a time: a 1024-token window of a 50k-vocabulary model
     # has 200 MB of logits, and each session holds a copy of the weights and its own activation arena.
@@ -414,9 +415,16 @@ def verify_export(
     floor, encodings_vs_qdq, unoptimized_logits, applied = _Comparison(), _Comparison(), [], 0
     for name, source, optimize in FORMS:
         if source == "fp+encodings":
-            emulated, applied = apply_encodings(onnx.load(str(folder / FP_ONNX)), entries)
-            lm = OnnxLM(_serialized(emulated), optimize=optimize)
+            fp_model = onnx.load(str(folder / FP_ONNX))
+            emulated, applied = apply_encodings(fp_model, entries)
+            del fp_model
+            scratch = Path(tempfile.mkdtemp(prefix=".emulated-", dir=folder))
+            _check_protobuf_size(emulated)
+            onnx.save(emulated, str(scratch / FP_ONNX))
             del emulated
+            release_freed_memory()
+            lm = OnnxLM(scratch / FP_ONNX, optimize=optimize)
+            shutil.rmtree(scratch)  # onnxruntime has read it
         else:
             lm = OnnxLM(folder / source, optimize=optimize)
         for i, (window, keep) in enumerate(zip(windows, scored)):
@@ -430,7 +438,7 @@ def verify_export(
                 encodings_vs_qdq.add(logits, unoptimized_logits[i], window, keep)
             bar.update()
         del lm, logits
-        gc.collect()
+        release_freed_memory()
     bar.close()
     del references, unoptimized_logits
 
@@ -523,6 +531,18 @@ def _run_aimet_export(step: str, fn, *args, **kwargs) -> None:
         raise QuadapterError(f"{step} failed: {type(exc).__name__}: {first}") from exc
 
 
+def _inline_weights(source: Path, target: Path) -> None:
+    """``source`` (weights in external data files beside it) written to ``target`` as one file, the form a
+    device converter or onnxruntime takes as it is; a graph over protobuf's 2 GB limit keeps one data file."""
+    import onnx
+
+    graph = onnx.load(str(source))
+    large = graph.ByteSize() >= onnx.checker.MAXIMUM_PROTOBUF
+    onnx.save(graph, str(target), save_as_external_data=large, location=f"{target.name}.data")
+    del graph
+    release_freed_memory()
+
+
 def export_quantized(
     sim: QuantizationSimModel,
     out_dir: str | Path,
@@ -581,26 +601,35 @@ def export_quantized(
             common["dynamic_axes"] = {INPUT_NAME: {1: "sequence"}, OUTPUT_NAME: {1: "sequence"}}
         fp_kwargs = dict(common, **({"opset_version": opset} if opset else {}))
         sim.model.eval()
-        _run_aimet_export(
-            "AIMET's FP ONNX + encodings export (sim.onnx.export)",
-            sim.onnx.export,
-            (dummy,),
-            str(tmp / FP_ONNX),
-            encoding_version=encoding_version,
-            **fp_kwargs,
-        )
-        import aimet_torch.onnx
+        scratch = tmp / ".scratch"  # each graph with its weights in external data files, until inlined
+        for part in ("fp", "qdq"):
+            (scratch / part).mkdir(parents=True)
+        with onnx_weights_outside_the_graph():
+            _run_aimet_export(
+                "AIMET's FP ONNX + encodings export (sim.onnx.export)",
+                sim.onnx.export,
+                (dummy,),
+                str(scratch / "fp" / FP_ONNX),
+                encoding_version=encoding_version,
+                **fp_kwargs,
+            )
+            import aimet_torch.onnx
 
-        _run_aimet_export(
-            "AIMET's QDQ ONNX export (aimet_torch.onnx.export)",
-            aimet_torch.onnx.export,
-            sim.model,
-            (dummy,),
-            str(tmp / QDQ_ONNX),
-            opset_version=QDQ_OPSET,
-            export_int32_bias=False,  # the sim leaves biases in float: so does the graph that must equal it
-            **common,
-        )
+            _run_aimet_export(
+                "AIMET's QDQ ONNX export (aimet_torch.onnx.export)",
+                aimet_torch.onnx.export,
+                sim.model,
+                (dummy,),
+                str(scratch / "qdq" / QDQ_ONNX),
+                opset_version=QDQ_OPSET,
+                export_int32_bias=False,  # the sim leaves biases in float: so does the graph that must equal it
+                **common,
+            )
+        if (scratch / "fp" / ENCODINGS).is_file():
+            (scratch / "fp" / ENCODINGS).rename(tmp / ENCODINGS)
+        _inline_weights(scratch / "fp" / FP_ONNX, tmp / FP_ONNX)
+        _inline_weights(scratch / "qdq" / QDQ_ONNX, tmp / QDQ_ONNX)
+        shutil.rmtree(scratch)
         if not (tmp / ENCODINGS).is_file():
             raise QuadapterError(f"AIMET's export wrote no {ENCODINGS} file")
         report = verify_export(sim, tmp, windows, tolerance, progress=progress)

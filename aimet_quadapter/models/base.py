@@ -15,8 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import QuadapterError
-
 
 @dataclass(frozen=True)
 class SiteSpec:
@@ -134,9 +132,9 @@ class PreparedLM(nn.Module):
 
     def check_length(self, length: int, what: str) -> None:
         """Refuse ``length`` tokens beyond :attr:`max_positions`, naming ``what`` asked for them."""
-        limit = self.max_positions
-        if limit and length > limit:
-            raise QuadapterError(f"{what} {length} exceeds the model's {limit} positions")
+        from .loading import check_length
+
+        check_length(self.max_positions, length, what)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         length = input_ids.shape[-1]

