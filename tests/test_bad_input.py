@@ -128,6 +128,8 @@ OTHER_CASES = {
     "run with a --set typo": (["run", "{recipe}", "--set", "phase1.stpes=3"], "stpes"),
     "run with a negative count": (["run", "{recipe}", "--set", "phase2.steps=-1"], "phase2.steps"),
     "run of a recipe that is not YAML": (["run", "{not_yaml}"], "not valid YAML"),
+    "run of a recipe with a misspelt field": (["run", "{misspelt}"], "field evall: unknown field; did you mean eval?"),
+    "eval of a missing model folder": (["eval", "--model", "{tmp}/no-model", "--dataset", "{corpus}"], "model folder"),
 }
 
 
@@ -141,7 +143,10 @@ def test_other_commands_bad_input_is_one_line_before_the_model_loads(
     not_yaml = tmp_path / "bad.yaml"
     not_yaml.write_text("methods: [fp\nmodel: {")
     argv, word = OTHER_CASES[case]
+    misspelt = tmp_path / "misspelt.yaml"
+    misspelt.write_text(RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_file).replace("eval:", "evall:"))
     names = {**files, "tmp": tmp_path, "recipe": recipe, "not_yaml": not_yaml, "model": tiny_gpt2_dir}
+    names["misspelt"] = misspelt
     names["state"] = tmp_state
     assert main([a.format(**names) for a in argv]) == 2
     assert word in _error_line(capsys)

@@ -17,6 +17,7 @@ directory. A model folder written ``./...`` or ``../...`` in a file is relative 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import typing
@@ -399,13 +400,16 @@ _BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "
 
 
 def _describe(exc: ValidationError, overridden: list[str]) -> str:
-    errors = exc.errors()
+    # A misspelt field shows up twice (unknown, and the field it meant as missing): name the misspelling.
+    errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
     loc = _loc(first["loc"])
     kind, ctx = first["type"], first.get("ctx", {})
     if kind == "extra_forbidden":
         known = _fields_at(first["loc"][:-1])
-        text = "unknown field" + (f" (known: {', '.join(known)})" if known else "")
+        close = difflib.get_close_matches(str(first["loc"][-1]), known, n=1)
+        text = "unknown field" + (f"; did you mean {close[0]}?" if close else "")
+        text += f" (known: {', '.join(known)})" if known else ""
     elif kind == "missing":
         text = "required field is missing"
     elif kind in _BOUNDS:

@@ -60,6 +60,17 @@ def _hub_error(name: str, exc: Exception) -> QuadapterError:
     )
 
 
+def _folder_or_hub_id(name: str) -> str:
+    """The local folder ``name`` names, or ``name`` itself as a hub id. "name" and "org/name" are hub ids
+    unless such a folder exists; a leading . / ~ or a deeper path can only be a folder."""
+    path = Path(os.path.expanduser(name))
+    if path.exists():
+        return str(path)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise QuadapterError(f"model folder {name} does not exist")
+    return name
+
+
 def _tokenizer_cache(gguf: Path) -> Path:
     """Where the tokenizer converted from ``gguf`` is kept: building it from the GGUF vocabulary takes
     seconds at every command, reading the converted one a fraction of one. Keyed by the file's identity."""
@@ -94,9 +105,10 @@ def load_tokenizer(name: str):
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
         _save_to_cache(tokenizer, cached)
         return tokenizer
+    source = _folder_or_hub_id(name)
     go_offline_if_unreachable()
     try:
-        return AutoTokenizer.from_pretrained(os.path.expanduser(name))
+        return AutoTokenizer.from_pretrained(source)
     except Exception as exc:  # transformers raises OSError, ValueError, hub errors...
         raise _hub_error(name, exc) from None
 
@@ -130,13 +142,10 @@ def load_hf_model(name: str):
     if name in OFFLINE_MODELS:
         folder, gguf_file = _offline_source(name)
         return AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32).eval()
-    path = Path(os.path.expanduser(name))
-    # "name" and "org/name" are hub ids; a leading . / ~ or a deeper path means a local folder.
-    if not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
-        raise QuadapterError(f"model folder {name!r} does not exist")
+    source = _folder_or_hub_id(name)
     go_offline_if_unreachable()
     try:
-        return AutoModelForCausalLM.from_pretrained(str(path) if path.exists() else name, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     except Exception as exc:
         raise _hub_error(name, exc) from None
 
