@@ -19,7 +19,6 @@ from aimet_quadapter.export import exporter as export_module
 from aimet_quadapter.export.exporter import (
     Tolerance,
     export_quantized,
-    shared_activation_groups,
     verify_export,
 )
 from aimet_quadapter.export.onnx_eval import ENCODINGS, QDQ_ONNX, OnnxLM
@@ -29,7 +28,7 @@ from aimet_quadapter.quadapter.phase1 import Phase1Parameters
 from aimet_quadapter.quadapter.phase2 import Phase2Parameters
 from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
 from aimet_quadapter.quant.policy import build_sim, calibrate
-from aimet_quadapter.quant.quantizers import quantizers
+from aimet_quadapter.quant.quantizers import quantizers, shared_activation_groups
 from aimet_quadapter.testing import sample_corpus, toy_model
 
 quiet_libraries()
@@ -115,7 +114,7 @@ def test_export_after_quadapter(toy, tmp_path, request):
     result = apply_quadapter(sim, model, toy["calib"], toy["train"], params, progress=False)
     path = result.state.save(tmp_path / "quadapter.safetensors")
     rebuilt = QuadapterState.load(path).build_sim(model)  # what the CLI exports
-    shared = shared_activation_groups(rebuilt)
+    shared = shared_activation_groups(rebuilt.model)
     if toy["family"] == "llama":
         # q/k/v (and gate/up) read one tensor; phase 2 learned each its own range: not one integer tensor
         assert shared

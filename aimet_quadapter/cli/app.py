@@ -231,6 +231,50 @@ def _cmd_describe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sensitivity(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from aimet_quadapter.experiments.data import batches, holdout_seed, load_text, random_crops, tokenize
+    from aimet_quadapter.models import load_model
+    from aimet_quadapter.models.loading import check_length, max_positions
+    from aimet_quadapter.quadapter.phase2 import lm_loss, mean_lm_loss
+    from aimet_quadapter.quant.config import QuantPolicy
+    from aimet_quadapter.quant.mixed_precision import bit_sensitivity, quantizer_kinds
+    from aimet_quadapter.quant.policy import build_sim, calibrate
+
+    given = {k.split(".", 1)[1]: v for k, v in _section_overrides(args).items() if k.startswith("policy.")}
+    policy = QuantPolicy(**given)
+    defaults = _calibration_defaults()
+    samples = defaults["samples"] if args.calib_samples is None else args.calib_samples
+    length = defaults["length"] if args.calib_len is None else args.calib_len
+    seed = defaults["seed"] if args.seed is None else args.seed
+    for name, value in (("--calib-samples", samples), ("--calib-len", length), ("--held-out", args.held_out)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise QuadapterError(f"{name} must be a positive integer, got {value!r}")
+    check_length(max_positions(args.model), length, "--calib-len")
+    text = load_text(args.calib_dataset, "train")  # a bad dataset is refused before the model loads
+    model, tokenizer = load_model(args.model, quiet=True, device=args.device)
+    model.check_length(length, "--calib-len")  # a hub model's limit is known only now
+    ids = tokenize(tokenizer, text)
+    calib = batches(random_crops(ids, samples, length, seed), 1)
+    held_out = batches(random_crops(ids, args.held_out, length, holdout_seed(seed)), 1)
+    fp_loss = mean_lm_loss(model, held_out)
+    sim = build_sim(model, policy, in_place=True)  # the FP model is not used again
+    calibrate(sim, calib)
+    bar = tqdm(total=len(quantizer_kinds(sim.model)), desc="kinds", disable=args.no_progress, leave=False)
+    base, rows = bit_sensitivity(sim.model, held_out, lm_loss, fp_loss, args.bits, progress=lambda _: bar.update())
+    bar.close()
+    print(f"held-out LM loss ({args.held_out} x {length} tokens of {args.calib_dataset} train, not calibrated on):")
+    print(f"  FP32 {fp_loss:.4f}; {policy.label()} {base:.4f}")
+    width = max(len(r.kind) for r in rows)
+    print(f"{'kind at ' + str(args.bits) + ' bits':<{width}}  quantizers  loss    recovered")
+    for r in rows:
+        print(f"{r.kind:<{width}}  {r.quantizers:>10}  {r.loss:.4f}  {r.recovered:>8.1%}")
+    if rows and rows[0].recovered > 0:
+        print(f"\nmost sensitive: --policy-bit-overrides '[\"{rows[0].kind}={args.bits}\"]'")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="aimet-quadapter",
@@ -282,6 +326,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calibration_options(p)
     _add_section_options(p, *_sections()[0])
     p.set_defaults(func=_cmd_describe)
+
+    p = sub.add_parser(
+        "sensitivity",
+        help="which kind of quantizer costs most: each given more bits in turn (choosing bit_overrides)",
+        description="Calibrates the sim on --calib-dataset's train split, then gives each kind of quantizer "
+        "(one role across the layers, e.g. every down_proj input) --bits alone and reports the LM loss on "
+        "held-out crops of the same text, most sensitive first.",
+    )
+    _add_model_option(p)
+    p.add_argument("--calib-dataset", required=True, help="dataset whose train split calibrates and is scored")
+    p.add_argument("--bits", type=int, choices=range(2, 17), default=16, metavar="2..16", help="(default 16)")
+    p.add_argument("--held-out", type=_yaml_value, default=4, help="held-out crops scored (default 4)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_device_option(p)
+    _add_calibration_options(p)
+    _add_section_options(p, *_sections()[0])
+    p.set_defaults(func=_cmd_sensitivity)
 
     p = sub.add_parser("run", help="run a recipe: methods x F-ID sets, each evaluated on every eval dataset")
     p.add_argument("recipe", help="recipe YAML file (see recipes/)")

@@ -59,7 +59,7 @@ from aimet_quadapter.memory import release_freed_memory
 from aimet_quadapter.models import device_of
 from aimet_quadapter.quant.aimet_adapter import onnx_weights_outside_the_graph
 from aimet_quadapter.quant.policy import sim_policy
-from aimet_quadapter.quant.quantizers import DynamicRanges, fast_inference, quantizers, quantizers_in
+from aimet_quadapter.quant.quantizers import fast_inference, quantizers, shared_activation_groups
 
 ENCODING_VERSIONS = ("1.0.0", "2.0.0")
 QDQ_OPSET = 21  # QuantizeLinear/DequantizeLinear with per-axis and 4/16-bit types; what AIMET recommends
@@ -168,36 +168,6 @@ def _check_calibrated(sim: QuantizationSimModel) -> int:
     return sum(1 for _ in quantizers(sim.model))
 
 
-def shared_activation_groups(sim: QuantizationSimModel, seq_len: int = 8) -> list[list[str]]:
-    """Activation quantizers that quantize one and the same tensor, e.g. the inputs of q, k and v.
-
-    Found by one forward pass: each activation quantizer records the tensor object it is called with.
-    Works on an uncalibrated sim too, e.g. to give such a group one shared quantizer before training.
-    """
-    calls: dict[int, tuple[torch.Tensor, list[str]]] = {}
-    handles = []
-
-    def recorder(key: str):
-        def pre_hook(module, args):
-            # keeping the tensor in `calls` keeps it alive, so its id cannot be reused by another tensor
-            calls.setdefault(id(args[0]), (args[0], []))[1].append(key)
-
-        return pre_hook
-
-    for path, role, q in quantizers(sim.model):
-        if role.startswith(("input", "output")):
-            handles.append(q.register_forward_pre_hook(recorder(f"{path}.{role}")))
-    device = device_of(sim.model)
-    try:
-        # in dynamic mode an uncalibrated sim runs too; every quantizer's state is put back afterwards
-        with torch.no_grad(), DynamicRanges(quantizers_in([sim.model])):
-            sim.model(torch.zeros((1, seq_len), dtype=torch.long, device=device))
-    finally:
-        for handle in handles:
-            handle.remove()
-    return [keys for _, keys in calls.values() if len(keys) > 1]
-
-
 def _encoding_key(q) -> tuple:
     return (
         int(q.bitwidth),
@@ -218,7 +188,7 @@ def reconcile_shared_ranges(sim: QuantizationSimModel, merge: bool = False) -> l
     """
     found = {f"{path}.{role}": q for path, role, q in quantizers(sim.model)}
     conflicts: list[dict[str, Any]] = []
-    for keys in shared_activation_groups(sim):
+    for keys in shared_activation_groups(sim.model):
         group = [found[k] for k in keys]
         if len({_encoding_key(q) for q in group}) == 1:
             continue
@@ -688,6 +658,5 @@ __all__ = [
     "check_quantizer_coverage",
     "export_quantized",
     "reconcile_shared_ranges",
-    "shared_activation_groups",
     "verify_export",
 ]

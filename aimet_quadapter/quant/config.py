@@ -37,12 +37,37 @@ class QuantPolicy:
         help="how compute_encodings sets ranges: min_max (alias tf), tf_enhanced (SQNR) or percentile",
     )
     percentile: float = setting(99.99, ge=50, le=100, help="the kept share of values under 'percentile', in %")
+    # Mixed precision, as these targets fall back for the few tensors 8 bits cannot hold (e.g. 16-bit inputs
+    # of a Llama's down_proj). Patterns match quantizer names as `describe` prints them.
+    bit_overrides: tuple[str, ...] = setting(
+        (),
+        help="PATTERN=BITS entries: the quantizers whose name matches PATTERN (wildcards * and ?) get BITS "
+        "(e.g. '*.mlp.down_proj.input*=16'); a later entry wins; a tensor read by several layers takes "
+        "the bits of any of its readers",
+    )
 
     def __post_init__(self):
+        # JSON and YAML give lists; a frozen policy keeps a tuple (hashable, as its other fields)
+        overrides = self.bit_overrides
+        object.__setattr__(self, "bit_overrides", (overrides,) if isinstance(overrides, str) else tuple(overrides))
         check_fields(self, "policy")
         for name in ("weight_bits", "activation_bits"):
             if not isinstance(getattr(self, name), int):
                 raise QuadapterError(f"policy.{name} must be an integer, got {getattr(self, name)!r}")
+        self.overrides()
+
+    def overrides(self) -> list[tuple[str, int]]:
+        """``bit_overrides`` as (pattern, bits) pairs, in order; a malformed entry is refused by its index."""
+        pairs = []
+        for i, entry in enumerate(self.bit_overrides):
+            pattern, sep, bits = str(entry).rpartition("=")
+            where = f"policy.bit_overrides[{i}]"
+            if not sep or not pattern.strip():
+                raise QuadapterError(f"{where}: {entry!r} is not PATTERN=BITS (e.g. '*.mlp.down_proj.input*=16')")
+            if not bits.strip().isdigit() or not 2 <= int(bits) <= 16:
+                raise QuadapterError(f"{where}: bits must be an integer from 2 to 16, got {bits.strip()!r}")
+            pairs.append((pattern.strip(), int(bits)))
+        return pairs
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -50,7 +75,8 @@ class QuantPolicy:
     def label(self) -> str:
         gran = "per-channel" if self.per_channel_weights else "per-tensor"
         sym = "symmetric" if self.symmetric_weights else "asymmetric"
-        return f"W{self.weight_bits}A{self.activation_bits} ({sym} {gran} weights, asymmetric activations)"
+        label = f"W{self.weight_bits}A{self.activation_bits} ({sym} {gran} weights, asymmetric activations)"
+        return label + "".join(f", {bits} bits at {pattern}" for pattern, bits in self.overrides())
 
 
 @dataclass

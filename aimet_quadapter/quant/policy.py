@@ -13,6 +13,7 @@ quantization), so the sim is built with AIMET's defaults and every quantizer is 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,9 +30,10 @@ from aimet_torch.quantization.encoding_analyzer import (
 from aimet_torch.quantsim import QuantizationSimModel
 from torch import nn
 
+from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import PreparedLM, device_of
 from aimet_quadapter.quant.config import QUANT_SCHEMES, QuantPolicy
-from aimet_quadapter.quant.quantizers import quantizers
+from aimet_quadapter.quant.quantizers import quantizers, shared_activation_groups
 
 
 def aimet_quant_scheme(policy: QuantPolicy) -> QuantScheme:
@@ -94,6 +96,42 @@ def apply_policy(sim_model: nn.Module, policy: QuantPolicy, logits_module: nn.Mo
                 qm.param_quantizers[name] = _weight_quantizer(module, policy) if quantize else None
 
 
+def name_matches(name: str, pattern: str) -> bool:
+    """``*`` (any text) and ``?`` (one character) wildcards, everything else literal: quantizer names hold
+    brackets (``input[0]``) that fnmatch would read as a character class."""
+    return re.fullmatch(re.escape(pattern).replace(r"\*", ".*").replace(r"\?", "."), name) is not None
+
+
+def apply_bit_overrides(sim_model: nn.Module, policy: QuantPolicy) -> dict[str, int]:
+    """Give the quantizers ``policy.bit_overrides`` names their bit-width (in place, before calibration).
+
+    On a device a tensor read by several layers (the input of q, k and v) is one quantized tensor: an
+    override that names one of its readers applies to all of them, so that it keeps one encoding.
+    Returns the bit-width of every quantizer an override reached. A pattern that matches nothing is an error.
+    """
+    pairs = policy.overrides()
+    if not pairs:
+        return {}
+    found = {f"{path}.{role}": q for path, role, q in quantizers(sim_model)}
+    bits: dict[str, int] = {}
+    for i, (pattern, width) in enumerate(pairs):
+        hits = [key for key in found if name_matches(key, pattern)]
+        if not hits:
+            example = next((k for k in found if ".input" in k), next(iter(found), ""))
+            raise QuadapterError(
+                f"policy.bit_overrides[{i}]: {pattern!r} matches no quantizer of this model (names look like "
+                f"{example!r}; `aimet-quadapter describe` lists them)"
+            )
+        bits.update(dict.fromkeys(hits, width))
+    for group in shared_activation_groups(sim_model):
+        widths = {bits[k] for k in group if k in bits}
+        if widths:
+            bits.update(dict.fromkeys(group, max(widths)))
+    for key, width in bits.items():
+        found[key].bitwidth = width
+    return bits
+
+
 def build_sim(
     model: PreparedLM, policy: QuantPolicy = QuantPolicy(), seq_len: int = 16, in_place: bool = False
 ) -> QuantizationSimModel:
@@ -110,6 +148,7 @@ def build_sim(
     )
     logits = sim.model.get_submodule(f"lm.{model.arch.lm_head}")
     apply_policy(sim.model, policy, logits_module=logits)
+    apply_bit_overrides(sim.model, policy)
     sim.model.to(dummy.device)  # the policy's quantizers are made on the CPU; AIMET placed its own already
     sim.quadapter_policy = policy  # so that a saved state can rebuild the same sim
     sim.model.eval()

@@ -1,4 +1,5 @@
-"""Operations on the AIMET quantizers of a sim: enumerate, dynamic mode, learnable ranges, fast eval."""
+"""Operations on the AIMET quantizers of a sim: enumerate, dynamic mode, learnable ranges, fast eval, the
+quantizers that share a tensor."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from aimet_torch.quantization.affine import QuantizeDequantize
 from torch import nn
 
+from aimet_quadapter.models import device_of
 from aimet_quadapter.quant.aimet_adapter import precomputed_encodings, qtensor_casting
 
 
@@ -297,3 +299,33 @@ def gathered_embedding_quantization(sim_model: nn.Module) -> Iterator[None]:
         for module, q, handle in saved:
             handle.remove()
             module.param_quantizers["weight"] = q
+
+
+def shared_activation_groups(sim_model: nn.Module, seq_len: int = 8) -> list[list[str]]:
+    """Activation quantizers that quantize one and the same tensor, e.g. the inputs of q, k and v.
+
+    Found by one forward pass: each activation quantizer records the tensor object it is called with.
+    Works on an uncalibrated sim too, e.g. to give such a group one shared quantizer before training.
+    """
+    calls: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    handles = []
+
+    def recorder(key: str):
+        def pre_hook(module, args):
+            # keeping the tensor in `calls` keeps it alive, so its id cannot be reused by another tensor
+            calls.setdefault(id(args[0]), (args[0], []))[1].append(key)
+
+        return pre_hook
+
+    for path, role, q in quantizers(sim_model):
+        if role.startswith(("input", "output")):
+            handles.append(q.register_forward_pre_hook(recorder(f"{path}.{role}")))
+    device = device_of(sim_model)
+    try:
+        # in dynamic mode an uncalibrated sim runs too; every quantizer's state is put back afterwards
+        with torch.no_grad(), DynamicRanges(quantizers_in([sim_model])):
+            sim_model(torch.zeros((1, seq_len), dtype=torch.long, device=device))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [keys for _, keys in calls.values() if len(keys) > 1]
