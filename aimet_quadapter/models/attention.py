@@ -35,7 +35,10 @@ def quantizable_attention(
         value = value.repeat_interleave(groups, dim=1)
     scores = module.qk_matmul(query, key.transpose(-1, -2)) * scaling
     if attention_mask is not None:
-        scores = scores + attention_mask[..., : key.shape[-2]]
+        mask = attention_mask[..., : key.shape[-2]]
+        fill = getattr(module, "mask_fill", None)  # a finite value for masked scores: see set_mask_fill
+        masked = mask <= torch.finfo(mask.dtype).min / 2
+        scores = scores + mask if fill is None else scores.masked_fill(masked, fill)
     probs = module.softmax(scores.float()).to(value.dtype)
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
     out = module.av_matmul(probs, value)
@@ -49,6 +52,19 @@ def attach_attention_modules(attention: nn.Module) -> None:
     attention.qk_matmul = MatMul()
     attention.av_matmul = MatMul()
     attention.softmax = nn.Softmax(dim=-1)
+
+
+def set_mask_fill(model: nn.Module, value: float | None) -> None:
+    """Give the masked attention scores the finite ``value`` instead of adding the dtype's minimum.
+
+    Where the softmax input is quantized (every op output, as on a device), its range would reach
+    -3.4e38 and every real score would round to one value. A device graph takes the mask as a finite
+    value for this reason. With ``value`` far enough below the real scores, the softmax is unchanged
+    (a masked entry weighs exp(value - row max)); ``None`` adds the mask as transformers does.
+    """
+    for module in model.modules():
+        if hasattr(module, "qk_matmul") and hasattr(module, "softmax"):
+            module.mask_fill = value  # type: ignore[assignment]  # a plain attribute, not a submodule or buffer
 
 
 def use_quantizable_attention(hf_model: Any, attention_cls: type[nn.Module]) -> None:

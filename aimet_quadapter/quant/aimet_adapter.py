@@ -67,3 +67,21 @@ def onnx_weights_outside_the_graph() -> Iterator[None]:
         yield
     finally:
         aimet_onnx_export.export = original
+
+
+# The Hexagon (HTP) generation whose quantsim config the `htp` target uses: AIMET ships one per generation.
+HTP_VERSION = "v75"
+
+
+def htp_config_file(version: str = HTP_VERSION) -> str:
+    """The path of AIMET's own HTP quantsim config (package data, not an API: it may move between releases)."""
+    import aimet_torch
+
+    path = os.path.join(
+        os.path.dirname(aimet_torch.__file__), "common", "quantsim_config", f"htp_quantsim_config_{version}.json"
+    )
+    if not os.path.isfile(path):
+        from aimet_quadapter.errors import QuadapterError
+
+        raise QuadapterError(f"AIMET's HTP config {path} is missing: this aimet-torch does not ship HTP {version}")
+    return path

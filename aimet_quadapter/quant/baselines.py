@@ -21,9 +21,10 @@ from torch import nn
 
 from aimet_quadapter import distributed
 from aimet_quadapter.models import PreparedLM, device_of
-from aimet_quadapter.quant.aimet_adapter import seq_mse_bitwidth_limit
+from aimet_quadapter.models.attention import set_mask_fill
+from aimet_quadapter.quant.aimet_adapter import htp_config_file, seq_mse_bitwidth_limit
 from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
-from aimet_quadapter.quant.policy import aimet_quant_scheme, calibrate, sim_policy
+from aimet_quadapter.quant.policy import HTP_MASK_FILL, aimet_quant_scheme, calibrate, sim_policy
 
 
 def _forward(model: nn.Module, batch: torch.Tensor):
@@ -81,8 +82,11 @@ def apply_adaround(
     with tempfile.TemporaryDirectory() as tmp:
         # AIMET writes the encodings file; each process (torchrun) writes its own, the first one keeps a copy.
         folder = Path(tmp)
-        config = folder / "quantsim_config.json"
-        config.write_text(json.dumps(aimet_config(policy)))
+        if policy.target == "htp":  # AdaRound's sim places its weight quantizers as the target's sim does
+            config = Path(htp_config_file())
+        else:
+            config = folder / "quantsim_config.json"
+            config.write_text(json.dumps(aimet_config(policy)))
         ada_params = AdaroundParameters(
             data_loader=batches,
             num_batches=min(params.adaround_batches or len(batches), len(batches)),
@@ -91,16 +95,21 @@ def apply_adaround(
             forward_fn=_forward,
         )
         dummy = torch.zeros((1, 16), dtype=torch.long, device=device_of(fp_model))
-        rounded = Adaround.apply_adaround(
-            fp_model,
-            dummy,
-            ada_params,
-            path=str(folder),
-            filename_prefix="adaround",
-            default_param_bw=policy.weight_bits,
-            default_quant_scheme=aimet_quant_scheme(policy),
-            default_config_file=str(config),
-        )
+        if policy.target == "htp":  # AIMET quantizes the softmax input of its own sim of the FP model too
+            set_mask_fill(fp_model, HTP_MASK_FILL)
+        try:
+            rounded = Adaround.apply_adaround(
+                fp_model,
+                dummy,
+                ada_params,
+                path=str(folder),
+                filename_prefix="adaround",
+                default_param_bw=policy.weight_bits,
+                default_quant_scheme=aimet_quant_scheme(policy),
+                default_config_file=str(config),
+            )
+        finally:
+            set_mask_fill(fp_model, None)
         encodings = folder / "adaround.encodings"
         frozen = len(json.loads(encodings.read_text())["param_encodings"])
         if out_dir is not None and distributed.is_main():

@@ -6,7 +6,7 @@ before AIMET is imported.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.settings import check_fields, setting
@@ -20,10 +20,26 @@ QUANT_SCHEMES: dict[str, str] = {
 }
 
 
+# target -> what it places; `paper` is the placement of the paper's tables, `htp` what a Qualcomm HTP graph quantizes
+TARGETS: dict[str, str] = {
+    "paper": "inputs of every Linear and attention matmul, asymmetric per-tensor weights",
+    "htp": "AIMET's HTP quantsim config: every op output, symmetric per-channel Linear weights",
+}
+
+
+_PAPER_ONLY = ("per_channel_weights", "symmetric_weights", "quantize_norm_weights", "quantize_logits")
+
+
 @dataclass(frozen=True)
 class QuantPolicy:
     """Which tensors are quantized, to how many bits, and how their ranges are set. Defaults: the paper's W8A8."""
 
+    target: str = setting(
+        "paper",
+        choices=tuple(TARGETS),
+        help="where quantizers sit: paper (the inputs of every Linear and attention matmul) or htp "
+        "(AIMET's own HTP config: every op output, as the device quantizes)",
+    )
     weight_bits: int = setting(8, ge=2, le=16, help="weight bit-width")
     activation_bits: int = setting(8, ge=2, le=16, help="activation bit-width")
     per_channel_weights: bool = setting(False, help="per-output-channel weight ranges")
@@ -55,6 +71,14 @@ class QuantPolicy:
             if not isinstance(getattr(self, name), int):
                 raise QuadapterError(f"policy.{name} must be an integer, got {getattr(self, name)!r}")
         self.overrides()
+        if self.target != "paper":
+            # these four place quantizers the paper's way; under another target its config decides
+            changed = [f.name for f in fields(self) if f.name in _PAPER_ONLY and getattr(self, f.name) != f.default]
+            if changed:
+                raise QuadapterError(
+                    f"policy.{changed[0]} applies to target 'paper' only: under target {self.target!r} AIMET's "
+                    f"config places the quantizers (use bit_overrides for bit-widths)"
+                )
 
     def overrides(self) -> list[tuple[str, int]]:
         """``bit_overrides`` as (pattern, bits) pairs, in order; a malformed entry is refused by its index."""
@@ -73,6 +97,9 @@ class QuantPolicy:
         return asdict(self)
 
     def label(self) -> str:
+        if self.target != "paper":
+            label = f"W{self.weight_bits}A{self.activation_bits} under target {self.target} ({TARGETS[self.target]})"
+            return label + "".join(f", {bits} bits at {pattern}" for pattern, bits in self.overrides())
         gran = "per-channel" if self.per_channel_weights else "per-tensor"
         sym = "symmetric" if self.symmetric_weights else "asymmetric"
         label = f"W{self.weight_bits}A{self.activation_bits} ({sym} {gran} weights, asymmetric activations)"

@@ -9,6 +9,10 @@ on their own: each reaches the next quantizer as that layer's input, so no tenso
 
 AIMET's JSON config cannot say "inputs of Linear and MatMul only" (its validator insists on output
 quantization), so the sim is built with AIMET's defaults and every quantizer is then set here.
+
+The ``htp`` target is what a Qualcomm HTP graph quantizes instead: AIMET's own HTP quantsim config places
+the quantizers (every op output, symmetric per-channel Linear weights); this module only removes the
+second quantizer AIMET puts on a tensor that is already quantized, and makes the attention mask finite.
 """
 
 from __future__ import annotations
@@ -32,8 +36,14 @@ from torch import nn
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import PreparedLM, device_of
+from aimet_quadapter.models.attention import set_mask_fill
+from aimet_quadapter.quant.aimet_adapter import htp_config_file
 from aimet_quadapter.quant.config import QUANT_SCHEMES, QuantPolicy
-from aimet_quadapter.quant.quantizers import quantizers, shared_activation_groups
+from aimet_quadapter.quant.quantizers import DynamicRanges, quantizers, quantizers_in, shared_activation_groups
+
+# The value masked attention scores take under the htp target, where the softmax input is quantized: far
+# enough below real scores that the softmax does not change, near enough that 8 bits still resolve them.
+HTP_MASK_FILL = -50.0
 
 
 def aimet_quant_scheme(policy: QuantPolicy) -> QuantScheme:
@@ -96,6 +106,51 @@ def apply_policy(sim_model: nn.Module, policy: QuantPolicy, logits_module: nn.Mo
                 qm.param_quantizers[name] = _weight_quantizer(module, policy) if quantize else None
 
 
+def drop_requantization(sim_model: nn.Module, seq_len: int = 8) -> list[str]:
+    """Remove every input quantizer whose input is already the output of a quantizer (in place).
+
+    AIMET's placement quantizes a norm's output and again the inputs of q, k and v that read it; a device
+    graph holds that tensor once, with one encoding. Found by one forward pass (tensor identity), so a
+    tensor reshaped or rotated on its way (RoPE) keeps its quantizer: on the device that op's output is
+    quantized too. Returns the names of the removed quantizers.
+    """
+    produced: set[int] = set()
+    keep_alive: list[torch.Tensor] = []  # an id stays unique while its tensor lives
+    doubled: list[tuple[Any, int, str]] = []
+    handles = []
+
+    def after(_q, _args, out):
+        produced.add(id(out))
+        keep_alive.append(out)
+
+    def before(module, index, key):
+        def hook(_q, args):
+            if id(args[0]) in produced:
+                doubled.append((module, index, key))
+
+        return hook
+
+    for path, module in sim_model.named_modules():
+        if not hasattr(module, "param_quantizers"):
+            continue
+        qm: Any = module  # an AIMET quantized module: its quantizer containers are not typed
+        for q in [*qm.output_quantizers, *qm.param_quantizers.values()]:
+            if q is not None:
+                handles.append(q.register_forward_hook(after))
+        for i, q in enumerate(qm.input_quantizers):
+            if q is not None:
+                handles.append(q.register_forward_pre_hook(before(qm, i, f"{path}.input[{i}]")))
+    try:
+        with torch.no_grad(), DynamicRanges(quantizers_in([sim_model])):
+            sim_model(torch.zeros((1, seq_len), dtype=torch.long, device=device_of(sim_model)))
+    finally:
+        for handle in handles:
+            handle.remove()
+    for module, index, _ in doubled:
+        module.input_quantizers[index] = None
+    return [key for _, _, key in doubled]
+
+
 def name_matches(name: str, pattern: str) -> bool:
     """``*`` (any text) and ``?`` (one character) wildcards, everything else literal: quantizer names hold
     brackets (``input[0]``) that fnmatch would read as a character class."""
@@ -145,9 +200,16 @@ def build_sim(
         quant_scheme=aimet_quant_scheme(policy),
         default_output_bw=policy.activation_bits,
         default_param_bw=policy.weight_bits,
+        config_file=htp_config_file() if policy.target == "htp" else None,
     )
-    logits = sim.model.get_submodule(f"lm.{model.arch.lm_head}")
-    apply_policy(sim.model, policy, logits_module=logits)
+    if policy.target == "htp":
+        set_mask_fill(sim.model, HTP_MASK_FILL)
+        if policy.quant_scheme == "percentile":
+            sim.set_percentile_value(policy.percentile)
+        drop_requantization(sim.model)
+    else:
+        logits = sim.model.get_submodule(f"lm.{model.arch.lm_head}")
+        apply_policy(sim.model, policy, logits_module=logits)
     apply_bit_overrides(sim.model, policy)
     sim.model.to(dummy.device)  # the policy's quantizers are made on the CPU; AIMET placed its own already
     sim.quadapter_policy = policy  # so that a saved state can rebuild the same sim

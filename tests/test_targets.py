@@ -1,0 +1,136 @@
+"""The `htp` target: AIMET's own HTP quantsim config, one quantizer per tensor, a finite attention mask, and every
+method (and the export) running under it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from aimet_quadapter.cli import main
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.export.exporter import export_quantized
+from aimet_quadapter.export.onnx_eval import ENCODINGS, read_encodings
+from aimet_quadapter.models.attention import set_mask_fill
+from aimet_quadapter.quadapter.api import QuadapterParameters, apply_cle, apply_quadapter
+from aimet_quadapter.quadapter.phase1 import Phase1Parameters
+from aimet_quadapter.quadapter.phase2 import Phase2Parameters, lm_loss
+from aimet_quadapter.quadapter.state import QuadapterState
+from aimet_quadapter.quant.config import QuantPolicy
+from aimet_quadapter.quant.policy import HTP_MASK_FILL, build_sim, calibrate, describe, drop_requantization
+from aimet_quadapter.quant.quantizers import shared_activation_groups
+from aimet_quadapter.testing import sample_corpus, toy_model
+
+SEQ = 32
+HTP = QuantPolicy(target="htp")
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def toy(request):
+    model = toy_model(request.param)
+    corpus = sample_corpus(model, 10, SEQ, seed=1)
+    return request.param, model, [corpus[:2], corpus[2:4]], [corpus[4:6]], corpus[8:]
+
+
+def _loss(model, batch) -> float:
+    with torch.no_grad():
+        return float(lm_loss(model, batch))
+
+
+def test_htp_places_quantizers_as_the_config_says_with_one_per_tensor(toy):
+    _, model, _, _, _ = toy
+    sim = build_sim(model, HTP)
+    rows = {r["tensor"]: r for r in describe(sim.model)}
+    linears = [name[: -len(".weight")] for name, r in rows.items() if name.endswith("proj.weight") or "c_" in name]
+    linears = [n for n in linears if n + ".weight" in rows and rows[n + ".weight"]["granularity"] != "per-tensor"]
+    assert linears  # the config's Gemm entry: symmetric per-channel weights for every Linear
+    for name in linears:
+        assert rows[name + ".weight"]["symmetric"] and f"{name}.output[0]" in rows
+    # outputs of norms and softmax are quantized, as every op output is on the device
+    assert any(n.endswith("layernorm.output[0]") or n.endswith("ln_1.output[0]") for n in rows)
+    assert any(n.endswith("softmax.output[0]") for n in rows)
+    # no tensor is quantized twice: the readers of a quantized output keep no input quantizer of their own
+    assert drop_requantization(sim.model) == []
+    assert shared_activation_groups(sim.model) == []
+
+
+def test_the_finite_mask_keeps_the_fp_function(toy):
+    _, model, _, _, held_out = toy
+    with torch.no_grad():
+        reference = model(held_out)
+        set_mask_fill(model, HTP_MASK_FILL)
+        try:
+            filled = model(held_out)
+        finally:
+            set_mask_fill(model, None)
+    assert torch.allclose(filled, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_the_softmax_input_range_stays_finite(toy):
+    """With the dtype's minimum as the mask, the softmax input's range reaches -3.4e38 and attention is lost."""
+    _, model, calib, _, _ = toy
+    sim = build_sim(model, HTP)
+    calibrate(sim, calib)
+    lows = [r["min"] for r in describe(sim.model) if r["tensor"].endswith("softmax.input[0]")]
+    assert lows and all(HTP_MASK_FILL - 1 <= low < 0 for low in lows)
+
+
+def test_every_method_runs_under_htp_and_quadapter_recovers_the_planted_outliers(toy, tmp_path):
+    family, model, calib, train, held_out = toy
+    fp = _loss(model, held_out)
+    ptq = build_sim(model, HTP)
+    calibrate(ptq, calib)
+    ptq_loss = _loss(ptq.model, held_out)
+    assert ptq_loss - fp > 0.5  # the planted outliers hurt under this target too
+    cle = build_sim(model, HTP)
+    apply_cle(cle, model, calib)
+    calibrate(cle, calib)
+    sim = build_sim(model, HTP)
+    params = QuadapterParameters(phase1=Phase1Parameters(steps=8), phase2=Phase2Parameters(steps=2))
+    result = apply_quadapter(sim, model, calib, train, params, progress=False)
+    for tuned in (cle.model, sim.model):
+        assert _loss(tuned, held_out) - fp < 0.5 * (ptq_loss - fp)
+    # the trained state rebuilds under the same target, exports as it is and passes the verification
+    path = result.state.save(tmp_path / "htp.safetensors")
+    rebuilt = QuadapterState.load(path).build_sim(model)
+    assert rebuilt.quadapter_policy.target == "htp"
+    assert _loss(rebuilt.model, held_out) == pytest.approx(_loss(sim.model, held_out), rel=1e-6)
+    out = tmp_path / "e"
+    export = export_quantized(rebuilt, out, SEQ, verify_windows=list(held_out))
+    entries = read_encodings(json.loads((out / ENCODINGS).read_text()))
+    assert export.verification.quantizers == len(describe(rebuilt.model)) <= len(entries)
+
+
+def test_paper_only_fields_are_refused_under_htp(tiny_gpt2_dir, capsys):
+    with pytest.raises(QuadapterError, match="per_channel_weights applies to target 'paper' only"):
+        QuantPolicy(target="htp", per_channel_weights=True)
+    argv = ["describe", "--model", str(tiny_gpt2_dir), "--policy-target", "htp", "--no-policy-quantize-norm-weights"]
+    assert main(argv) == 2
+    assert "quantize_norm_weights" in capsys.readouterr().err
+    assert main(["describe", "--model", str(tiny_gpt2_dir), "--policy-target", "htp"]) == 0
+    out = capsys.readouterr().out
+    assert "ln_1.output[0]" in out and "per-channel" in out
+
+
+def test_every_registered_method_runs_under_htp(tmp_path):
+    """AIMET's own techniques too: AdaRound rounds into the target's per-channel symmetric weight grids."""
+    from aimet_quadapter.experiments.methods import REGISTRY, MethodContext, run_method
+    from aimet_quadapter.quant.baselines import BaselineParameters, linear_weight_quantizers
+
+    model = toy_model("gpt2")
+    corpus = sample_corpus(model, 6, SEQ, seed=1)
+    held_out = corpus[4:]
+    params = QuadapterParameters(phase1=Phase1Parameters(steps=2), phase2=Phase2Parameters(steps=2, batch_size=2))
+    baselines = BaselineParameters(adaround_iterations=4, seq_mse_candidates=3)
+    for name in REGISTRY:
+        ctx = MethodContext(
+            model, HTP, [corpus[:1], corpus[1:2]], [corpus[2:4]], params, progress=False, baselines=baselines
+        )
+        sim = run_method(name, ctx)
+        with torch.no_grad():
+            logits = (sim.model if sim is not None and hasattr(sim, "model") else model)(held_out)
+        assert torch.isfinite(logits).all(), name
+        if name == "adaround":
+            for path, (_, q) in linear_weight_quantizers(sim.model).items():
+                assert q.symmetric and q.shape[0] > 1 and not q.is_overwrite_allowed(), path
