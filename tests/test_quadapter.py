@@ -653,3 +653,24 @@ def test_the_model_level_check_keeps_the_start_when_phase_1_makes_it_worse(setup
     apply_cle(cle, model, calib)
     with torch.no_grad():
         assert torch.equal(sim.model(train[0]), cle.model(train[0]))
+
+
+def test_the_model_level_check_keeps_the_best_point_on_the_way(setup):
+    """The start, phase 1's result and the points between them are scored on held-out text: the sim holds the
+    best of them, whichever it is."""
+    from aimet_quadapter.quadapter import api
+    from aimet_quadapter.quadapter.phase2 import mean_lm_loss
+
+    model, calib, train = setup["model"], setup["calib"], setup["train"]
+    sim = build_sim(model)
+    params = QuadapterParameters(phase1=Phase1Parameters(steps=6), phase2=Phase2Parameters(steps=0), init="cle")
+    result = api.apply_phase1(sim, model, calib, params, progress=False, validation_batches=train)
+    check = result.phase1.validation
+    assert set(check["points"]) == {"0", "0.25", "0.5", "0.75", "1"}
+    best = min(check["points"], key=check["points"].get)
+    assert check["kept"] == {"0": "start", "1": "end"}.get(best, best)
+    assert api._validation_loss(sim, train) == pytest.approx(check["points"][best], rel=1e-6)
+    # the saved state rebuilds that same sim
+    rebuilt = result.state.build_sim(model)
+    with torch.no_grad():
+        assert mean_lm_loss(rebuilt.model, train) == pytest.approx(check["points"][best], rel=1e-6)

@@ -311,3 +311,7 @@ def test_the_report_shows_the_phase1_check_to_the_decimal_that_decides_it():
 
     text = info_text({"validation_start": 4.343764, "validation_end": 4.341449, "validation_kept": "end"})
     assert "4.3438" in text and "4.3414" in text and "kept the end" in text
+    points = {"0": 4.343764, "0.5": 4.338123, "1": 4.341449}
+    text = info_text({"validation_start": 4.343764, "validation_end": 4.341449, "validation_kept": "0.5",
+                      "validation_points": points})  # fmt: skip
+    assert "kept the point 0.5 of the way (4.3381)" in text

@@ -147,9 +147,17 @@ def info_text(info: dict) -> str:
     if "validation_kept" in info:  # the two losses differ in the third decimal or later
         return (
             f"held-out LM loss {info['validation_start']:.4f} at the start, {info['validation_end']:.4f} after "
-            f"phase 1: kept the {info['validation_kept']}"
+            f"phase 1: kept {_kept(info)}"
         )
     return ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
+
+
+def _kept(info: dict) -> str:
+    kept = str(info["validation_kept"])
+    if kept in ("start", "end"):
+        return f"the {kept}"
+    loss = info.get("validation_points", {}).get(kept)
+    return f"the point {kept} of the way" + (f" ({loss:.4f})" if loss is not None else "")
 
 
 def timing_table(results: dict) -> str:

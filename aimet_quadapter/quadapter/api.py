@@ -74,6 +74,20 @@ def _fold_and_calibrate(
     calibrate(sim, calibration_batches)
 
 
+def _on_the_way(start: dict[str, torch.Tensor], end: dict[str, torch.Tensor], t: float) -> dict[str, torch.Tensor]:
+    """The alphas ``t`` of the way from ``start`` to ``end`` in log alpha (a site missing from one is at 1)."""
+    if t == 0.0:
+        return start
+    if t == 1.0:
+        return end
+    out = {}
+    for name in {*start, *end}:
+        like = start[name] if name in start else end[name]
+        a, b = start.get(name, torch.ones_like(like)), end.get(name, torch.ones_like(like))
+        out[name] = torch.exp((1 - t) * a.log() + t * b.log())
+    return out
+
+
 def _validation_loss(sim: QuantizationSimModel, batches: Sequence[torch.Tensor]) -> float:
     with fast_inference(sim.model):
         return mean_lm_loss(sim.model, batches)
@@ -93,8 +107,9 @@ def apply_quadapter(
     1. a Quadapter per site, alpha = 1 (or CLE's alpha); phase 1 block-wise calibration under dynamic
        quantization on ``calibration_batches``;
     2. static encodings with AIMET's ``compute_encodings`` on the same calibration data, through alpha;
-       with ``validation_batches`` (held-out text), phase 1's result is kept only if its LM loss there is
-       no worse than the start's, both with static ranges;
+       with ``validation_batches`` (held-out text), the start, phase 1's result and the points between them
+       (``phase1.check_points``, in log alpha) are scored there with static ranges, and the best is kept
+       (the start on a tie);
     3. phase 2 on ``finetune_batches``: alpha and quantizer ranges on the LM loss, weights frozen;
     4. fold alpha into the sim's weights. The sim then holds the final weights and encodings.
     """
@@ -136,12 +151,20 @@ def apply_phase1(
         if start_loss is not None and validation_batches:
             # Fold from the FP weights: the sim then holds exactly the weights a fresh sim of the folded FP
             # model holds, and static calibration and phase 2 start from the model that will be deployed.
-            _fold_and_calibrate(sim, fp_model, qset, kept, calibration_batches)
-            end_loss = _validation_loss(sim, validation_batches)
-            phase1.validation = {"start": start_loss, "end": end_loss, "kept": "end"}
-            if end_loss > start_loss:  # phase 1 made the model worse on held-out text: keep the start
-                phase1.validation["kept"] = "start"
-                kept = start
+            end = kept
+            losses = {0.0: start_loss}
+            for t in sorted({*params.phase1.check_points, 1.0}):
+                _fold_and_calibrate(sim, fp_model, qset, _on_the_way(start, end, t), calibration_batches)
+                losses[t] = _validation_loss(sim, validation_batches)
+            best = min(losses, key=lambda t: losses[t])  # the start wins a tie: never worse than the start
+            phase1.validation = {
+                "start": start_loss,
+                "end": losses[1.0],
+                "points": {f"{t:g}": loss for t, loss in losses.items()},
+                "kept": {0.0: "start", 1.0: "end"}.get(best, f"{best:g}"),
+            }
+            kept = _on_the_way(start, end, best)
+            if best != 1.0:
                 _fold_and_calibrate(sim, fp_model, qset, kept, calibration_batches)
     if phase1 is None or phase1.validation is None:
         _fold_and_calibrate(sim, fp_model, qset, kept, calibration_batches)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.settings import check_fields, setting
 
 
@@ -36,11 +37,22 @@ class Phase1Parameters:
     keep_start: tuple[str, ...] = setting(
         (), help="sites (fnmatch patterns of site names) left at their start alpha, in effect but not trained"
     )
+    # Each site is optimised alone, under dynamic ranges: the sum of those moves can overshoot for the static
+    # model. The held-out check also scores points on the way, and keeps the best of all.
+    check_points: tuple[float, ...] = setting(
+        (0.25, 0.5, 0.75),
+        help="with held-out text, these fractions of the way from the start to phase 1's alpha (in log alpha) "
+        "are scored too; the best of start, these and the end is kept",
+    )
     seed: int = setting(0, help="seed of the loss-token sample")
     checkpoint_dir: str | None = setting(None, help="folder of the checkpoint written after every site (resumable)")
 
     def __post_init__(self):
+        self.check_points = tuple(self.check_points)
         check_fields(self, "phase1")
+        for i, t in enumerate(self.check_points):
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1:
+                raise QuadapterError(f"phase1.check_points[{i}] must be a number between 0 and 1 (excluded), got {t!r}")
 
     @property
     def first_lr(self) -> float:
