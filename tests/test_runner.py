@@ -18,7 +18,9 @@ from conftest import hf_tiny
 
 import aimet_quadapter.experiments.methods as methods
 from aimet_quadapter.cli import main
+from aimet_quadapter.experiments.figures import perplexity_bars
 from aimet_quadapter.experiments.recipes import load_recipe
+from aimet_quadapter.experiments.report import ordered_rows
 from aimet_quadapter.experiments.runner import RecipeRun
 from aimet_quadapter.models import quiet_libraries
 
@@ -178,6 +180,15 @@ def test_run_then_report_end_to_end(base_run, world, capsys):
     assert _plain(quad[5]) == f"{cells['a/quadapter']['ppl']['b']:.2f}"
     for link in re.findall(r"\]\(([^)]+\.png)\)", report):
         assert (base_run / link).is_file(), link
+    assert "figures/perplexity.png" in report
+    labels, bars = perplexity_bars(results, ordered_rows(results))
+    assert labels == ["PTQ", "CLE", "Quadapter BC", "Quadapter\n(a)"]  # FP32 is the line the bars stand on
+    for column, ratios in bars.items():
+        expected = [
+            cells[k]["ppl"][column] / cells["fp"]["ppl"][column]
+            for k in ("calib:a/ptq", "calib:a/cle", "calib:a/quadapter_bc", "a/quadapter")
+        ]
+        assert ratios == pytest.approx(expected), column
 
 
 def test_rerun_recomputes_only_a_missing_cell(base_run, world, tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
-"""Figures of a whole run, drawn from its results.json: the data-size sweep (the paper's Fig. 3) and the
-FP / FP-fine-tuned comparison (its Fig. 6). Per-cell figures (Fig. 4, Fig. 5) are drawn by the methods."""
+"""Figures of a whole run, drawn from its results.json: every cell's perplexity against FP32, the data-size
+sweep (the paper's Fig. 3) and the FP / FP-fine-tuned comparison (its Fig. 6). Per-cell figures (Fig. 4,
+Fig. 5) are drawn by the methods."""
 
 from __future__ import annotations
 
@@ -20,6 +21,49 @@ COMPARISON = ("fp", "fp_finetuned", "qat", "quadapter_bc_qat", "quadapter")
 
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def perplexity_bars(results: dict, rows: list[dict]) -> tuple[list[str], dict[str, list[float]]]:
+    """The bars of :func:`plot_perplexities`: a label per quantized cell (``rows`` in table order, sweeps
+    left out) and, per eval dataset, each cell's perplexity / FP32's (NaN where either is missing)."""
+    columns = [d["label"] for d in results["datasets"]]
+    fp = next((r for r in rows if r["method"] == "fp"), None)
+    quantized = [r for r in rows if r["method"] != "fp" and not r.get("size")]
+    if fp is None:
+        return [], {}
+    labels = [r["label"] + ("" if r["group"].startswith("calib:") else f"\n({r['group']})") for r in quantized]
+    series = {}
+    for column in columns:
+        base = fp["ppl"].get(column)
+        series[column] = [
+            r["ppl"][column] / base if _finite(base) and _finite(r["ppl"].get(column)) else math.nan for r in quantized
+        ]
+    return labels, series
+
+
+def plot_perplexities(results: dict, rows: list[dict], path: Path) -> Path | None:
+    """One bar per cell and eval dataset: perplexity / FP32's, so that texts of different perplexity share
+    one axis; each bar is labelled with the perplexity itself."""
+    labels, series = perplexity_bars(results, rows)
+    if not labels or not any(math.isfinite(v) for values in series.values() for v in values):
+        return None
+    fp = next(r for r in rows if r["method"] == "fp")
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * len(labels) * max(len(series), 2) + 2), 3.8))
+    for j, (column, ratios) in enumerate(series.items()):
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(labels))]
+        bars = ax.bar(xs, [0.0 if math.isnan(v) else v for v in ratios], width, label=column)
+        for bar, ratio in zip(bars, ratios):
+            if math.isfinite(ratio):
+                x = bar.get_x() + bar.get_width() / 2
+                ax.annotate(f"{ratio * fp['ppl'][column]:.1f}", (x, ratio), ha="center", va="bottom", fontsize=7)
+    ax.axhline(1.0, ls="--", color="gray", lw=1, label="FP32")
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("perplexity / FP32's")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+    return save_figure(fig, Path(path))
 
 
 def plot_data_size(results: dict, path: Path) -> Path | None:

@@ -41,6 +41,7 @@ def plot_channel_ranges(
     """Per-channel min/max of an activation before and after Quadapter (Fig. 4); dotted: the tensor's range."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.2), sharey=False)
     for ax, (lo, hi), label in zip(axes, (before, after), ("before Quadapter", "after Quadapter")):
+        lo, hi = lo.cpu(), hi.cpu()
         x = range(len(lo))
         ax.plot(x, hi.numpy(), lw=0.8, color="tab:red", label="per-channel max")
         ax.plot(x, lo.numpy(), lw=0.8, color="tab:blue", label="per-channel min")

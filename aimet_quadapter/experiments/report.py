@@ -200,7 +200,7 @@ def _images(run_dir: Path, pattern: str) -> list[str]:
 
 
 def build_report(run_dir: str | Path) -> str:
-    from aimet_quadapter.experiments.figures import plot_data_size, plot_fp_comparison
+    from aimet_quadapter.experiments.figures import plot_data_size, plot_fp_comparison, plot_perplexities
 
     run_dir = Path(run_dir)
     results = load_results(run_dir)
@@ -216,9 +216,12 @@ def build_report(run_dir: str | Path) -> str:
         results_table(results),
         "",
     ]
+    figures = run_dir / "figures"
+    bars = plot_perplexities(results, ordered_rows(results), figures / "perplexity.png")
+    if bars:
+        parts += [f"![perplexity / FP32's]({bars.relative_to(run_dir).as_posix()})", ""]
     for fid, table in fid_food_tables(results):
         parts += [f"## F-ID / F-OOD averages, F-ID = {fid} (Table 2 layout)", "", table, ""]
-    figures = run_dir / "figures"
     sweep = plot_data_size(results, figures / "data_size.png")
     if sweep:
         parts += ["## Data-size sweep (Fig. 3)", "", f"![data-size sweep]({sweep.relative_to(run_dir).as_posix()})", ""]

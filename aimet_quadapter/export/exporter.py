@@ -563,9 +563,13 @@ def export_quantized(
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private (0700); the export folder is an ordinary one
+    # Traced and verified on the CPU, where onnxruntime runs: on CUDA, TorchScript's constant folding met
+    # CPU constants beside CUDA weights (Llama's rotary embedding), and the verification would measure
+    # CUDA-vs-CPU rounding on top of the export's own. The sim goes back to its device afterwards.
+    device = device_of(sim.model)
+    sim.model.to("cpu")
     try:
-        device = device_of(sim.model)
-        dummy = torch.zeros((1, seq_len), dtype=torch.long, device=device)
+        dummy = torch.zeros((1, seq_len), dtype=torch.long)
         common = {"input_names": [INPUT_NAME], "output_names": [OUTPUT_NAME], "dynamo": False}
         if dynamic_length:
             common["dynamic_axes"] = {INPUT_NAME: {1: "sequence"}, OUTPUT_NAME: {1: "sequence"}}
@@ -622,6 +626,14 @@ def export_quantized(
             "output": {"name": OUTPUT_NAME, "dtype": "float32", "shape": [1, length, vocab]},
             "opset": {FP_ONNX: _opset(tmp / FP_ONNX), QDQ_ONNX: _opset(tmp / QDQ_ONNX)},
             "files_role": {"fp_onnx": FP_ONNX, "encodings": ENCODINGS, "qdq_onnx": QDQ_ONNX},
+            # model_qdq.onnx keeps float weights behind QuantizeLinear/DequantizeLinear pairs, with AIMET's
+            # layout (a Transpose may sit between a weight's DequantizeLinear and its MatMul, which a device
+            # runtime need not fuse: aimet issue 4105); the device route is the FP graph plus the encodings
+            "files_use": {
+                FP_ONNX: "device: the FP graph for a converter (with model.encodings as quantization overrides)",
+                ENCODINGS: "device: the encodings of every quantized tensor",
+                QDQ_ONNX: "onnxruntime only: the quantized model as float QDQ, for `eval` and the verification",
+            },
             "files": files,
             "quantizers": n_quantizers,
             "shared_ranges_merged": merged,
@@ -642,6 +654,8 @@ def export_quantized(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        sim.model.to(device)
     paths = {name: out_dir / name for name in (FP_ONNX, ENCODINGS, QDQ_ONNX, MANIFEST)}
     return ExportResult(out_dir, manifest, report, paths)
 

@@ -29,7 +29,9 @@ def quantizable_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if scaling is None:
         scaling = query.size(-1) ** -0.5
-    groups = query.shape[1] // key.shape[1]
+    # Python ints: under the TorchScript trace of an export, shapes are CPU tensors, and a CPU repeat count
+    # cannot index CUDA tensors
+    groups = int(query.shape[1]) // int(key.shape[1])
     if groups > 1:  # grouped-query attention: every KV head serves `groups` query heads
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
