@@ -25,3 +25,10 @@ def check_new_folder(out_dir: Path, overwrite: bool) -> None:
 
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())) and not overwrite:
         raise QuadapterError(f"{out_dir} already exists: choose another --out, or pass --force to replace it")
+    existing = out_dir.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise QuadapterError(f"{out_dir} cannot be created: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise QuadapterError(f"{out_dir} cannot be created: {existing} is not writable")

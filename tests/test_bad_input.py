@@ -123,6 +123,10 @@ OTHER_CASES = {
         ["export", "{state}", "--model", "{model}", "--out", "{tmp}/e", "--seq-len", "100000"],
         "--seq-len 100000",
     ),
+    "export into a folder that cannot be made": (
+        ["export", "{state}", "--model", "{model}", "--out", "{blocked_out}"],
+        "a-file is a file, not a folder",
+    ),
     "report of an empty folder": (["report", "{tmp}"], "results.json"),
     "run into a folder that cannot be made": (["run", "{recipe}", "--out", "{blocked_out}"], "a-file"),
     "run with a --set typo": (["run", "{recipe}", "--set", "phase1.stpes=3"], "stpes"),
