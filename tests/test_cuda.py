@@ -52,9 +52,12 @@ def _pipeline(family: str, device: str, tmp_path) -> dict:
     path = result.state.save(tmp_path / f"{device}.safetensors")
     rebuilt = QuadapterState.load(path).build_sim(copy.deepcopy(model))
     rebuilt_ppl = perplexity(rebuilt.model, windows, progress=False).ppl  # before the export merges shared ranges
-    export = export_quantized(
+    # verified against its own sim (raises otherwise); not compared across devices: merging the shared ranges
+    # rescales the trained model, by more than the band below
+    export_quantized(
         rebuilt, tmp_path / f"export-{device}", SEQ, verify_windows=list(corpus[10:12]), merge_shared_ranges=True
     )
+    assert device_of(rebuilt.model).type == device  # traced on the CPU, then put back
     return {
         "fp": perplexity(model, windows, progress=False).ppl,
         "ranges": ranges,
@@ -63,7 +66,6 @@ def _pipeline(family: str, device: str, tmp_path) -> dict:
         "rebuilt": rebuilt_ppl,
         "losses": result.phase2.losses if result.phase2 else [],
         "alphas": {k: v.cpu() for k, v in result.state.alphas.items()},
-        "onnx_ppl": export.verification.agreements[0].ppl,
     }
 
 
@@ -87,8 +89,6 @@ def test_tiny_pipeline_on_cuda_equals_cpu(family, tmp_path):
     assert abs(cpu["ptq"] / cpu["fp"] - 1) > 2 * QUANTIZED  # the band below can tell quantized from FP
     for key in ("ptq", "quadapter", "rebuilt"):
         assert cuda[key] == pytest.approx(cpu[key], rel=QUANTIZED), key
-    # Each export was verified against its own sim (export_quantized raises otherwise). Across devices the
-    # exported models differ by more than the band: merging the shared ranges rescales the trained model.
     assert cuda["rebuilt"] == pytest.approx(cuda["quadapter"], rel=EXACT)  # the saved state, rebuilt on CUDA
     assert cuda["losses"] == pytest.approx(cpu["losses"], rel=TRAINED)
     assert cuda["alphas"].keys() == cpu["alphas"].keys()
