@@ -131,7 +131,7 @@ class Verification:
     max_abs_sim_logit: float
     agreements: list[Agreement]  # each form of FORMS against the sim
     floor: Agreement  # "qdq" against "qdq/unoptimized": float32 reordering alone
-    sim_floor: Agreement  # the sim against itself with one-ulp quantizer inputs (the larger draw): rounding alone
+    sim_floor: Agreement  # the sim against itself with one-ulp quantizer inputs (the largest draw): rounding alone
     # model.onnx + model.encodings against AIMET's QDQ graph, both run as written: equal where the encodings file
     # says exactly what AIMET's QDQ graph does (so far always to the bit), whatever the floor
     encodings_vs_qdq: Agreement
