@@ -134,6 +134,10 @@ OTHER_CASES = {
     "run of a recipe that is not YAML": (["run", "{not_yaml}"], "not valid YAML"),
     "run of a recipe with a misspelt field": (["run", "{misspelt}"], "field evall: unknown field; did you mean eval?"),
     "eval of a missing model folder": (["eval", "--model", "{tmp}/no-model", "--dataset", "{corpus}"], "model folder"),
+    "eval of a missing relative model folder": (
+        ["eval", "--model", "no-model/", "--dataset", "{corpus}"],
+        "model folder no-model/ does not",
+    ),
 }
 
 
@@ -163,23 +167,32 @@ def test_corrupt_state_is_one_line_before_the_model_loads(tmp_path, corpus_file,
     assert "corrupt.safetensors" in line and "not a Quadapter state file" in line
 
 
-def test_a_state_of_another_model_is_one_line(tmp_path, tiny_gpt2_dir, corpus_file, capsys):
-    """A state trained on a model with other widths: refused by name, after loading (it takes the model)."""
+@pytest.mark.parametrize("other", ["wider gpt2", "llama"])
+def test_a_state_of_another_model_is_one_line(other, tmp_path, tiny_gpt2_dir, corpus_file, capsys, monkeypatch):
+    """A state trained on another model (other widths, or another architecture): refused by the state's name
+    after the model loads (it takes the model) but before a sim is traced for it."""
     from aimet_quadapter.quadapter.api import apply_cle
     from aimet_quadapter.quadapter.state import QuadapterState
+    from aimet_quadapter.quant import policy
     from aimet_quadapter.quant.policy import build_sim, calibrate
     from aimet_quadapter.testing import sample_corpus, toy_model
 
-    other = toy_model("gpt2", hidden=96)  # the folder's model is 64 wide (the tiny config's default)
-    batches = [sample_corpus(other, 2, 32, seed=1)]
-    sim = build_sim(other)
-    qset = apply_cle(sim, other, batches)
+    # the folder's model is a 64-wide GPT-2 (the tiny config's default)
+    model = toy_model("gpt2", hidden=96) if other == "wider gpt2" else toy_model("llama")
+    batches = [sample_corpus(model, 2, 32, seed=1)]
+    sim = build_sim(model)
+    qset = apply_cle(sim, model, batches)
     calibrate(sim, batches)
     path = QuadapterState.from_sim(sim, qset.total_alpha(), method="cle").save(tmp_path / "other.safetensors")
+
+    def no_sim(*args, **kwargs):
+        raise AssertionError("a sim was built for a state of another model")
+
+    monkeypatch.setattr(policy, "QuantizationSimModel", no_sim)
     argv = ["export", str(path), "--model", str(tiny_gpt2_dir), "--out", str(tmp_path / "e"), "--seq-len", "32"]
     assert main([*argv, "--verify-dataset", str(corpus_file)]) == 2
     line = _error_line(capsys)
-    assert "another model" in line or "does not have" in line
+    assert "other.safetensors" in line and "another model" in line
 
 
 RECIPE = "model: {model}\nmethods: [fp]\neval: {{datasets: [{corpus}], seq_len: 64, max_tokens: 256}}\n"

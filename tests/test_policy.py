@@ -199,3 +199,22 @@ def test_quant_scheme_chooses_aimets_encoding_analyzer(tiny_gpt2, scheme, analyz
         widths = {r["tensor"]: r["max"] - r["min"] for r in describe(minmax.model)}
         rows = [r for r in describe(sim.model) if r["kind"] == "activation"]
         assert any(r["max"] - r["min"] < 0.99 * widths[r["tensor"]] for r in rows)
+
+
+@pytest.mark.parametrize("target", ["paper", "htp"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_building_and_calibrating_a_sim_shows_the_user_no_warning(arch, target):
+    """AIMET's trace and its bias check make torch and transformers warn (tracer deprecated, int() of a traced
+    shape, torch.tensor of a tensor): noise on every command that the user can do nothing about."""
+    import warnings
+
+    from aimet_quadapter.testing import sample_corpus, toy_model
+
+    model = toy_model(arch)
+    batches = [sample_corpus(model, 2, 32, seed=1)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        calibrate(build_sim(model, QuantPolicy(target=target)), batches)
+    # the categories Python shows by default (deprecations are hidden outside __main__)
+    shown = [w for w in caught if not issubclass(w.category, (DeprecationWarning, PendingDeprecationWarning))]
+    assert not shown, [f"{w.category.__name__}: {str(w.message)[:100]}" for w in shown]

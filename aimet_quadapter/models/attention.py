@@ -29,9 +29,9 @@ def quantizable_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if scaling is None:
         scaling = query.size(-1) ** -0.5
-    # Python ints: under the TorchScript trace of an export, shapes are CPU tensors, and a CPU repeat count
-    # cannot index CUDA tensors
-    groups = int(query.shape[1]) // int(key.shape[1])
+    # From the module's config, not from the shapes: under a TorchScript trace shapes are CPU tensors (a CPU
+    # repeat count cannot index CUDA tensors), and int() of them makes the tracer warn. GPT-2 has no groups.
+    groups = int(getattr(module, "num_key_value_groups", 1))
     if groups > 1:  # grouped-query attention: every KV head serves `groups` query heads
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)

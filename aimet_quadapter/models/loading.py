@@ -62,11 +62,11 @@ def _hub_error(name: str, exc: Exception) -> QuadapterError:
 
 def _folder_or_hub_id(name: str) -> str:
     """The local folder ``name`` names, or ``name`` itself as a hub id. "name" and "org/name" are hub ids
-    unless such a folder exists; a leading . / ~ or a deeper path can only be a folder."""
+    unless such a folder exists; a leading . / ~, a trailing / or a deeper path can only be a folder."""
     path = Path(os.path.expanduser(name))
     if path.exists():
         return str(path)
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+    if name.startswith((".", "/", "~")) or name.endswith("/") or name.count("/") > 1:
         raise QuadapterError(f"model folder {name} does not exist")
     return name
 

@@ -34,6 +34,7 @@ class QuadapterState:
     ranges: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "module.role" -> (min, max)
     policy: QuantPolicy = field(default_factory=QuantPolicy)
     metadata: dict = field(default_factory=dict)
+    source: Path | None = field(default=None, compare=False)  # the file it was read from, for messages
 
     @classmethod
     def from_sim(cls, sim: QuantizationSimModel, alphas: dict[str, torch.Tensor], **metadata) -> QuadapterState:
@@ -83,25 +84,38 @@ class QuadapterState:
         except Exception as exc:  # safetensors, json and the dataclass raise their own types
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise QuadapterError(f"{path} is not a Quadapter state file (corrupt or truncated?): {reason}") from None
-        return cls(alphas, ranges, policy, metadata)
+        return cls(alphas, ranges, policy, metadata, source=path)
 
     def folded_model(self, fp_model: PreparedLM, in_place: bool = False) -> PreparedLM:
         """A copy of ``fp_model`` (``in_place``: the model itself) with every alpha folded into its weights (Eq. 3)."""
+        self.check_fits(fp_model)
         model = fp_model if in_place else copy.deepcopy(fp_model)
         sites = model.sites(extra=True)
-        missing = sorted(set(self.alphas) - {s.name for s in sites})
-        if missing:
-            raise QuadapterError(f"state names sites this model does not have: {', '.join(missing[:3])}")
         for site in sites:
             alpha = self.alphas.get(site.name)
             width = site.channels(tensor_of(model.get_submodule(site.producer)).shape[0])
             if alpha is not None and alpha.shape != (width,):
                 raise QuadapterError(
-                    f"state's alpha for {site.name} has {alpha.numel()} channels, this model's site {width}: "
-                    f"the state was trained on another model"
+                    f"{self._name()}'s alpha for {site.name} has {alpha.numel()} channels, this model's site "
+                    f"{width}: the state was trained on another model"
                 )
         fold_alphas(model, sites, self.alphas)
         return model
+
+    def check_fits(self, fp_model: PreparedLM) -> None:
+        """Refuse a state made for another model by the names it holds, before any copy or sim is built
+        (building a sim traces the model: seconds, where this takes microseconds)."""
+        missing = sorted(set(self.alphas) - {s.name for s in fp_model.sites(extra=True)})
+        modules = {name for name, _ in fp_model.named_modules()}
+        missing += sorted({key.rsplit(".", 1)[0] for key in self.ranges} - modules)
+        if missing:
+            raise QuadapterError(
+                f"{self._name()} was trained on another model: this one has no {', '.join(missing[:3])}"
+                + (f" (and {len(missing) - 3} more)" if len(missing) > 3 else "")
+            )
+
+    def _name(self) -> str:
+        return f"state {self.source}" if self.source else "the state"
 
     def build_sim(self, fp_model: PreparedLM, in_place: bool = False) -> QuantizationSimModel:
         """A fresh sim of the folded FP model with this state's ranges: the deployable result.

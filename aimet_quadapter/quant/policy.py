@@ -18,6 +18,7 @@ second quantizer AIMET puts on a tensor that is already quantized, and makes the
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -193,15 +194,20 @@ def build_sim(
     """A ``QuantizationSimModel`` of ``model`` under ``policy``: of a deep copy, the FP model staying as it is,
     or, with ``in_place``, of ``model`` itself (a copy made for this sim: no second copy of the weights)."""
     dummy = torch.zeros((1, seq_len), dtype=torch.long, device=device_of(model))
-    sim = QuantizationSimModel(
-        model,
-        dummy,
-        in_place=in_place,
-        quant_scheme=aimet_quant_scheme(policy),
-        default_output_bw=policy.activation_bits,
-        default_param_bw=policy.weight_bits,
-        config_file=htp_config_file() if policy.target == "htp" else None,
-    )
+    with warnings.catch_warnings():
+        # AIMET traces the model with TorchScript to find its graph: torch and transformers warn that the
+        # tracer is deprecated and that a fixed-shape trace may not generalise, neither of which the user can act on
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        sim = QuantizationSimModel(
+            model,
+            dummy,
+            in_place=in_place,
+            quant_scheme=aimet_quant_scheme(policy),
+            default_output_bw=policy.activation_bits,
+            default_param_bw=policy.weight_bits,
+            config_file=htp_config_file() if policy.target == "htp" else None,
+        )
     if policy.target == "htp":
         set_mask_fill(sim.model, HTP_MASK_FILL)
         if policy.quant_scheme == "percentile":
@@ -235,7 +241,10 @@ def run_batches(model: nn.Module, batches: Iterable[torch.Tensor]) -> None:
 
 def calibrate(sim: QuantizationSimModel, batches: Iterable[torch.Tensor]) -> None:
     """Static calibration: AIMET's ``compute_encodings`` over the calibration batches."""
-    sim.compute_encodings(run_batches, list(batches))
+    with warnings.catch_warnings():
+        # AIMET's bias-overflow check copies tensors with torch.tensor(tensor); torch's advice is for AIMET
+        warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning)
+        sim.compute_encodings(run_batches, list(batches))
 
 
 def describe(sim_model: nn.Module) -> list[dict]:
