@@ -58,7 +58,8 @@ def add_export_command(subparsers) -> None:
     p.add_argument(
         "--merge-shared-ranges",
         action="store_true",
-        help="where consumers of one tensor learned different ranges, give them the union (changes the model)",
+        help="a state whose readers of one tensor hold different ranges (saved before they were tied): give "
+        "them the union (changes the model)",
     )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument(
@@ -91,7 +92,8 @@ def _cmd_export(args) -> int:
 
     model, tokenizer = load_model(args.model, quiet=True, device=device)
     model.check_length(args.seq_len, "--seq-len")
-    sim = state.build_sim(model, in_place=True)  # the FP weights are not needed again: no copy of them
+    # in place: the FP weights are not needed again, no copy of them
+    sim = state.build_sim(model, in_place=True, merge_shared_ranges=args.merge_shared_ranges)
     del model
     windows = eval_windows_for(
         tokenizer, args.verify_dataset, args.verify_split, args.seq_len, None, args.seq_len * args.verify_windows

@@ -558,7 +558,9 @@ def export_quantized(
     out_dir = Path(out_dir).expanduser().absolute()
     check_new_folder(out_dir, overwrite)
     n_quantizers = _check_calibrated(sim)
-    merged = reconcile_shared_ranges(sim, merge=merge_shared_ranges)
+    # a state of separate shared ranges was merged as it was loaded (QuadapterState.build_sim); a sim built
+    # elsewhere, with AIMET's own one quantizer per reader, is checked and merged here
+    merged = [*getattr(sim, "quadapter_merged_ranges", []), *reconcile_shared_ranges(sim, merge=merge_shared_ranges)]
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))

@@ -117,35 +117,68 @@ class QuadapterState:
     def _name(self) -> str:
         return f"state {self.source}" if self.source else "the state"
 
-    def build_sim(self, fp_model: PreparedLM, in_place: bool = False) -> QuantizationSimModel:
+    def build_sim(
+        self, fp_model: PreparedLM, in_place: bool = False, merge_shared_ranges: bool = False
+    ) -> QuantizationSimModel:
         """A fresh sim of the folded FP model with this state's ranges: the deployable result.
 
         ``in_place``: fold into ``fp_model`` and make it the sim's model (it is no longer the FP model then);
-        for a caller that needs the FP model no more, one copy of the weights fewer.
+        for a caller that needs the FP model no more, one copy of the weights fewer. ``merge_shared_ranges``:
+        see :func:`load_ranges`; the merged tensors are kept as ``sim.quadapter_merged_ranges``.
         """
         from aimet_quadapter.quant.policy import build_sim
 
         sim = build_sim(self.folded_model(fp_model, in_place), self.policy, in_place=True)
-        load_ranges(sim, self.ranges)
+        sim.quadapter_merged_ranges = load_ranges(sim, self.ranges, merge_shared_ranges, source=self._name())
         return sim
 
 
-def load_ranges(sim: QuantizationSimModel, ranges: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+def load_ranges(
+    sim: QuantizationSimModel,
+    ranges: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    merge_shared_ranges: bool = False,
+    source: str = "the state",
+) -> list[dict]:
+    """Set the sim's quantizer ranges from ``ranges``.
+
+    The readers of one tensor share one range in the sim (``tie_shared_ranges``). A state saved before they
+    did may hold different ranges for them: refused, or with ``merge_shared_ranges`` given the union of them
+    (nothing any of them kept is clipped). Returns one row per merged tensor, its quantizers and their ranges.
+    """
     from aimet_quadapter.quant.quantizers import quantizers
 
     found = {f"{path}.{role}": q for path, role, q in quantizers(sim.model)}
     unknown = sorted(set(ranges) - set(found))
     if unknown:
-        raise QuadapterError(f"state has ranges for quantizers this sim does not have: {', '.join(unknown[:3])}")
+        raise QuadapterError(f"{source} has ranges for quantizers this sim does not have: {', '.join(unknown[:3])}")
+    tied: dict[int, list[str]] = {}
+    for key in ranges:
+        q = found[key]
+        lo, hi = ranges[key]
+        if lo.shape != q.min.shape or hi.shape != q.max.shape:
+            raise QuadapterError(
+                f"{source}'s range for {key} has shape {tuple(lo.shape)}, this sim's quantizer "
+                f"{tuple(q.min.shape)}: the state was made under another quantization policy"
+            )
+        tied.setdefault(id(q.min), []).append(key)
+    merged = []
     with torch.no_grad():
-        for key, (lo, hi) in ranges.items():
-            q = found[key]
-            if lo.shape != q.min.shape or hi.shape != q.max.shape:
-                raise QuadapterError(
-                    f"state's range for {key} has shape {tuple(lo.shape)}, this sim's quantizer "
-                    f"{tuple(q.min.shape)}: the state was made under another quantization policy"
+        for keys in tied.values():
+            los = torch.stack([ranges[k][0].reshape(-1) for k in keys])
+            his = torch.stack([ranges[k][1].reshape(-1) for k in keys])
+            if len(keys) > 1 and not (bool((los == los[0]).all()) and bool((his == his[0]).all())):
+                if not merge_shared_ranges:
+                    raise QuadapterError(
+                        f"{source} holds different ranges for quantizers of one tensor ({', '.join(keys)}); the "
+                        f"sim, like the device, gives such a tensor one range. Export it with "
+                        f"--merge-shared-ranges (merge_shared_ranges=True) to take the union of them"
+                    )
+                merged.append(
+                    {"quantizers": keys, "ranges": [[float(lo.min()), float(hi.max())] for lo, hi in zip(los, his)]}
                 )
-            q.set_range(lo, hi)
+            q = found[keys[0]]
+            q.set_range(los.min(dim=0).values.reshape(q.min.shape), his.max(dim=0).values.reshape(q.max.shape))
+    return merged
 
 
 def resolve_state(path: str | Path) -> Path:

@@ -152,6 +152,28 @@ def drop_requantization(sim_model: nn.Module, seq_len: int = 8) -> list[str]:
     return [key for _, _, key in doubled]
 
 
+def tie_shared_ranges(sim_model: nn.Module) -> list[list[str]]:
+    """Give the quantizers of one tensor (the inputs of q, k and v; of gate and up) one range (in place).
+
+    A device holds such a tensor once, with one encoding. The quantizers stay separate modules, one per
+    reader as AIMET places them, but share their ``min`` / ``max`` parameters: calibration writes the same
+    range through each of them, a learned range gets the gradient of every reader, and a trained state
+    exports as it is. Under ``htp`` AIMET's placement already leaves one quantizer on such tensors.
+    Returns the tied groups.
+    """
+    found = {f"{path}.{role}": q for path, role, q in quantizers(sim_model)}
+    groups = shared_activation_groups(sim_model)
+    for keys in groups:
+        first, *others = (found[k] for k in keys)
+        for q in others:
+            if q.bitwidth != first.bitwidth or q.min.shape != first.min.shape:
+                raise QuadapterError(f"quantizers of one tensor differ in bits or shape: {', '.join(keys)}")
+            for name in ("min", "max"):
+                # AIMET's own registration, so that is_initialized() follows the shared parameter
+                q.register_quantization_parameter(name, getattr(first, name))
+    return groups
+
+
 def name_matches(name: str, pattern: str) -> bool:
     """``*`` (any text) and ``?`` (one character) wildcards, everything else literal: quantizer names hold
     brackets (``input[0]``) that fnmatch would read as a character class."""
@@ -217,6 +239,7 @@ def build_sim(
         logits = sim.model.get_submodule(f"lm.{model.arch.lm_head}")
         apply_policy(sim.model, policy, logits_module=logits)
     apply_bit_overrides(sim.model, policy)
+    tie_shared_ranges(sim.model)
     sim.model.to(dummy.device)  # the policy's quantizers are made on the CPU; AIMET placed its own already
     sim.quadapter_policy = policy  # so that a saved state can rebuild the same sim
     sim.model.eval()

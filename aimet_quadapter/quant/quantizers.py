@@ -148,6 +148,11 @@ class DynamicRanges:
             q.__dict__.pop("forward", None)
         for q, state in self._uninitialized:
             q.load_state_dict(state)
+        # The readers of one tensor share min/max (policy.tie_shared_ranges): loading a later reader's state
+        # writes the shared parameters again, which AIMET reads as the earlier readers being initialized.
+        # Marking them after every write puts each back as it was.
+        for q, state in self._uninitialized:
+            q.set_extra_state(state["_extra_state"])
 
 
 def _clone_state(state):
@@ -159,11 +164,14 @@ def _clone_state(state):
 
 
 def range_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The learnable min/max of every activation and weight quantizer (LSQ+-style range learning)."""
-    params: list[nn.Parameter] = []
+    """The learnable min/max of every activation and weight quantizer (LSQ+-style range learning), each once:
+    the readers of one tensor share theirs (``tie_shared_ranges``)."""
+    params: dict[int, nn.Parameter] = {}
     for _, _, q in quantizers(model):
-        params.extend(p for name, p in q.named_parameters() if name in ("min", "max"))
-    return params
+        for name, p in q.named_parameters():
+            if name in ("min", "max"):
+                params.setdefault(id(p), p)
+    return list(params.values())
 
 
 @contextmanager
