@@ -7,9 +7,11 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
+from onnx import helper, numpy_helper
 from onnx.external_data_helper import uses_external_data
 
 from aimet_quadapter.cli import main
@@ -21,12 +23,14 @@ from aimet_quadapter.export.exporter import (
     export_quantized,
     verify_export,
 )
+from aimet_quadapter.export.lean import inline_weights, opset_imports
 from aimet_quadapter.export.onnx_eval import ENCODINGS, QDQ_ONNX, OnnxLM
 from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.api import QuadapterParameters, apply_quadapter
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters
 from aimet_quadapter.quadapter.phase2 import Phase2Parameters
 from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
+from aimet_quadapter.quant.aimet_adapter import wrapped_aimet_onnx_export
 from aimet_quadapter.quant.policy import build_sim, calibrate
 from aimet_quadapter.quant.quantizers import quantizers, shared_activation_groups
 from aimet_quadapter.testing import sample_corpus, toy_model
@@ -68,10 +72,15 @@ def _exported_equals_sim(sim, out: Path, ids: torch.Tensor) -> float:
 @pytest.mark.parametrize("version", ["1.0.0", "2.0.0"])
 def test_export_after_ptq_matches_the_sim(toy, version, tmp_path):
     sim = toy["state"].build_sim(toy["model"])
+    before = {name: p.detach().clone() for name, p in sim.model.named_parameters()}
     out = tmp_path / "export"
     result = export_quantized(
         sim, out, SEQ, version, verify_windows=toy["verify"], model_name="toy", method=toy["state"].metadata["method"]
     )
+    # the weights parked on disk during AIMET's exports are back, bit for bit
+    after = dict(sim.model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[name], value) for name, value in before.items())
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest == json.loads(json.dumps(result.manifest))
     assert manifest["method"] == "ptq" and manifest["encodings_version"] == version and manifest["seq_len"] == SEQ
@@ -128,6 +137,56 @@ def test_export_after_quadapter(toy, tmp_path):
     assert _exported_equals_sim(sim, out, toy["held_out"]) < 1e-5  # the trained sim itself
     # the exported weights are the folded ones: an FP graph of the unfolded model would differ
     assert result.state.alphas and any((a - 1).abs().max() > 1e-3 for a in result.state.alphas.values())
+
+
+def _straightforward_aimet_export(model, folder):
+    """What the export did before it parked weights and had torch write them outside the graph: torch writes
+    the graph with its weights inline, then it is loaded and saved again with them in an external file."""
+
+    def export(original, module, args, f, **kwargs):
+        result = original(module, args, f, **kwargs)
+        onnx.save(onnx.load(str(f)), str(f), save_as_external_data=True, location=f"{Path(f).name}.data")
+        return result
+
+    return wrapped_aimet_onnx_export(export)
+
+
+def _inline_in_memory(source: Path, target: Path) -> None:
+    onnx.save(onnx.load(str(source)), str(target))
+
+
+def test_lean_export_writes_what_the_straightforward_one_writes(toy, tmp_path, monkeypatch):
+    """Parking the sim's weights, torch's weights going straight to a data file and the streamed inlining
+    change how much memory an export holds, not one byte of what it writes."""
+    sim = toy["state"].build_sim(toy["model"])
+    export_quantized(sim, tmp_path / "lean", SEQ, verify_windows=toy["verify"][:1])
+    monkeypatch.setattr(export_module, "lean_aimet_export", _straightforward_aimet_export)
+    monkeypatch.setattr(export_module, "inline_weights", _inline_in_memory)
+    export_quantized(sim, tmp_path / "plain", SEQ, verify_windows=toy["verify"][:1])
+    for name in ("model.onnx", "model_qdq.onnx", ENCODINGS):
+        assert (tmp_path / "lean" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
+
+
+def test_inline_weights_writes_what_onnx_save_writes(tmp_path):
+    """Streamed field by field, the self-contained file is byte for byte ``onnx.save(onnx.load(source))``:
+    weights of every size, small tensors kept inline, a Constant node, graph and model metadata."""
+    rng = np.random.default_rng(0)
+    sizes = [10, 300, 5000, 17, 200_000, 3]
+    weights = [numpy_helper.from_array(rng.random(n).astype(np.float32), f"w{i}") for i, n in enumerate(sizes)]
+    constant = numpy_helper.from_array(np.ones(1000, np.float32))
+    nodes = [helper.make_node("Add", ["x", "w0"], ["y"]), helper.make_node("Constant", [], ["c"], value=constant)]
+    io = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [10]) for n in ("x", "y")]
+    graph = helper.make_graph(nodes, "g", io[:1], io[1:], initializer=weights, doc_string="doc")
+    model = helper.make_model(graph, producer_name="test")
+    model.metadata_props.add(key="k", value="v")
+    source = tmp_path / "external" / "model.onnx"
+    source.parent.mkdir()
+    onnx.save(model, str(source), save_as_external_data=True, location="model.onnx.data")
+    assert any(uses_external_data(t) for t in onnx.load(str(source), load_external_data=False).graph.initializer)
+    inline_weights(source, tmp_path / "streamed.onnx")
+    onnx.save(onnx.load(str(source)), str(tmp_path / "saved.onnx"))
+    assert (tmp_path / "streamed.onnx").read_bytes() == (tmp_path / "saved.onnx").read_bytes()
+    assert opset_imports(tmp_path / "streamed.onnx") == [(o.domain, o.version) for o in model.opset_import]
 
 
 def test_a_state_of_separate_shared_ranges_is_refused_or_merged(tmp_path):

@@ -43,6 +43,7 @@ from aimet_quadapter.atomic import check_new_folder
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.experiments.data import Window
 from aimet_quadapter.experiments.evaluation import window_nll
+from aimet_quadapter.export.lean import inline_weights, lean_aimet_export, opset_imports
 from aimet_quadapter.export.onnx_eval import (
     ENCODINGS,
     FP_ONNX,
@@ -57,7 +58,6 @@ from aimet_quadapter.export.onnx_eval import (
 )
 from aimet_quadapter.memory import release_freed_memory
 from aimet_quadapter.models import device_of
-from aimet_quadapter.quant.aimet_adapter import onnx_weights_outside_the_graph
 from aimet_quadapter.quant.policy import sim_policy
 from aimet_quadapter.quant.quantizers import fast_inference, quantizers, shared_activation_groups
 
@@ -261,10 +261,12 @@ def _as_windows(windows: Sequence[Window | torch.Tensor]) -> list[Window]:
     return out
 
 
-def _check_protobuf_size(model) -> None:
+def _check_protobuf_size(folder: Path) -> None:
+    """``folder``: the emulated graph and its data file. Their sizes, since ``ByteSize()`` would serialize
+    the graph (weights included) to count them."""
     import onnx
 
-    if model.ByteSize() >= onnx.checker.MAXIMUM_PROTOBUF:
+    if sum(p.stat().st_size for p in folder.iterdir()) >= onnx.checker.MAXIMUM_PROTOBUF:
         raise QuadapterError("the FP graph is over 2 GB: the fp+encodings check needs it in one protobuf")
 
 
@@ -387,18 +389,19 @@ def verify_export(
     floor, encodings_vs_qdq, unoptimized_logits, applied = _Comparison(), _Comparison(), [], 0
     for name, source, optimize in FORMS:
         if source == "fp+encodings":
-            fp_model = onnx.load(str(folder / FP_ONNX))
-            emulated, applied = apply_encodings(fp_model, entries)
-            del fp_model
+            emulated, applied = apply_encodings(onnx.load(str(folder / FP_ONNX)), entries, copy=False)
             scratch = Path(tempfile.mkdtemp(prefix=".emulated-", dir=folder))
-            _check_protobuf_size(emulated)
-            onnx.save(emulated, str(scratch / FP_ONNX))
+            # weights in a data file beside it: serializing them inline would hold them several times over
+            onnx.save(emulated, str(scratch / FP_ONNX), save_as_external_data=True, location=f"{FP_ONNX}.data")
             del emulated
             release_freed_memory()
-            lm = OnnxLM(scratch / FP_ONNX, optimize=optimize)
-            shutil.rmtree(scratch)  # onnxruntime has read it
+            try:
+                _check_protobuf_size(scratch)
+                lm = OnnxLM(scratch / FP_ONNX, optimize=optimize, low_memory=True)
+            finally:
+                shutil.rmtree(scratch)  # onnxruntime has read it
         else:
-            lm = OnnxLM(folder / source, optimize=optimize)
+            lm = OnnxLM(folder / source, optimize=optimize, low_memory=True)
         for i, (window, keep) in enumerate(zip(windows, scored)):
             logits = lm(window.ids.reshape(1, -1))
             vs_sim[name].add(logits, references[i], window, keep)
@@ -485,10 +488,7 @@ def _tool_versions() -> dict[str, str]:
 
 
 def _opset(path: Path) -> int:
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    return next(version for domain, version in opset_imports(path) if domain in ("", "ai.onnx"))
 
 
 def _run_aimet_export(step: str, fn, *args, **kwargs) -> None:
@@ -501,18 +501,6 @@ def _run_aimet_export(step: str, fn, *args, **kwargs) -> None:
     except Exception as exc:  # AIMET and torch.onnx raise RuntimeError, ValueError, NotImplementedError...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise QuadapterError(f"{step} failed: {type(exc).__name__}: {first}") from exc
-
-
-def _inline_weights(source: Path, target: Path) -> None:
-    """``source`` (weights in external data files beside it) written to ``target`` as one file, the form a
-    device converter or onnxruntime takes as it is; a graph over protobuf's 2 GB limit keeps one data file."""
-    import onnx
-
-    graph = onnx.load(str(source))
-    large = graph.ByteSize() >= onnx.checker.MAXIMUM_PROTOBUF
-    onnx.save(graph, str(target), save_as_external_data=large, location=f"{target.name}.data")
-    del graph
-    release_freed_memory()
 
 
 def export_quantized(
@@ -582,7 +570,8 @@ def export_quantized(
         scratch = tmp / ".scratch"  # each graph with its weights in external data files, until inlined
         for part in ("fp", "qdq"):
             (scratch / part).mkdir(parents=True)
-        with onnx_weights_outside_the_graph():
+        parked = scratch / "parked"  # the sim's weights while AIMET traces their quantize-dequantized copies
+        with lean_aimet_export(sim.model, parked):
             _run_aimet_export(
                 "AIMET's FP ONNX + encodings export (sim.onnx.export)",
                 sim.onnx.export,
@@ -591,8 +580,9 @@ def export_quantized(
                 encoding_version=encoding_version,
                 **fp_kwargs,
             )
-            import aimet_torch.onnx
+        import aimet_torch.onnx
 
+        with lean_aimet_export(sim.model, parked):
             _run_aimet_export(
                 "AIMET's QDQ ONNX export (aimet_torch.onnx.export)",
                 aimet_torch.onnx.export,
@@ -605,8 +595,8 @@ def export_quantized(
             )
         if (scratch / "fp" / ENCODINGS).is_file():
             (scratch / "fp" / ENCODINGS).rename(tmp / ENCODINGS)
-        _inline_weights(scratch / "fp" / FP_ONNX, tmp / FP_ONNX)
-        _inline_weights(scratch / "qdq" / QDQ_ONNX, tmp / QDQ_ONNX)
+        inline_weights(scratch / "fp" / FP_ONNX, tmp / FP_ONNX)
+        inline_weights(scratch / "qdq" / QDQ_ONNX, tmp / QDQ_ONNX)
         shutil.rmtree(scratch)
         if not (tmp / ENCODINGS).is_file():
             raise QuadapterError(f"AIMET's export wrote no {ENCODINGS} file")

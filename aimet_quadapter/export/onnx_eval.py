@@ -35,11 +35,13 @@ PAD_ID = 0  # fills a short last window up to a fixed-length graph's input; caus
 # --- onnxruntime ---------------------------------------------------------------------------------------
 
 
-def ort_session(model: str | Path | bytes, optimize: bool = True):
+def ort_session(model: str | Path | bytes, optimize: bool = True, low_memory: bool = False):
     """An onnxruntime CPU session; ``optimize``: all graph optimizations (the default a user gets), else none.
 
     Without optimizations onnxruntime runs the graph node by node as written; with them it fuses nodes,
-    which sums in another float32 order. It uses as many threads as torch does.
+    which sums in another float32 order. It uses as many threads as torch does. ``low_memory``: no memory
+    arena and no memory pattern, so that memory freed between ops goes back to the system (the same
+    results, a little slower): as written, a QDQ graph dequantizes every weight at every run.
     """
     import onnxruntime as ort
 
@@ -48,6 +50,9 @@ def ort_session(model: str | Path | bytes, optimize: bool = True):
     options.log_severity_level = 3  # onnxruntime warns about every unused initializer otherwise
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if low_memory:
+        options.enable_cpu_mem_arena = False
+        options.enable_mem_pattern = False
     source = model if isinstance(model, bytes) else str(model)
     return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
@@ -59,8 +64,10 @@ class OnnxLM:
     its quantizers are static, so positions before the padding are computed exactly as without it.
     """
 
-    def __init__(self, model: str | Path | bytes, seq_len: int | None = None, optimize: bool = True):
-        self.session = ort_session(model, optimize)
+    def __init__(
+        self, model: str | Path | bytes, seq_len: int | None = None, optimize: bool = True, low_memory: bool = False
+    ):
+        self.session = ort_session(model, optimize, low_memory)
         inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
         if len(inputs) != 1 or len(outputs) != 1:
             raise QuadapterError(f"expected an ONNX LM with one input and one output, got {len(inputs)}/{len(outputs)}")
@@ -231,8 +238,9 @@ def qdq_graph_encodings(model) -> list[Encoding]:
     return out
 
 
-def apply_encodings(model, encodings: Iterable[Encoding]):
-    """A copy of the FP ``onnx.ModelProto`` with a QuantizeLinear/DequantizeLinear pair at every named tensor.
+def apply_encodings(model, encodings: Iterable[Encoding], copy: bool = True):
+    """A copy of the FP ``onnx.ModelProto`` with a QuantizeLinear/DequantizeLinear pair at every named tensor
+    (``copy=False``: ``model`` itself, changed in place, for a caller that needs the FP graph no more).
 
     Every consumer of a named tensor then sees its quantize-dequantized value, as a converter applying
     the encodings as overrides would quantize it. int32 (bias) encodings are left out: onnx has no
@@ -244,8 +252,11 @@ def apply_encodings(model, encodings: Iterable[Encoding]):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
+    if copy:
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+    else:
+        out = model
     graph = out.graph
     initializers = {t.name: t for t in graph.initializer}
     producers = {name: i for i, node in enumerate(graph.node) for name in node.output}

@@ -7,8 +7,9 @@ module is the one to fix, and its tests (tests/test_methods.py, tests/test_quada
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 from aimet_torch.quantization.affine import QuantizeDequantize
 from aimet_torch.utils import _enable_qtensor_casting
@@ -45,22 +46,16 @@ def seq_mse_bitwidth_limit(limit: int) -> Iterator[None]:
 
 
 @contextmanager
-def onnx_weights_outside_the_graph() -> Iterator[None]:
-    """AIMET's ONNX exports (``sim.onnx.export``, ``aimet_torch.onnx.export``) read back the file torch wrote
-    and rewrite it in several passes; with the weights inline in the protobuf, passes and copies each hold all
-    of them. Moved to an external data file as soon as torch has written the graph, they stay on disk through
-    those passes, which support external data (they take its folder). The caller reads them back in."""
-    import onnx
+def wrapped_aimet_onnx_export(wrapper: Callable[..., Any]) -> Iterator[None]:
+    """AIMET's ONNX exports (``sim.onnx.export``, ``aimet_torch.onnx.export``) call torch's exporter through
+    one private function; inside, ``wrapper(original, module, args, f, **kwargs)`` is called instead, after
+    AIMET has swapped its quantize-dequantized weights in and before it reads back and rewrites the file."""
     from aimet_torch.experimental import onnx as aimet_onnx_export
 
     original = aimet_onnx_export.export
 
-    def export(model, args, f, **kwargs):
-        result = original(model, args, f, **kwargs)
-        graph = onnx.load(str(f))
-        location = f"{os.path.basename(str(f))}.data"
-        onnx.save(graph, str(f), save_as_external_data=True, all_tensors_to_one_file=True, location=location)
-        return result
+    def export(module, args, f, **kwargs):
+        return wrapper(original, module, args, f, **kwargs)
 
     aimet_onnx_export.export = export
     try:
