@@ -62,6 +62,7 @@ def add_export_command(subparsers) -> None:
         "them the union (changes the model)",
     )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
         "--device", default="auto", help="where the sim runs: auto (CUDA when there is one), cpu, cuda or cuda:N"
     )
@@ -119,7 +120,7 @@ def _cmd_export(args) -> int:
             "state": {"path": str(state_path.resolve()), "sha256": sha256_file(state_path), "metadata": state.metadata},
             "verify_dataset": {"name": args.verify_dataset, "split": args.verify_split},
         },
-        progress=True,
+        progress=not args.no_progress,
     )
     m, v = result.manifest, result.verification
     print(f"exported {m['method'] or 'state'} of {args.model} to {result.out_dir}:")
