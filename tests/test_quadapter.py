@@ -15,7 +15,7 @@ from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quadapter.api import QuadapterParameters, apply_cle, apply_quadapter, attach_quadapters
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters, run_phase1
-from aimet_quadapter.quadapter.phase2 import Phase2Parameters, lm_loss, run_phase2
+from aimet_quadapter.quadapter.phase2 import Phase2Parameters, distillation_loss, lm_loss, phase2_loss, run_phase2
 from aimet_quadapter.quadapter.state import QuadapterState
 from aimet_quadapter.quant.policy import build_sim, calibrate
 from aimet_quadapter.quant.quantizers import DynamicRanges, quantizers_in
@@ -323,6 +323,29 @@ def test_phase2_lowers_training_loss_and_keeps_weights(setup):
     for n, p in sim.model.named_parameters():
         if n in weights:
             assert torch.equal(p, weights[n]), f"weight {n} changed in phase 2"
+
+
+def test_phase2_distillation_brings_the_sim_toward_the_fp_model(setup):
+    """``phase2.loss = "kd"``: zero between the FP model and itself, positive for the quantized sim, and
+    lowered by phase 2 (alpha and ranges) toward the FP model's next-token distribution."""
+    model, calib, train = setup["model"], setup["calib"], setup["train"]
+    kd = distillation_loss(model)
+    with torch.no_grad():
+        assert kd(model, train[0]).item() == pytest.approx(0.0, abs=1e-6)
+    sim = build_sim(model)
+    calibrate(sim, calib)
+    qset = attach_quadapters(sim)
+    with torch.no_grad():
+        before = sum(kd(sim.model, b).item() for b in train)
+    assert before > 1e-3
+    params = Phase2Parameters(steps=30, lr_alpha=1e-2, lr_ranges=1e-2, loss="kd")
+    assert phase2_loss(Phase2Parameters(), model) is lm_loss
+    with torch.no_grad():  # what apply_phase2 and QAT train under loss = "kd": the same loss, the FP model its teacher
+        assert phase2_loss(params, model)(sim.model, train[0]).item() == kd(sim.model, train[0]).item()
+    run_phase2(sim.model, qset, train, params, loss_fn=phase2_loss(params, model), progress=False)
+    with torch.no_grad():
+        after = sum(kd(sim.model, b).item() for b in train)
+    assert after < 0.9 * before
 
 
 def test_phase2_micro_batches_give_the_whole_batch_gradient(setup):

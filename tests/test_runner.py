@@ -313,6 +313,11 @@ def test_plan_of_a_matrix_without_loading_anything(tmp_path):
     same = {c.key for c in per_fid.cells if per_fid.fingerprint(c) == changed.fingerprint(c)}
     assert same == {"fp", "calib:wikitext2/ptq", "calib:ptb+lambada/ptq", "calib:wikitext2/quadapter_bc",
                     "calib:ptb+lambada/quadapter_bc"}  # fmt: skip
+    # phase 2's loss is a phase-2 change too; at its default it leaves every fingerprint as it was before it existed
+    kd = RecipeRun(load_recipe(recipe_file, ["phase2.loss=kd"]), tmp_path / "out", progress=False)
+    assert {c.key for c in per_fid.cells if per_fid.fingerprint(c) == kd.fingerprint(c)} == same
+    lm = RecipeRun(load_recipe(recipe_file, ["phase2.loss=lm"]), tmp_path / "out", progress=False)
+    assert all(per_fid.fingerprint(c) == lm.fingerprint(c) for c in per_fid.cells)
     policy = RecipeRun(load_recipe(recipe_file, ["policy.weight_bits=4"]), tmp_path / "out", progress=False)
     assert {c.key for c in per_fid.cells if per_fid.fingerprint(c) == policy.fingerprint(c)} == {"fp"}
 

@@ -35,7 +35,7 @@ from aimet_quadapter.quadapter.api import (
 )
 from aimet_quadapter.quadapter.cle import channel_min_max
 from aimet_quadapter.quadapter.config import Phase2Parameters, QuadapterParameters
-from aimet_quadapter.quadapter.phase2 import run_phase2
+from aimet_quadapter.quadapter.phase2 import phase2_loss, run_phase2
 from aimet_quadapter.quadapter.state import QuadapterState
 from aimet_quadapter.quant.baselines import apply_adaround, apply_seq_mse
 from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
@@ -204,7 +204,9 @@ def _quadapter_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
 def _qat_on(ctx: MethodContext, sim: QuantizationSimModel, name: str, learn_ranges: bool) -> QuantizationSimModel:
     """The paper's QAT: every weight (lr 1e-5) and, with LSQ+, every quantizer range (lr 1e-3)."""
     params = _phase2(ctx, name, name, lr_weights=ctx.baselines.qat_lr_weights, learn_ranges=learn_ranges)
-    result = run_phase2(sim.model, None, _finetune_data(ctx, name), params, progress=ctx.progress, desc=f"{name} (QAT)")
+    loss_fn = phase2_loss(params, ctx.model)
+    data = _finetune_data(ctx, name)
+    result = run_phase2(sim.model, None, data, params, loss_fn=loss_fn, progress=ctx.progress, desc=f"{name} (QAT)")
     _write_losses(ctx, name, result.losses)
     return sim
 

@@ -60,6 +60,9 @@ _CALIBRATION_SECTIONS = {
     "quadapter_bc": ("phase1", "quadapter"),
 }
 _BC_SECTIONS = ("phase1", "quadapter")
+# Settings added after run folders existed: at their default they stay out of the fingerprints, so those
+# folders' cells are not computed again for a setting that does not change them.
+_ADDED_LATER = {"phase2": {"loss": "lm"}}
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,12 @@ class RecipeRun:
     def _sections(self, names: tuple[str, ...]) -> dict:
         # where checkpoints go, how often, and how a batch is sliced or recomputed for memory do not change a result
         skip = {"checkpoint_every", "checkpoint_dir", "micro_batch_size", "recompute_blocks"}
-        return {n: getattr(self.recipe, n).model_dump(mode="json", exclude=skip) for n in names}
+        out = {n: getattr(self.recipe, n).model_dump(mode="json", exclude=skip) for n in names}
+        for name, fields in _ADDED_LATER.items():
+            for key, default in fields.items():
+                if name in out and out[name].get(key) == default:
+                    del out[name][key]
+        return out
 
     def _base_payload(self) -> dict:
         evals = [(s.ref.source, s.ref.label, s.split, s.seq_len, s.max_tokens, s.stride) for s in self.evals]

@@ -21,7 +21,7 @@ from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quadapter.cle import init_with_cle
 from aimet_quadapter.quadapter.config import Phase2Parameters, QuadapterParameters
 from aimet_quadapter.quadapter.phase1 import Phase1Result, run_phase1
-from aimet_quadapter.quadapter.phase2 import Phase2Result, mean_lm_loss, run_phase2
+from aimet_quadapter.quadapter.phase2 import Phase2Result, mean_lm_loss, phase2_loss, run_phase2
 from aimet_quadapter.quadapter.state import QuadapterState
 from aimet_quadapter.quant.policy import calibrate
 from aimet_quadapter.quant.quantizers import fast_inference
@@ -110,7 +110,8 @@ def apply_quadapter(
        with ``validation_batches`` (held-out text), the start, phase 1's result and the points between them
        (``phase1.check_points``, in log alpha) are scored there with static ranges, and the best is kept
        (the start on a tie);
-    3. phase 2 on ``finetune_batches``: alpha and quantizer ranges on the LM loss, weights frozen;
+    3. phase 2 on ``finetune_batches``: alpha and quantizer ranges on the LM loss (or, with
+       ``phase2.loss = "kd"``, distilled from ``fp_model``), weights frozen;
     4. fold alpha into the sim's weights. The sim then holds the final weights and encodings.
     """
     params = params or QuadapterParameters()
@@ -184,7 +185,9 @@ def apply_phase2(
     """Steps 3-4 alone, on a sim that :func:`apply_phase1` returned."""
     qset = previous.qset.attach(sim.model)
     try:
-        phase2 = run_phase2(sim.model, qset, finetune_batches, params, progress=progress)
+        params = params or Phase2Parameters()
+        loss_fn = phase2_loss(params, fp_model)
+        phase2 = run_phase2(sim.model, qset, finetune_batches, params, loss_fn=loss_fn, progress=progress)
         # one fold of the total alphas from the FP weights: the saved state rebuilds this sim exactly
         qset.fold(sim.model, reference=fp_model)
     finally:

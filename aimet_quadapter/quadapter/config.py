@@ -80,6 +80,14 @@ class Phase2Parameters:
     # Every block's fake-quantized weights and activations would otherwise be kept for the backward pass;
     # recomputed, only one block's are alive at a time, for one more forward pass per step.
     recompute_blocks: bool = setting(True, help="recompute each decoder block in the backward pass (less memory)")
+    # Distillation needs no labels, so it does not pull the model toward the fine-tuning text's own
+    # next-token statistics: only toward the FP model's behaviour on it.
+    loss: str = setting(
+        "lm",
+        choices=("lm", "kd"),
+        help="lm: next-token cross entropy on the fine-tuning text (the paper); kd: KL divergence to the FP "
+        "model's next-token distribution on it (FP fine-tuning always uses lm)",
+    )
     lr_alpha: float = setting(1e-3, ge=0, help="learning rate of log alpha, decaying linearly to 0")
     lr_ranges: float = setting(1e-3, ge=0, help="learning rate of the quantizers' min/max (LSQ+)")
     learn_ranges: bool = setting(True, help="train the quantizer ranges; False: the paper's 'without LSQ+'")

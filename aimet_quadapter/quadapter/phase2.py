@@ -41,6 +41,24 @@ def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
 
 
+def distillation_loss(teacher: nn.Module) -> LossFn:
+    """KL divergence from ``teacher``'s next-token distribution to the model's, averaged over tokens."""
+
+    def loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        batch = batch.to(device_of(model))
+        with torch.no_grad():
+            target = F.log_softmax(teacher(batch).float(), dim=-1).flatten(0, -2)
+        log_probs = F.log_softmax(model(batch).float(), dim=-1).flatten(0, -2)
+        return F.kl_div(log_probs, target, log_target=True, reduction="batchmean")
+
+    return loss
+
+
+def phase2_loss(params: Phase2Parameters, fp_model: nn.Module) -> LossFn:
+    """The loss ``params.loss`` names; ``fp_model`` is the teacher of ``kd``."""
+    return distillation_loss(fp_model) if params.loss == "kd" else lm_loss
+
+
 @torch.no_grad()
 def mean_lm_loss(model: nn.Module, batches: Sequence[torch.Tensor]) -> float:
     """The mean of :func:`lm_loss` over ``batches``."""
