@@ -342,6 +342,8 @@ def test_phase2_distillation_brings_the_sim_toward_the_fp_model(setup):
     assert phase2_loss(Phase2Parameters(), model) is lm_loss
     with torch.no_grad():  # what apply_phase2 and QAT train under loss = "kd": the same loss, the FP model its teacher
         assert phase2_loss(params, model)(sim.model, train[0]).item() == kd(sim.model, train[0]).item()
+    with pytest.raises(QuadapterError, match="phase2.loss = 'kd' needs its teacher"):
+        run_phase2(sim.model, qset, train, params, progress=False)  # not the LM loss in its place
     run_phase2(sim.model, qset, train, params, loss_fn=phase2_loss(params, model), progress=False)
     with torch.no_grad():
         after = sum(kd(sim.model, b).item() for b in train)

@@ -234,7 +234,8 @@ def _quadapter_bc_qat_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
 def _fp_finetuned(ctx: MethodContext) -> PreparedLM:
     """The FP upper bound (the paper's Fig. 6): the FP weights fine-tuned on the same loop, no quantizer."""
     name = "fp_finetuned"
-    params = _phase2(ctx, name, name, lr_weights=ctx.baselines.qat_lr_weights, learn_ranges=False)
+    # the LM loss whatever phase2.loss says: distilling the FP model into itself would not move it
+    params = _phase2(ctx, name, name, lr_weights=ctx.baselines.qat_lr_weights, learn_ranges=False, loss="lm")
     model = copy.deepcopy(ctx.model)
     result = run_phase2(model, None, _finetune_data(ctx, name), params, progress=ctx.progress, desc="FP fine-tuning")
     _write_losses(ctx, name, result.losses)

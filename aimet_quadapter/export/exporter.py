@@ -582,6 +582,7 @@ def export_quantized(
             )
         import aimet_torch.onnx
 
+        # a second context: the parked weights must be back before this export makes its copies of them
         with lean_aimet_export(sim.model, parked):
             _run_aimet_export(
                 "AIMET's QDQ ONNX export (aimet_torch.onnx.export)",

@@ -76,16 +76,23 @@ def run_phase2(
     qset: QuadapterSet | None,
     batches: Sequence[torch.Tensor],
     params: Phase2Parameters | None = None,
-    loss_fn: LossFn = lm_loss,
+    loss_fn: LossFn | None = None,
     progress: bool = True,
     desc: str = "phase 2 (end-to-end)",
 ) -> Phase2Result:
     """Train alpha (``qset``, attached to ``sim_model``), quantizer ranges and optionally the weights.
 
     ``batches`` is indexed by step (``batches[step % len(batches)]``), so a resumed run sees the same
-    data as an uninterrupted one.
+    data as an uninterrupted one. ``loss_fn``: by default the LM loss; :func:`phase2_loss` gives the one
+    ``params.loss`` names.
     """
     params = params or Phase2Parameters()
+    if loss_fn is None:
+        if params.loss != "lm":  # not silently the LM loss: the teacher is the caller's to give
+            raise QuadapterError(
+                f"phase2.loss = {params.loss!r} needs its teacher: pass loss_fn=phase2_loss(params, fp_model)"
+            )
+        loss_fn = lm_loss
     if not batches:
         raise QuadapterError("phase 2 needs at least one fine-tuning batch")
     sim_model.eval()  # dropout off: the model is frozen, only its quantization is being trained
