@@ -331,3 +331,41 @@ def test_the_report_shows_the_phase1_check_to_the_decimal_that_decides_it():
     text = info_text({"validation_start": 4.343764, "validation_end": 4.341449, "validation_kept": "0.5",
                       "validation_points": points})  # fmt: skip
     assert "kept the point 0.5 of the way (4.3381)" in text
+
+
+def test_generated_text_is_sampled_once_kept_and_part_of_the_fingerprint(world, tmp_path, monkeypatch):
+    import aimet_quadapter.experiments.generated as generated
+
+    sampled = []
+    original = generated.generate_samples
+    monkeypatch.setattr(generated, "generate_samples", lambda *a, **k: sampled.append(1) or original(*a, **k))
+    out = tmp_path / "run"
+    sets = ["fid=[generated]", "methods=[fp,cle,quadapter]", "generated={samples: 3, length: 64}"]
+    args = ["run", str(world / "r.yaml"), "--out", str(out), "--no-progress", *[x for s in sets for x in ("--set", s)]]
+    assert main(args) == 0
+    assert sampled == [1]  # calibration, phase 1's held-out check and phase 2 share one sampling
+    (kept,) = (out / "generated").glob("*.pt")
+    samples = torch.load(kept)
+    assert samples.shape == (3, 64)
+    assert set(_results(out)["cells"]) == {"fp", "calib:generated/cle", "generated/quadapter"}
+
+    run = RecipeRun(load_recipe(world / "r.yaml", sets), out, progress=False)
+    for batch in run.finetune_batches("generated", None):  # phase 2 trains on the kept samples
+        for row in batch:
+            assert any(torch.equal(row, s) for s in samples)
+
+    calls = _count_calls(monkeypatch)
+    assert main(args) == 0
+    assert sampled == [1] and calls == {}  # read back from the run folder; every cell reused
+    assert main([*args, "--set", "generated.seed=5"]) == 0
+    assert sampled == [1, 1]  # other text: every cell that uses it is recomputed, the FP model's is not
+    assert calls == {"cle": 1, "quadapter_bc": 1, "quadapter": 1}
+
+
+def test_generated_text_is_refused_where_it_cannot_serve(world, tmp_path, capsys):
+    args = ["run", str(world / "r.yaml"), "--out", str(tmp_path / "run"), "--no-progress"]
+    assert main([*args, "--set", "eval.datasets=[generated]"]) == 2
+    assert "field eval.datasets: 'generated' is text the model samples itself" in capsys.readouterr().err
+    assert main([*args, "--set", "fid=[generated]", "--set", "generated.length=32"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "field calibration.length: 64 tokens, longer than the generated samples" in err

@@ -50,7 +50,9 @@ def _yaml_value(text: str) -> Any:
 def _add_section_options(p: argparse.ArgumentParser, section: str, source: type, exclude: tuple[str, ...]) -> None:
     """``--SECTION-FIELD`` for every field of the section's dataclass; given ones override the recipe's value."""
     hints = typing.get_type_hints(source)
-    g = p.add_argument_group(f"{section} (recipe section `{section}`; defaults: the paper's)")
+    # the dataclass's own summary says where its defaults come from (the paper's, AIMET's, ...)
+    summary = (source.__doc__ or "").strip().splitlines()[0].replace("``", "`").replace("%", "%%")
+    g = p.add_argument_group(f"{section} (recipe section `{section}`)", summary or None)
     for f in dataclasses.fields(source):
         if f.name in exclude:
             continue

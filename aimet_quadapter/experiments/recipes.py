@@ -7,7 +7,8 @@ line that names the file and the field. Every value can be overridden on the com
 A recipe may start from another with ``base: other.yaml`` (relative to the file): the two are merged,
 sections field by field, and the recipe's own values win.
 
-Dataset names are either one of the paper's corpora (``wikitext2``, ``ptb``, ...) or a local text file
+Dataset names are one of the paper's corpora (``wikitext2``, ``ptb``, ...), ``generated`` (text the FP
+model samples, set by the ``generated`` section; for calibration and fine-tuning), or a local text file
 or folder. A relative local path is looked up, in order, in each folder of the environment variable
 ``AIMET_QUADAPTER_DATA`` (``os.pathsep``-separated), in the recipe's ``data_dirs`` (each relative to the
 file that lists it), next to the recipe file, and in the current directory; so a recipe works from any
@@ -67,6 +68,7 @@ def _mirror(source: type, name: str, exclude: tuple[str, ...] = (), **narrow: An
 def parameter_sections() -> list[tuple[str, type, tuple[str, ...]]]:
     """(recipe section, the parameter dataclass it mirrors, fields that are not part of it): the recipe
     schema and the command-line options are both built from this list."""
+    from aimet_quadapter.experiments.generated import GenerationParameters
     from aimet_quadapter.quadapter.config import Phase1Parameters, Phase2Parameters, QuadapterParameters
     from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
 
@@ -76,6 +78,7 @@ def parameter_sections() -> list[tuple[str, type, tuple[str, ...]]]:
         ("phase1", Phase1Parameters, ()),
         ("phase2", Phase2Parameters, ()),
         ("baselines", BaselineParameters, ()),
+        ("generated", GenerationParameters, ()),
     ]
 
 
@@ -93,6 +96,7 @@ if TYPE_CHECKING:  # built at run time from the dataclasses: a type checker cann
     Phase1Section: TypeAlias = Any
     Phase2Section: TypeAlias = Any
     BaselinesSection: TypeAlias = Any
+    GeneratedSection: TypeAlias = Any
     _QuadapterBase: TypeAlias = Any
 else:
     _SECTIONS = _sections()
@@ -100,6 +104,7 @@ else:
     Phase1Section = _SECTIONS["phase1"]
     Phase2Section = _SECTIONS["phase2"]
     BaselinesSection = _SECTIONS["baselines"]
+    GeneratedSection = _SECTIONS["generated"]
     _QuadapterBase = _SECTIONS["quadapter"]
 
 
@@ -176,6 +181,8 @@ class Recipe(_Section):
     phase2: Phase2Section = Field(default_factory=Phase2Section)
     quadapter: QuadapterSection = Field(default_factory=QuadapterSection)
     baselines: BaselinesSection = Field(default_factory=BaselinesSection)
+    # the dataset `generated`: text sampled from the FP model (experiments/generated.py)
+    generated: GeneratedSection = Field(default_factory=GeneratedSection)
     methods: list[MethodName] = Field(min_length=1)
     # Each entry is one F-ID: a dataset, or a list of datasets (the paper's Table 2 "expanded F-ID").
     # Its train split gives the fine-tuning data (and the calibration data unless calibration.dataset is set).
@@ -202,6 +209,11 @@ class Recipe(_Section):
             init=self.quadapter.init,
             extra_sites=self.quadapter.extra_sites,
         )
+
+    def generation_parameters(self):
+        from aimet_quadapter.experiments.generated import GenerationParameters
+
+        return GenerationParameters(**self.generated.model_dump())
 
     def baseline_parameters(self):
         from aimet_quadapter.quant.config import BaselineParameters
@@ -238,8 +250,9 @@ class Recipe(_Section):
     def resolve_dataset(self, name: str) -> str:
         """A corpus name as is; a local path as an absolute path found as the module docstring says."""
         from aimet_quadapter.experiments.data import ALIASES, CORPORA
+        from aimet_quadapter.experiments.generated import GENERATED
 
-        if ALIASES.get(name.lower(), name.lower()) in CORPORA:
+        if ALIASES.get(name.lower(), name.lower()) in CORPORA or name == GENERATED:
             return name
         path = Path(os.path.expandvars(name)).expanduser()
         if path.is_absolute():

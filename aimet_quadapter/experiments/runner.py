@@ -38,7 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from aimet_quadapter import distributed
-from aimet_quadapter.atomic import write_text_atomic
+from aimet_quadapter.atomic import write_atomic, write_text_atomic
 from aimet_quadapter.errors import QuadapterError, TrainingDiverged
 from aimet_quadapter.experiments.catalog import CATALOG
 from aimet_quadapter.experiments.lock import RunLock
@@ -177,9 +177,16 @@ class RecipeRun:
         return "+".join(r.label for r in refs)
 
     def _eval_specs(self) -> list[EvalSpec]:
+        from aimet_quadapter.experiments.generated import GENERATED
+
         e = self.recipe.eval
         specs = []
         for d in e.datasets:
+            if d.name == GENERATED:
+                raise QuadapterError(
+                    f"{self.recipe.where()}: field eval.datasets: {GENERATED!r} is text the model samples itself, "
+                    f"for calibration and fine-tuning; evaluate on a corpus or a text file"
+                )
             ref = self._refs([d.name])[0]
             if d.label:
                 ref = DatasetRef(ref.spec, ref.source, d.label)
@@ -240,8 +247,14 @@ class RecipeRun:
         evals = [(s.ref.source, s.ref.label, s.split, s.seq_len, s.max_tokens, s.stride) for s in self.evals]
         return {"model": self.model_name, "eval": evals}
 
+    def _sources(self, refs: list[DatasetRef]) -> list:
+        """What a dataset group contributes to a fingerprint: its sources, and how generated text is sampled."""
+        from aimet_quadapter.experiments.generated import GENERATED
+
+        return [self._sections(("generated",)) if r.source == GENERATED else r.source for r in refs]
+
     def _calibration_payload(self, cal: str) -> dict:
-        sources = [r.source for r in self.calibration_sets[cal]]
+        sources = self._sources(self.calibration_sets[cal])
         return {"policy": self._sections(("policy",))["policy"], "calibration": [sources, self._cal_settings()]}
 
     def _cal_settings(self) -> dict:
@@ -258,7 +271,7 @@ class RecipeRun:
             payload.update(self._sections(sections))
             return _fingerprint(payload)
         payload.update(self._sections(("phase1", "phase2", "quadapter", "baselines")))
-        payload["fid"] = [r.source for r in self.fids[cell.fid_name]]
+        payload["fid"] = self._sources(self.fids[cell.fid_name])
         payload["size"] = cell.size
         return _fingerprint(payload)
 
@@ -316,10 +329,15 @@ class RecipeRun:
     def check_data(self, cells: list[Cell]) -> None:
         """Read, tokenize and cut every text ``cells`` need, before the model loads: a missing, binary or
         too-short text stops the run in seconds, not after minutes of loading and calibrating."""
+        from aimet_quadapter.experiments.generated import GENERATED
         from aimet_quadapter.models.loading import max_positions
 
         self._check_lengths(max_positions(self.model_name))
         self.eval_windows()
+        for refs in [*self.fids.values(), *self.calibration_sets.values()]:  # every text, before sampling one
+            for ref in refs:
+                if ref.source != GENERATED:
+                    self._train_tokens(ref)
         for cell in cells:
             if cell.calibration is not None and cell.method not in _NO_CALIBRATION:
                 self.calibration_batches(cell.calibration)
@@ -342,14 +360,28 @@ class RecipeRun:
     def _check_lengths(self, limit: int | None) -> None:
         from aimet_quadapter.models.loading import check_length
 
-        lengths = []
+        crops = []  # lengths cut from the calibration and fine-tuning texts
         if any(c.method not in _NO_CALIBRATION for c in self.cells):  # FP32 alone calibrates nothing
-            lengths.append(("calibration.length", self.recipe.calibration.length))
+            crops.append(("calibration.length", self.recipe.calibration.length))
         if any(self.catalog[c.method].finetunes for c in self.cells):
-            lengths.append(("phase2.seq_len", self.recipe.phase2.seq_len))
-        lengths += [(f"eval.datasets ({s.ref.label}) seq_len", s.seq_len) for s in self.evals]
+            crops.append(("phase2.seq_len", self.recipe.phase2.seq_len))
+        lengths = crops + [(f"eval.datasets ({s.ref.label}) seq_len", s.seq_len) for s in self.evals]
+        if self._uses_generated():
+            lengths.append(("generated.length", self.recipe.generated.length))
         for field, length in lengths:
             check_length(limit, length, f"{self.recipe.where()}: field {field}:")
+        for field, length in crops if self._uses_generated() else []:
+            if length > self.recipe.generated.length:
+                raise QuadapterError(
+                    f"{self.recipe.where()}: field {field}: {length} tokens, longer than the generated samples "
+                    f"(generated.length: {self.recipe.generated.length})"
+                )
+
+    def _uses_generated(self) -> bool:
+        from aimet_quadapter.experiments.generated import GENERATED
+
+        groups = [*self.fids.values(), *self.calibration_sets.values()]
+        return any(r.source == GENERATED for refs in groups for r in refs)
 
     @cache  # noqa: B019 - one run object per recipe run; the cache dies with it
     def _tokens(self, source: str, split: str) -> torch.Tensor:
@@ -358,22 +390,51 @@ class RecipeRun:
         text = data.load_text(source, split)  # a file that is not text is refused before the tokenizer loads
         return data.tokenize(self.tokenizer(), text)
 
+    def _train_tokens(self, ref: DatasetRef) -> torch.Tensor:
+        try:
+            return self._tokens(ref.source, "train")
+        except QuadapterError as exc:
+            raise QuadapterError(f"{self.recipe.where()}: train split of {_named(ref)}: {exc}") from None
+
     def _crops(self, refs: list[DatasetRef], num: int, length: int, seed: int) -> torch.Tensor:
         """``num`` crops of the train split(s), shared out evenly over the datasets of an expanded F-ID."""
         from aimet_quadapter.experiments.data import random_crops
+        from aimet_quadapter.experiments.generated import GENERATED, sample_crops
 
         parts = []
         for i, ref in enumerate(refs):
             n = num // len(refs) + (1 if i < num % len(refs) else 0)
-            if n:
+            if n and ref.source == GENERATED:
+                parts.append(sample_crops(self.generated_samples(), n, length, seed))
+            elif n:
+                tokens = self._train_tokens(ref)
                 try:
-                    parts.append(random_crops(self._tokens(ref.source, "train"), n, length, seed))
-                except QuadapterError as exc:
+                    parts.append(random_crops(tokens, n, length, seed))
+                except QuadapterError as exc:  # too short for the crops
                     raise QuadapterError(f"{self.recipe.where()}: train split of {_named(ref)}: {exc}") from None
         crops = torch.cat(parts)
         if len(refs) > 1:  # mix the datasets within every batch
             crops = crops[torch.randperm(len(crops), generator=torch.Generator().manual_seed(seed))]
         return crops
+
+    @cache  # noqa: B019
+    def generated_samples(self) -> torch.Tensor:
+        """The ``generated`` dataset: sampled from the FP model once, then read from the run folder."""
+        from aimet_quadapter.experiments.generated import generate_samples
+
+        params = self.recipe.generation_parameters()
+        key = _fingerprint({"model": self.model_name, **self._sections(("generated",))})
+        path = self.out_dir / "generated" / f"{key}.pt"
+        if path.is_file():
+            return torch.load(path)
+        self.log(f"sampling {params.samples} x {params.length} tokens of text from the FP model (dataset generated)")
+        start = time.time()
+        samples = generate_samples(self._load_model(), params, self.progress)
+        self.log(f"  {time.time() - start:.0f} s; kept in {path}")
+        if self.main:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, lambda tmp: torch.save(samples, tmp))
+        return samples
 
     @cache  # noqa: B019
     def calibration_batches(self, cal: str) -> list[torch.Tensor]:

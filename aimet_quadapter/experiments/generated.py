@@ -1,0 +1,93 @@
+"""Text the FP model samples itself: calibration and fine-tuning data that belongs to no domain.
+
+A recipe names it as the dataset ``generated``. Fine-tuning on a corpus fits that corpus (phase 2 on PTB
+trades Austen for PTB, README); the model's own samples stand for everything it has learned, the idea of
+data-free quantization-aware training (LLM-QAT, Liu et al. 2023), and they need no data at all.
+
+Every sample starts after the model's BOS token and is exactly ``length`` tokens long: the end-of-text
+token is never drawn, so a sample is one stretch of running text, as a crop of a corpus is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from aimet_quadapter.settings import check_fields, setting
+
+if TYPE_CHECKING:
+    from aimet_quadapter.models import PreparedLM
+
+GENERATED = "generated"
+
+
+@dataclass(frozen=True)
+class GenerationParameters:
+    """How the ``generated`` dataset is sampled from the FP model."""
+
+    samples: int = setting(16, ge=1, help="sequences sampled; crops cycle through them when more are asked for")
+    length: int = setting(512, ge=2, help="tokens per sequence: the longest crop the recipe can take")
+    temperature: float = setting(1.0, gt=0, help="softmax temperature of the sampling (1: the model's own)")
+    seed: int = setting(0, help="seed of the sampling")
+    batch_size: int = setting(16, ge=1, help="sequences sampled at once")
+
+    def __post_init__(self) -> None:
+        check_fields(self, "generated")
+
+
+def _start_token(model: PreparedLM) -> int:
+    config = model.config
+    token = config.bos_token_id if config.bos_token_id is not None else config.eos_token_id
+    return int(token if token is not None else 0)
+
+
+def _end_tokens(model: PreparedLM) -> list[int]:
+    eos = model.config.eos_token_id
+    return [] if eos is None else [int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+@torch.no_grad()
+def generate_samples(model: PreparedLM, params: GenerationParameters, progress: bool = True) -> torch.Tensor:
+    """``params.samples`` sequences of ``params.length`` tokens sampled from ``model``, shape (samples, length),
+    on the CPU. The same parameters give the same tokens on the same machine (a seeded generator)."""
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(params.seed)  # on the CPU: the draws do not depend on the device
+    start, ends = _start_token(model), _end_tokens(model)
+    was_training = model.training
+    model.eval()
+    out = []
+    bar = tqdm(total=params.samples * params.length, desc="sampling text from the FP model", unit="tok",
+               disable=not progress, leave=False)  # fmt: skip
+    try:
+        for first in range(0, params.samples, params.batch_size):
+            n = min(params.batch_size, params.samples - first)
+            ids = torch.full((n, 1), start, dtype=torch.long, device=device)
+            cache, tokens = None, []
+            for _ in range(params.length):
+                step = model.lm(input_ids=ids, past_key_values=cache, use_cache=True)
+                cache = step.past_key_values
+                logits = step.logits[:, -1].float().cpu() / params.temperature
+                logits[:, ends] = float("-inf")
+                ids = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+                tokens.append(ids)
+                ids = ids.to(device)
+                bar.update(n)
+            out.append(torch.cat(tokens, dim=1))
+    finally:
+        bar.close()
+        model.train(was_training)
+    return torch.cat(out)
+
+
+def sample_crops(samples: torch.Tensor, num: int, length: int, seed: int) -> torch.Tensor:
+    """``num`` crops of ``length`` tokens, one per sample, the samples in an order set by ``seed`` (cycling
+    through them when ``num`` exceeds their number); each crop at a random offset within its sample."""
+    count, sample_length = samples.shape
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.cat([torch.randperm(count, generator=generator) for _ in range(-(-num // count))])[:num]
+    offsets = torch.randint(0, sample_length - length + 1, (num,), generator=generator)
+    return torch.stack([samples[i, o : o + length] for i, o in zip(order.tolist(), offsets.tolist())])
