@@ -31,7 +31,7 @@ class GenerationParameters:
     length: int = setting(512, ge=2, help="tokens per sequence: the longest crop the recipe can take")
     temperature: float = setting(1.0, gt=0, help="softmax temperature of the sampling (1: the model's own)")
     seed: int = setting(0, help="seed of the sampling")
-    batch_size: int = setting(16, ge=1, help="sequences sampled at once")
+    batch_size: int = setting(16, ge=1, help="sequences sampled at once (another size draws other text)")
 
     def __post_init__(self) -> None:
         check_fields(self, "generated")
