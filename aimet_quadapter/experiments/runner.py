@@ -334,10 +334,12 @@ class RecipeRun:
 
         self._check_lengths(max_positions(self.model_name))
         self.eval_windows()
-        for refs in [*self.fids.values(), *self.calibration_sets.values()]:  # every text, before sampling one
-            for ref in refs:
-                if ref.source != GENERATED:
-                    self._train_tokens(ref)
+        calibrated = [c for c in cells if c.calibration is not None and c.method not in _NO_CALIBRATION]
+        groups = [self.calibration_sets[c.calibration_set] for c in calibrated]
+        groups += [self.fids[c.fid] for c in cells if c.fid is not None]
+        for ref in dict.fromkeys(r for refs in groups for r in refs if r.source != GENERATED):  # texts before sampling
+            with self._about(ref):
+                self._tokens(ref.source, "train")
         for cell in cells:
             if cell.calibration is not None and cell.method not in _NO_CALIBRATION:
                 self.calibration_batches(cell.calibration)
@@ -366,15 +368,16 @@ class RecipeRun:
         if any(self.catalog[c.method].finetunes for c in self.cells):
             crops.append(("phase2.seq_len", self.recipe.phase2.seq_len))
         lengths = crops + [(f"eval.datasets ({s.ref.label}) seq_len", s.seq_len) for s in self.evals]
-        if self._uses_generated():
-            lengths.append(("generated.length", self.recipe.generated.length))
+        generated = self.recipe.generated.length if self._uses_generated() else None
+        if generated is not None:
+            lengths.append(("generated.length", generated))
         for field, length in lengths:
             check_length(limit, length, f"{self.recipe.where()}: field {field}:")
-        for field, length in crops if self._uses_generated() else []:
-            if length > self.recipe.generated.length:
+        for field, length in crops:
+            if generated is not None and length > generated:
                 raise QuadapterError(
                     f"{self.recipe.where()}: field {field}: {length} tokens, longer than the generated samples "
-                    f"(generated.length: {self.recipe.generated.length})"
+                    f"(generated.length: {generated})"
                 )
 
     def _uses_generated(self) -> bool:
@@ -390,9 +393,11 @@ class RecipeRun:
         text = data.load_text(source, split)  # a file that is not text is refused before the tokenizer loads
         return data.tokenize(self.tokenizer(), text)
 
-    def _train_tokens(self, ref: DatasetRef) -> torch.Tensor:
+    @contextlib.contextmanager
+    def _about(self, ref: DatasetRef):
+        """A problem with the train split of ``ref`` (unreadable, too short) names the recipe and the dataset."""
         try:
-            return self._tokens(ref.source, "train")
+            yield
         except QuadapterError as exc:
             raise QuadapterError(f"{self.recipe.where()}: train split of {_named(ref)}: {exc}") from None
 
@@ -407,11 +412,8 @@ class RecipeRun:
             if n and ref.source == GENERATED:
                 parts.append(sample_crops(self.generated_samples(), n, length, seed))
             elif n:
-                tokens = self._train_tokens(ref)
-                try:
-                    parts.append(random_crops(tokens, n, length, seed))
-                except QuadapterError as exc:  # too short for the crops
-                    raise QuadapterError(f"{self.recipe.where()}: train split of {_named(ref)}: {exc}") from None
+                with self._about(ref):
+                    parts.append(random_crops(self._tokens(ref.source, "train"), n, length, seed))
         crops = torch.cat(parts)
         if len(refs) > 1:  # mix the datasets within every batch
             crops = crops[torch.randperm(len(crops), generator=torch.Generator().manual_seed(seed))]
