@@ -464,6 +464,84 @@ def test_evaluation_takes_the_vectorised_fake_quant(setup, monkeypatch):
     assert torch.equal(fast, expected)
 
 
+def _learnable_quantizer():
+    from aimet_torch.quantization.affine import QuantizeDequantize
+
+    q = QuantizeDequantize((), bitwidth=8, symmetric=False)
+    q.set_range(-1.3, 2.9)
+    return q
+
+
+def test_a_trained_range_rounds_as_the_evaluation_does():
+    """Phase 2's fake-quant of a range that trains gives, bit for bit, the fixed-range output that the
+    evaluation computes, also for values within an ulp of a rounding boundary. AIMET's own path for a
+    trained range divides by the scale instead of multiplying by its reciprocal and rounds some of those
+    the other way: phase 2 would train another function than the one evaluated and exported."""
+    from aimet_quadapter.quant.quantizers import elementwise_fake_quant, plain_tensors
+
+    q = _learnable_quantizer()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        scale = q.get_scale().item()
+    steps = torch.randint(-80, 160, (100_000,), generator=g).float()
+    x = (steps + 0.5) * scale
+    x = x + torch.randn(x.shape, generator=g) * 1e-7 * x.abs()  # an ulp or two from the boundary
+    with torch.no_grad():
+        evaluated = q(x).as_subclass(torch.Tensor)
+    q.requires_grad_(True)
+    with plain_tensors():
+        aimet = q(x).detach()
+        with elementwise_fake_quant([q]):
+            trained = q(x)
+    assert trained.requires_grad  # the range-learning path, not the fixed one
+    assert (aimet != evaluated).any()  # the inputs do sit where the two arithmetics part
+    assert torch.equal(trained.detach(), evaluated)
+
+
+def test_a_trained_range_has_aimets_gradients():
+    """The gradients of that fake-quant to the input and to min / max are AIMET's (LSQ through the
+    scale and the offset), inside the range and outside it on both sides."""
+    from aimet_quadapter.quant.quantizers import elementwise_fake_quant, plain_tensors
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(20_000, generator=g) * 1.5  # about 7 % beyond -1.3 or 2.9
+    weights = torch.randn(20_000, generator=g)
+    grads = []
+    for ours in (False, True):
+        q = _learnable_quantizer()
+        q.requires_grad_(True)
+        inputs = x.clone().requires_grad_(True)
+        with plain_tensors(), elementwise_fake_quant([q] if ours else []):
+            (q(inputs) * weights).sum().backward()
+        grads.append([inputs.grad, q.min.grad, q.max.grad])
+    assert ((x < -1.3) | (x > 2.9)).sum() > 500
+    for aimet, ours in zip(*grads):
+        assert aimet.abs().max() > 0
+        assert torch.allclose(ours, aimet, rtol=1e-4, atol=1e-5 * aimet.abs().max().item())
+
+
+@pytest.mark.parametrize("relative", [False, True])
+def test_range_learning_rate_relative_to_each_width(setup, relative):
+    """Adam's first step moves each parameter by its learning rate: with ``lr_ranges_relative`` every min and
+    max moves by that fraction of its quantizer's width, however wide; otherwise by the rate itself."""
+    from aimet_quadapter.quant.quantizers import range_parameter_widths
+
+    model, calib, train = setup["model"], setup["calib"], setup["train"]
+    sim = build_sim(model)
+    calibrate(sim, calib)
+    widths = range_parameter_widths(sim.model)
+    before = [p.detach().clone() for p, _ in widths]
+    lr = 0.01
+    params = Phase2Parameters(steps=1, lr_alpha=0.0, lr_ranges=lr, lr_ranges_relative=relative)
+    run_phase2(sim.model, None, train, params, progress=False)
+    moved = [(float((p - b).abs().max()), width) for (p, width), b in zip(widths, before) if p.grad.abs().max() > 1e-4]
+    assert len(moved) > 20
+    spread = [width for _, width in moved]
+    assert max(spread) > 5 * min(spread)  # one rate for all would move the narrow and the wide alike
+    for step, width in moved:
+        assert step == pytest.approx(lr * width if relative else lr, rel=1e-3)
+
+
 def test_plain_tensors_change_no_result(setup, monkeypatch):
     """Phases 1 and 2 with AIMET's DequantizedTensor outputs switched off (a speed-up) give the same losses."""
     import contextlib

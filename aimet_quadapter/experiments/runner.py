@@ -62,7 +62,7 @@ _CALIBRATION_SECTIONS = {
 _BC_SECTIONS = ("phase1", "quadapter")
 # Settings added after run folders existed: at their default they stay out of the fingerprints, so those
 # folders' cells are not computed again for a setting that does not change them.
-_ADDED_LATER = {"phase2": {"loss": "lm"}}
+_ADDED_LATER = {"phase2": {"loss": "lm", "lr_ranges_relative": False}}
 
 
 @dataclass(frozen=True)

@@ -174,4 +174,7 @@ def load_model(name: str, untie: bool = True, quiet: bool = False, device: str |
         quiet_libraries()
 
     hf_model = load_hf_model(name)
-    return prepare_model(hf_model, untie=untie).to(target), load_tokenizer(name)
+    model = prepare_model(hf_model, untie=untie).to(target)
+    if quiet:  # preparing imports AIMET, whose logging set-up puts its loggers back to INFO
+        quiet_libraries()
+    return model, load_tokenizer(name)

@@ -90,6 +90,14 @@ class Phase2Parameters:
     )
     lr_alpha: float = setting(1e-3, ge=0, help="learning rate of log alpha, decaying linearly to 0")
     lr_ranges: float = setting(1e-3, ge=0, help="learning rate of the quantizers' min/max (LSQ+)")
+    # Adam moves a parameter by about its learning rate per step, whatever the gradient's size, while the
+    # ranges of one model span from 1 (softmax probabilities) to over a hundred (SmolLM2's down_proj inputs): one
+    # absolute rate leaves the wide ranges where they are or throws the narrow ones about.
+    lr_ranges_relative: bool = setting(
+        False,
+        help="lr_ranges is a fraction of each quantizer's calibrated width (max - min) instead of a step in its "
+        "own units (the paper)",
+    )
     learn_ranges: bool = setting(True, help="train the quantizer ranges; False: the paper's 'without LSQ+'")
     lr_weights: float = setting(0.0, ge=0, help="> 0 trains the model weights too (QAT)")
     checkpoint_every: int = setting(200, ge=1, help="steps between checkpoints (with checkpoint_dir)")

@@ -29,7 +29,13 @@ from aimet_quadapter.errors import QuadapterError, TrainingDiverged
 from aimet_quadapter.models import device_of
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quadapter.config import Phase2Parameters
-from aimet_quadapter.quant.quantizers import gathered_embedding_quantization, plain_tensors, range_parameters
+from aimet_quadapter.quant.quantizers import (
+    elementwise_fake_quant,
+    gathered_embedding_quantization,
+    plain_tensors,
+    quantizers_in,
+    range_parameter_widths,
+)
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -96,7 +102,8 @@ def run_phase2(
     if not batches:
         raise QuadapterError("phase 2 needs at least one fine-tuning batch")
     sim_model.eval()  # dropout off: the model is frozen, only its quantization is being trained
-    ranges = range_parameters(sim_model)
+    widths = range_parameter_widths(sim_model)
+    ranges = [p for p, _ in widths]
     range_ids = {id(p) for p in ranges}
     weights = [p for p in sim_model.parameters() if id(p) not in range_ids]
     for p in weights:
@@ -106,7 +113,9 @@ def run_phase2(
     groups: list[dict[str, Any]] = []
     if qset is not None and len(qset):
         groups.append({"params": [q.theta for q in qset], "lr": params.lr_alpha})
-    if params.learn_ranges:
+    if params.learn_ranges and params.lr_ranges_relative:
+        groups += [{"params": [p], "lr": params.lr_ranges * width} for p, width in widths]
+    elif params.learn_ranges:
         groups.append({"params": ranges, "lr": params.lr_ranges})
     if params.lr_weights > 0:
         groups.append({"params": weights, "lr": params.lr_weights})
@@ -130,10 +139,16 @@ def run_phase2(
     trainable = [p for group in groups for p in group["params"]]
     # named before gathered_embedding_quantization takes the embedding's quantizer out of the module tree
     named = list(sim_model.named_parameters())
+    fake_quantized = quantizers_in([sim_model])
     progress = progress and distributed.is_main()
     bar = tqdm(range(start, params.steps), desc=desc, initial=start, total=params.steps, disable=not progress)
     try:
-        with gathered_embedding_quantization(sim_model), plain_tensors(), _recomputed_blocks(sim_model, params):
+        with (
+            gathered_embedding_quantization(sim_model),
+            elementwise_fake_quant(fake_quantized),
+            plain_tensors(),
+            _recomputed_blocks(sim_model, params),
+        ):
             for step in bar:
                 optimizer.zero_grad(set_to_none=True)
                 # under torchrun each process takes its share of the global batch; gradients are averaged

@@ -166,11 +166,20 @@ def _clone_state(state):
 def range_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The learnable min/max of every activation and weight quantizer (LSQ+-style range learning), each once:
     the readers of one tensor share theirs (``tie_shared_ranges``)."""
-    params: dict[int, nn.Parameter] = {}
+    return [p for p, _ in range_parameter_widths(model)]
+
+
+def range_parameter_widths(model: nn.Module) -> list[tuple[nn.Parameter, float]]:
+    """:func:`range_parameters`, each with the width (max - min) of its quantizer's range as it is now,
+    averaged over the channels of a per-channel range (0 for a quantizer with no range yet)."""
+    params: dict[int, tuple[nn.Parameter, float]] = {}
     for _, _, q in quantizers(model):
-        for name, p in q.named_parameters():
-            if name in ("min", "max"):
-                params.setdefault(id(p), p)
+        named = dict(q.named_parameters())
+        if "min" not in named or "max" not in named:
+            continue
+        width = float((named["max"] - named["min"]).mean()) if q.is_initialized() else 0.0
+        for name in ("min", "max"):
+            params.setdefault(id(named[name]), (named[name], width))
     return list(params.values())
 
 
@@ -242,15 +251,51 @@ class FakeQuantSTE(torch.autograd.Function):
         return grad * mask, None, None, None, None
 
 
+class FakeQuantLearnedRange(torch.autograd.Function):
+    """:class:`FakeQuantSTE`'s arithmetic, with AIMET's gradients for the scale and the offset as well (LSQ).
+
+    AIMET's own path for a range that trains divides by the scale where its fixed-range kernel multiplies by
+    the reciprocal; the two round a value on a grid boundary differently, and a model as sensitive to single
+    roundings as SmolLM2 then trains another function than the one evaluated and exported. With this
+    function a trained range computes, bit for bit, what the evaluation of the same range computes. The
+    gradients are those of AIMET's ``QuantDequantFunc``: to the input where it is in range, to the scale the
+    rounding error in range and the clamped grid value outside, to the offset the scale outside the range.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qmin: int, qmax: int):
+        s = scale.detach()
+        zero_point = _zero_point(offset.detach(), s.dtype)
+        scaled = x.mul(1.0 / s)
+        rounded = scaled.round()
+        q = rounded.add(zero_point)
+        mask = (q >= qmin) & (q <= qmax)
+        q.clamp_(qmin, qmax).sub_(zero_point)  # the grid value relative to the zero point, as dequantized
+        ctx.shapes = scale.shape, offset.shape
+        ctx.save_for_backward(mask, torch.where(mask, rounded.sub_(scaled), q) if scale.requires_grad else None, s)
+        return q.mul(s)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        mask, scale_factor, s = ctx.saved_tensors
+        scale_shape, offset_shape = ctx.shapes
+        grad_x = grad * mask if ctx.needs_input_grad[0] else None
+        grad_scale = (grad * scale_factor).sum().reshape(scale_shape) if ctx.needs_input_grad[1] else None
+        grad_offset = (grad * ~mask).sum().mul(s).reshape(offset_shape) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_scale, grad_offset, None, None
+
+
 @contextmanager
 def elementwise_fake_quant(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
-    """While inside, per-tensor fake-quant with fixed ranges runs as five vectorised tensor ops.
+    """While inside, per-tensor fake-quant runs as five vectorised tensor ops, with fixed or learned ranges.
 
     On a CPU, ``torch.fake_quantize_per_tensor_affine`` (what AIMET calls) is not vectorised and also
     writes a gradient mask: profiled on SmolLM2-135M it was a quarter of the sim's forward, about 20x
     the cost of the same float32 arithmetic written as tensor ops (x * (1 / scale), round half to even,
     + zero point, clamp, - zero point, * scale), which gives bit-identical outputs; the gradient is
-    ATen's straight-through one (tested). Learned ranges and per-channel encodings keep AIMET's path.
+    ATen's straight-through one (tested). A range that trains takes :class:`FakeQuantLearnedRange`: the
+    same arithmetic, so training and evaluation compute one function, on every device. Per-channel
+    encodings keep AIMET's path, and so do fixed ranges on CUDA, whose kernel is vectorised already.
     """
     patched = []
     try:
@@ -261,10 +306,11 @@ def elementwise_fake_quant(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
                 enc = q.get_encodings()
                 if enc is None or enc.scale.numel() != 1 or enc.block_size is not None or enc.zero_point_shift != 0:
                     return original(x)
+                if torch.is_grad_enabled() and (enc.scale.requires_grad or enc.offset.requires_grad):
+                    plain = x.as_subclass(torch.Tensor)  # on every device: it is a matter of arithmetic
+                    return FakeQuantLearnedRange.apply(plain, enc.scale, enc.offset, enc.qmin, enc.qmax)
                 if x.device.type != "cpu":  # measured on CPUs only; CUDA's kernel is vectorised already
                     return original(x)
-                if torch.is_grad_enabled() and (enc.scale.requires_grad or enc.offset.requires_grad):
-                    return original(x)  # learned ranges: AIMET's gradient for min/max
                 scale = enc.scale.detach().reshape(())
                 zero_point = _zero_point(enc.offset.detach().reshape(()), scale.dtype)
                 return FakeQuantSTE.apply(x.as_subclass(torch.Tensor), scale, zero_point, enc.qmin, enc.qmax)
