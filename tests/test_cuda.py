@@ -1,8 +1,8 @@
-"""The tiny pipeline on CUDA equals the same pipeline on the CPU: PTQ, phase 1, phase 2, evaluation, export;
-phase 2's fake-quant of a trained range rounds as the evaluation's.
+"""The tiny pipeline on CUDA equals the same pipeline on the CPU: PTQ, phase 1, phase 2, evaluation, export.
 
 Skipped, with the reason printed by ``pytest -rs``, on a machine without CUDA. On a GPU machine:
-``pytest tests/test_cuda.py -rs``.
+``pytest tests/test_cuda.py tests/test_quadapter.py -k cuda -rs`` (the second file's ``[cuda]`` cases: a
+trained range rounds on CUDA as the evaluation does).
 """
 
 from __future__ import annotations
@@ -109,27 +109,3 @@ def test_cli_eval_on_cuda_equals_cpu(tiny_gpt2_dir, corpus_file, tmp_path):
     for label, value in results["cpu"].items():
         bound = EXACT if label in ("FP32", "PTQ") else TRAINED
         assert results["cuda"][label] == pytest.approx(value, rel=bound), label
-
-
-def test_a_trained_range_rounds_as_the_evaluation_does_on_cuda():
-    """On CUDA too, phase 2's fake-quant of a range that trains equals, bit for bit, the fixed-range
-    fake-quant of the evaluation, for values an ulp or two from a rounding boundary
-    (``tests/test_quadapter.py`` checks the same on the CPU)."""
-    from aimet_torch.quantization.affine import QuantizeDequantize
-
-    from aimet_quadapter.quant.quantizers import elementwise_fake_quant, plain_tensors
-
-    q = QuantizeDequantize((), bitwidth=8, symmetric=False).cuda()
-    q.set_range(-1.3, 2.9)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        scale = q.get_scale().item()
-    x = (torch.randint(-80, 160, (100_000,), generator=g).float() + 0.5) * scale
-    x = (x + torch.randn(x.shape, generator=g) * 1e-7 * x.abs()).cuda()
-    with torch.no_grad():
-        evaluated = q(x).as_subclass(torch.Tensor)
-    q.requires_grad_(True)
-    with plain_tensors(), elementwise_fake_quant([q]):
-        trained = q(x)
-    assert trained.requires_grad and trained.is_cuda
-    assert torch.equal(trained.detach(), evaluated)

@@ -464,28 +464,32 @@ def test_evaluation_takes_the_vectorised_fake_quant(setup, monkeypatch):
     assert torch.equal(fast, expected)
 
 
-def _learnable_quantizer():
+def _learnable_quantizer(device: str = "cpu"):
     from aimet_torch.quantization.affine import QuantizeDequantize
 
-    q = QuantizeDequantize((), bitwidth=8, symmetric=False)
+    q = QuantizeDequantize((), bitwidth=8, symmetric=False).to(device)
     q.set_range(-1.3, 2.9)
     return q
 
 
-def test_a_trained_range_rounds_as_the_evaluation_does():
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))],
+)
+def test_a_trained_range_rounds_as_the_evaluation_does(device):
     """Phase 2's fake-quant of a range that trains gives, bit for bit, the fixed-range output that the
-    evaluation computes, also for values within an ulp of a rounding boundary. AIMET's own path for a
-    trained range divides by the scale instead of multiplying by its reciprocal and rounds some of those
-    the other way: phase 2 would train another function than the one evaluated and exported."""
+    evaluation computes, also for values within an ulp of a rounding boundary, on every device. AIMET's own
+    path for a trained range divides by the scale instead of multiplying by its reciprocal and rounds some
+    of those the other way: phase 2 would train another function than the one evaluated and exported."""
     from aimet_quadapter.quant.quantizers import elementwise_fake_quant, plain_tensors
 
-    q = _learnable_quantizer()
+    q = _learnable_quantizer(device)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         scale = q.get_scale().item()
     steps = torch.randint(-80, 160, (100_000,), generator=g).float()
     x = (steps + 0.5) * scale
-    x = x + torch.randn(x.shape, generator=g) * 1e-7 * x.abs()  # an ulp or two from the boundary
+    x = (x + torch.randn(x.shape, generator=g) * 1e-7 * x.abs()).to(device)  # an ulp or two from the boundary
     with torch.no_grad():
         evaluated = q(x).as_subclass(torch.Tensor)
     q.requires_grad_(True)
@@ -493,7 +497,7 @@ def test_a_trained_range_rounds_as_the_evaluation_does():
         aimet = q(x).detach()
         with elementwise_fake_quant([q]):
             trained = q(x)
-    assert trained.requires_grad  # the range-learning path, not the fixed one
+    assert trained.requires_grad and trained.device.type == device  # the range-learning path, not the fixed one
     assert (aimet != evaluated).any()  # the inputs do sit where the two arithmetics part
     assert torch.equal(trained.detach(), evaluated)
 

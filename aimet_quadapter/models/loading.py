@@ -152,6 +152,10 @@ def load_hf_model(name: str):
 
 def quiet_libraries() -> None:
     """AIMET and transformers log at INFO/WARNING for every sim; users want the progress bars and results."""
+    from aimet_torch.common.utils import AimetLogger
+
+    # AIMET configures its loggers (back to INFO) the first time one is asked for: ask before setting levels
+    AimetLogger.get_area_logger(AimetLogger.LogAreas.Quant)
     for name in ("Quant", "Utils", "transformers", "aimet_torch", "aimet_common"):
         logging.getLogger(name).setLevel(logging.ERROR)
     import transformers
@@ -174,7 +178,4 @@ def load_model(name: str, untie: bool = True, quiet: bool = False, device: str |
         quiet_libraries()
 
     hf_model = load_hf_model(name)
-    model = prepare_model(hf_model, untie=untie).to(target)
-    if quiet:  # preparing imports AIMET, whose logging set-up puts its loggers back to INFO
-        quiet_libraries()
-    return model, load_tokenizer(name)
+    return prepare_model(hf_model, untie=untie).to(target), load_tokenizer(name)
