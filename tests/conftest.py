@@ -11,12 +11,18 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist each worker is a process of its own: one thread each, not every worker on every core.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import random  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 _WORDS = (
     "the a an market stock shares company profit quarter investors interest rates fell rose said "
@@ -90,10 +96,14 @@ def tiny_gpt2_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 
 
 @pytest.fixture(scope="session")
-def corpus_file(tmp_path_factory, corpus_text) -> Path:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text(corpus_text, encoding="utf-8")
-    return path
+def corpus_dir(tmp_path_factory, corpus_text) -> Path:
+    """A local dataset with three splits of other text each: tuning reads train, the evaluation test."""
+    folder = tmp_path_factory.mktemp("data") / "corpus"
+    folder.mkdir()
+    (folder / "train.txt").write_text(corpus_text, encoding="utf-8")
+    (folder / "valid.txt").write_text(make_corpus(1000, seed=1), encoding="utf-8")
+    (folder / "test.txt").write_text(make_corpus(2000, seed=2), encoding="utf-8")
+    return folder
 
 
 @pytest.fixture
@@ -108,6 +118,17 @@ def tiny_llama():
     from aimet_quadapter.models import tiny_model
 
     return tiny_model("llama")
+
+
+@pytest.fixture
+def never_load(monkeypatch):
+    """Loading model weights fails the test: the error must come before it."""
+    from aimet_quadapter.models import loading
+
+    def fail(name):
+        raise AssertionError(f"model {name} was loaded before the error")
+
+    monkeypatch.setattr(loading, "load_hf_model", fail)
 
 
 @pytest.fixture

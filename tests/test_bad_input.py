@@ -26,18 +26,7 @@ def _error_line(capsys) -> str:
     return lines[-1]
 
 
-@pytest.fixture
-def never_load(monkeypatch):
-    """Loading model weights fails the test: the error must come before it."""
-    from aimet_quadapter.models import loading
-
-    def fail(name):
-        raise AssertionError(f"model {name} was loaded before the error")
-
-    monkeypatch.setattr(loading, "load_hf_model", fail)
-
-
-def _files(tmp_path: Path, corpus_file: Path) -> dict[str, Path]:
+def _files(tmp_path: Path, corpus_dir: Path) -> dict[str, Path]:
     binary = tmp_path / "random.bin"
     binary.write_bytes(bytes(range(256)) * 40)
     latin = tmp_path / "latin1.txt"
@@ -57,7 +46,7 @@ def _files(tmp_path: Path, corpus_file: Path) -> dict[str, Path]:
         "short": short,
         "corrupt": corrupt,
         "blocked_out": blocker / "run",
-        "corpus": corpus_file,
+        "corpus": corpus_dir,
         "missing": tmp_path / "missing.txt",
     }
 
@@ -83,9 +72,9 @@ EVAL_CASES = {
 
 @pytest.mark.parametrize("case", list(EVAL_CASES))
 def test_eval_bad_input_is_one_line_before_the_model_loads(
-    case, tiny_gpt2_dir, corpus_file, tmp_path, capsys, never_load
+    case, tiny_gpt2_dir, corpus_dir, tmp_path, capsys, never_load
 ):
-    files = _files(tmp_path, corpus_file)
+    files = _files(tmp_path, corpus_dir)
     extra, word = EVAL_CASES[case]
     argv = ["eval", "--model", str(tiny_gpt2_dir), *SMALL, "--methods", "fp,ptq"]
     argv += [a.format(**files) for a in extra]
@@ -93,10 +82,8 @@ def test_eval_bad_input_is_one_line_before_the_model_loads(
     assert word in _error_line(capsys)
 
 
-def test_offline_hub_dataset_is_one_line_before_the_model_loads(
-    tiny_gpt2_dir, corpus_file, capsys, never_load, offline
-):
-    argv = ["eval", "--model", str(tiny_gpt2_dir), *SMALL, "--dataset", str(corpus_file), "--dataset", "wikitext2"]
+def test_offline_hub_dataset_is_one_line_before_the_model_loads(tiny_gpt2_dir, corpus_dir, capsys, never_load, offline):
+    argv = ["eval", "--model", str(tiny_gpt2_dir), *SMALL, "--dataset", str(corpus_dir), "--dataset", "wikitext2"]
     assert main(argv) == 2
     line = _error_line(capsys)
     assert "wikitext2" in line and "Offline?" in line
@@ -143,16 +130,16 @@ OTHER_CASES = {
 
 @pytest.mark.parametrize("case", list(OTHER_CASES))
 def test_other_commands_bad_input_is_one_line_before_the_model_loads(
-    case, tiny_gpt2_dir, corpus_file, tmp_path, capsys, tmp_state, never_load
+    case, tiny_gpt2_dir, corpus_dir, tmp_path, capsys, tmp_state, never_load
 ):
-    files = _files(tmp_path, corpus_file)
+    files = _files(tmp_path, corpus_dir)
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_file))
+    recipe.write_text(RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_dir))
     not_yaml = tmp_path / "bad.yaml"
     not_yaml.write_text("methods: [fp\nmodel: {")
     argv, word = OTHER_CASES[case]
     misspelt = tmp_path / "misspelt.yaml"
-    misspelt.write_text(RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_file).replace("eval:", "evall:"))
+    misspelt.write_text(RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_dir).replace("eval:", "evall:"))
     names = {**files, "tmp": tmp_path, "recipe": recipe, "not_yaml": not_yaml, "model": tiny_gpt2_dir}
     names["misspelt"] = misspelt
     names["state"] = tmp_state
@@ -160,15 +147,15 @@ def test_other_commands_bad_input_is_one_line_before_the_model_loads(
     assert word in _error_line(capsys)
 
 
-def test_corrupt_state_is_one_line_before_the_model_loads(tmp_path, corpus_file, capsys, never_load):
-    files = _files(tmp_path, corpus_file)
+def test_corrupt_state_is_one_line_before_the_model_loads(tmp_path, corpus_dir, capsys, never_load):
+    files = _files(tmp_path, corpus_dir)
     assert main(["export", str(files["corrupt"]), "--model", "x", "--out", str(tmp_path / "e")]) == 2
     line = _error_line(capsys)
     assert "corrupt.safetensors" in line and "not a Quadapter state file" in line
 
 
 @pytest.mark.parametrize("other", ["wider gpt2", "llama"])
-def test_a_state_of_another_model_is_one_line(other, tmp_path, tiny_gpt2_dir, corpus_file, capsys, monkeypatch):
+def test_a_state_of_another_model_is_one_line(other, tmp_path, tiny_gpt2_dir, corpus_dir, capsys, monkeypatch):
     """A state trained on another model (other widths, or another architecture): refused by the state's name
     after the model loads (it takes the model) but before a sim is traced for it."""
     from aimet_quadapter.quadapter.api import apply_cle
@@ -190,7 +177,7 @@ def test_a_state_of_another_model_is_one_line(other, tmp_path, tiny_gpt2_dir, co
 
     monkeypatch.setattr(policy, "QuantizationSimModel", no_sim)
     argv = ["export", str(path), "--model", str(tiny_gpt2_dir), "--out", str(tmp_path / "e"), "--seq-len", "32"]
-    assert main([*argv, "--verify-dataset", str(corpus_file)]) == 2
+    assert main([*argv, "--verify-dataset", str(corpus_dir)]) == 2
     line = _error_line(capsys)
     assert "other.safetensors" in line and "another model" in line
 
@@ -198,9 +185,9 @@ def test_a_state_of_another_model_is_one_line(other, tmp_path, tiny_gpt2_dir, co
 RECIPE = "model: {model}\nmethods: [fp]\neval: {{datasets: [{corpus}], seq_len: 64, max_tokens: 256}}\n"
 
 
-def test_missing_base_names_the_recipe_that_asked(tmp_path, tiny_gpt2_dir, corpus_file, capsys):
+def test_missing_base_names_the_recipe_that_asked(tmp_path, tiny_gpt2_dir, corpus_dir, capsys):
     recipe = tmp_path / "child.yaml"
-    recipe.write_text("base: parent.yaml\n" + RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_file))
+    recipe.write_text("base: parent.yaml\n" + RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_dir))
     assert main(["run", str(recipe)]) == 2
     line = _error_line(capsys)
     assert "child.yaml" in line and "field base" in line and "parent.yaml" in line
@@ -216,11 +203,11 @@ def test_fp_alone_needs_no_calibration_text(tmp_path, tiny_gpt2_dir, capsys):
     assert main([*argv, "--no-progress"]) == 0, capsys.readouterr().err
 
 
-def test_a_second_run_on_a_folder_is_refused_and_a_stale_lock_is_taken_over(tmp_path, tiny_gpt2_dir, corpus_file):
+def test_a_second_run_on_a_folder_is_refused_and_a_stale_lock_is_taken_over(tmp_path, tiny_gpt2_dir, corpus_dir):
     from aimet_quadapter.experiments.lock import LOCK, RunLock
 
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_file))
+    recipe.write_text(RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_dir))
     out = tmp_path / "run"
     out.mkdir()
     # a live holder: a process that sleeps, with the lock written as its own
@@ -272,11 +259,11 @@ def test_importing_the_package_raises_no_future_warning():
     ],
     ids=["eval option", "eval dataset", "run --set", "export state"],
 )
-def test_bad_input_is_refused_without_importing_aimet_or_model_code(argv, tmp_path, tiny_gpt2_dir, corpus_file):
+def test_bad_input_is_refused_without_importing_aimet_or_model_code(argv, tmp_path, tiny_gpt2_dir, corpus_dir):
     """AIMET's import alone takes seconds on a CPU: a bad input must be refused without it (and without the
     transformers modelling code), so that a typo costs the time of reading the recipe."""
-    (tmp_path / "r.yaml").write_text(RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_file))
-    args = [a.format(model=tiny_gpt2_dir, corpus=corpus_file, tmp=tmp_path) for a in argv]
+    (tmp_path / "r.yaml").write_text(RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_dir))
+    args = [a.format(model=tiny_gpt2_dir, corpus=corpus_dir, tmp=tmp_path) for a in argv]
     code = (
         "import sys\nfrom aimet_quadapter.cli import main\n"
         f"rc = main({args!r})\n"

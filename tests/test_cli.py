@@ -37,10 +37,10 @@ def _cells(saved: dict) -> dict[str, dict]:
     return {c["label"]: c for c in saved["cells"].values()}
 
 
-def test_eval_local_model_and_file(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
+def test_eval_local_model_and_file(tiny_gpt2_dir, corpus_dir, tmp_path, capsys):
     """``eval`` is a recipe run: the same results.json as ``run``, and the printed table holds its numbers."""
     out_json = tmp_path / "results.json"
-    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), "--device", "cpu"]
+    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_dir), "--device", "cpu"]
     code = main([*argv, "--json", str(out_json), *SMALL])
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -48,10 +48,10 @@ def test_eval_local_model_and_file(tiny_gpt2_dir, corpus_file, tmp_path, capsys)
     assert saved["model"] == str(tiny_gpt2_dir)
     assert saved["recipes"]["eval"]["settings"]["device"] == "cpu"
     assert saved["recipes"]["eval"]["settings"]["eval"]["seq_len"] == 64
-    assert [d["label"] for d in saved["datasets"]] == [corpus_file.stem]
+    assert [d["label"] for d in saved["datasets"]] == [corpus_dir.stem]
     cells = _cells(saved)
     assert set(cells) == {"FP32", _ptq_key(cells)}
-    fp, ptq = cells["FP32"]["ppl"][corpus_file.stem], cells[_ptq_key(cells)]["ppl"][corpus_file.stem]
+    fp, ptq = cells["FP32"]["ppl"][corpus_dir.stem], cells[_ptq_key(cells)]["ppl"][corpus_dir.stem]
     assert math.isfinite(fp) and math.isfinite(ptq) and fp > 1.0 and fp != ptq
     for label, value in (("FP32", fp), (_ptq_key(cells), ptq)):
         assert any(f"| {label} |" in line and f"{value:.2f}" in line for line in captured.out.splitlines())
@@ -69,34 +69,34 @@ def _never_load(monkeypatch):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize("command", ["eval", "describe", "run"])
-def test_device_cuda_without_cuda_is_one_line(command, tiny_gpt2_dir, corpus_file, tmp_path, capsys, monkeypatch):
+def test_device_cuda_without_cuda_is_one_line(command, tiny_gpt2_dir, corpus_dir, tmp_path, capsys, monkeypatch):
     _never_load(monkeypatch)
     if command == "run":
         recipe = tmp_path / "r.yaml"
-        recipe.write_text(f"model: {tiny_gpt2_dir}\nmethods: [fp]\neval: {{datasets: [{corpus_file}]}}\n")
+        recipe.write_text(f"model: {tiny_gpt2_dir}\nmethods: [fp]\neval: {{datasets: [{corpus_dir}]}}\n")
         argv = ["run", str(recipe), "--out", str(tmp_path / "run")]
     else:
-        argv = [command, "--model", str(tiny_gpt2_dir)] + (["--dataset", str(corpus_file)] if command == "eval" else [])
+        argv = [command, "--model", str(tiny_gpt2_dir)] + (["--dataset", str(corpus_dir)] if command == "eval" else [])
     assert main([*argv, "--device", "cuda"]) == 2
     line = _error_line(capsys)
     assert "'cuda'" in line and "no CUDA device" in line
 
 
 @pytest.mark.parametrize("device", ["gpu", "cuda:x", "CPU"])
-def test_bad_device_names_the_recipe_field(device, tiny_gpt2_dir, corpus_file, tmp_path, capsys, monkeypatch):
+def test_bad_device_names_the_recipe_field(device, tiny_gpt2_dir, corpus_dir, tmp_path, capsys, monkeypatch):
     _never_load(monkeypatch)
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"model: {tiny_gpt2_dir}\nmethods: [fp]\ndevice: {device}\neval: {{datasets: [{corpus_file}]}}\n")
+    recipe.write_text(f"model: {tiny_gpt2_dir}\nmethods: [fp]\ndevice: {device}\neval: {{datasets: [{corpus_dir}]}}\n")
     assert main(["run", str(recipe), "--out", str(tmp_path / "run")]) == 2
     line = _error_line(capsys)
     assert "field device" in line and repr(device) in line
 
 
-def test_eval_fp_only_two_datasets(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
+def test_eval_fp_only_two_datasets(tiny_gpt2_dir, corpus_dir, tmp_path, capsys):
     other = tmp_path / "other.txt"
-    other.write_text(corpus_file.read_text()[::-1], encoding="utf-8")
+    other.write_text((corpus_dir / "test.txt").read_text()[::-1], encoding="utf-8")
     out_json = tmp_path / "fp.json"
-    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), "--dataset", str(other)]
+    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_dir), "--dataset", str(other)]
     code = main([*argv, "--methods", "fp", "--json", str(out_json), *SMALL])
     assert code == 0
     cells = _cells(json.loads(out_json.read_text()))
@@ -105,9 +105,9 @@ def test_eval_fp_only_two_datasets(tiny_gpt2_dir, corpus_file, tmp_path, capsys)
     assert cells["FP32"]["ppl"]["corpus"] != cells["FP32"]["ppl"]["other"]
 
 
-def test_eval_missing_model_folder(tmp_path, corpus_file, capsys):
+def test_eval_missing_model_folder(tmp_path, corpus_dir, capsys):
     missing = tmp_path / "no" / "such-model"
-    code = main(["eval", "--model", str(missing), "--dataset", str(corpus_file)])
+    code = main(["eval", "--model", str(missing), "--dataset", str(corpus_dir)])
     assert code == 2
     assert str(missing) in _error_line(capsys)
 
@@ -119,8 +119,8 @@ def test_eval_unknown_dataset(tiny_gpt2_dir, capsys):
     assert "'nosuchcorpus'" in line and "wikitext2" in line
 
 
-def test_eval_unknown_method(tiny_gpt2_dir, corpus_file, capsys):
-    code = main(["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), "--methods", "fp,foo"])
+def test_eval_unknown_method(tiny_gpt2_dir, corpus_dir, capsys):
+    code = main(["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_dir), "--methods", "fp,foo"])
     assert code == 2
     line = _error_line(capsys)
     assert "'foo'" in line and "field methods" in line
@@ -136,9 +136,9 @@ def test_eval_unknown_method(tiny_gpt2_dir, corpus_file, capsys):
         ("--seq-len", "0", "eval.seq_len"),
     ],
 )
-def test_eval_bad_setting_names_its_field(tiny_gpt2_dir, corpus_file, capsys, option, value, field):
+def test_eval_bad_setting_names_its_field(tiny_gpt2_dir, corpus_dir, capsys, option, value, field):
     """A generated option is checked by the recipe schema, before any model is loaded."""
-    code = main(["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), option, value])
+    code = main(["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_dir), option, value])
     assert code == 2
     line = _error_line(capsys)
     assert f"field {field}" in line and value in line
@@ -164,9 +164,9 @@ def test_eval_options_are_the_dataclass_fields(capsys, monkeypatch):
         assert f"(default: {f.default})" in found.group(1), (flag, found.group(1))
 
 
-def test_eval_generated_options_reach_the_run(tiny_gpt2_dir, corpus_file, tmp_path):
+def test_eval_generated_options_reach_the_run(tiny_gpt2_dir, corpus_dir, tmp_path):
     out = tmp_path / "run"
-    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), "--methods", "fp", *SMALL]
+    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_dir), "--methods", "fp", *SMALL]
     code = main([*argv, "--phase1-steps", "7", "--no-policy-quantize-norm-weights", "--out", str(out)])
     assert code == 0
     settings = json.loads((out / "results.json").read_text())["recipes"]["eval"]["settings"]
@@ -178,8 +178,8 @@ def test_eval_generated_options_reach_the_run(tiny_gpt2_dir, corpus_file, tmp_pa
 @pytest.mark.parametrize(
     "option, value, field", [("--seq-len", "512", "eval"), ("--calib-len", "300", "calibration.length")]
 )
-def test_eval_window_longer_than_model(tiny_gpt2_dir, corpus_file, capsys, option, value, field):
-    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), "--max-tokens", "1024"]
+def test_eval_window_longer_than_model(tiny_gpt2_dir, corpus_dir, capsys, option, value, field):
+    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_dir), "--max-tokens", "1024"]
     code = main([*argv, "--seq-len", "64", "--calib-len", "64", option, value])
     assert code == 2
     line = _error_line(capsys)
@@ -212,8 +212,8 @@ def test_describe(tiny_gpt2_dir, capsys):
     assert "(not calibrated)" in out
 
 
-def test_describe_calibrated_with_options(tiny_gpt2_dir, corpus_file, capsys):
-    argv = ["describe", "--model", str(tiny_gpt2_dir), "--calib-dataset", str(corpus_file)]
+def test_describe_calibrated_with_options(tiny_gpt2_dir, corpus_dir, capsys):
+    argv = ["describe", "--model", str(tiny_gpt2_dir), "--calib-dataset", str(corpus_dir)]
     options = [
         "--calib-samples",
         "2",
@@ -243,25 +243,25 @@ def test_eval_smollm2_ptb(tmp_path, capsys):
     assert 1.0 < fp < ptq
 
 
-def test_eval_state_scores_a_saved_state_as_its_run_did(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
+def test_eval_state_scores_a_saved_state_as_its_run_did(tiny_gpt2_dir, corpus_dir, tmp_path, capsys):
     """`eval --state`: the sim rebuilt from the saved file gives the perplexity the training run reported,
     for a state whose alphas moved (Quadapter BC) and one that keeps them at CLE's."""
     run = tmp_path / "run"
-    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), *SMALL, "--no-progress"]
+    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_dir), *SMALL, "--no-progress"]
     assert main([*argv, "--methods", "cle,quadapter_bc", "--phase1-steps", "4", "--out", str(run)]) == 0
     saved = _cells(json.loads((run / "results.json").read_text()))
     for method, label in (("quadapter_bc", "Quadapter BC"), ("cle", "CLE")):
         (state,) = run.glob(f"*/{method}/{method}.safetensors")
         scored = tmp_path / f"{method}.json"
         assert main([*argv, "--state", str(state), "--json", str(scored)]) == 0, capsys.readouterr().err
-        got = json.loads(scored.read_text())["ppl"][corpus_file.stem]
-        want = saved[label]["ppl"][corpus_file.stem]
+        got = json.loads(scored.read_text())["ppl"][corpus_dir.stem]
+        want = saved[label]["ppl"][corpus_dir.stem]
         assert got == pytest.approx(want, rel=1e-6), (method, got, want)
     assert "quadapter_bc (" in capsys.readouterr().out
 
 
-def test_eval_state_refuses_methods_and_a_missing_state(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
-    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), *SMALL]
+def test_eval_state_refuses_methods_and_a_missing_state(tiny_gpt2_dir, corpus_dir, tmp_path, capsys):
+    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_dir), *SMALL]
     assert main([*argv, "--state", str(tmp_path / "none.safetensors")]) == 2
     assert "none.safetensors" in _error_line(capsys)
     (tmp_path / "s.safetensors").write_bytes(b"")

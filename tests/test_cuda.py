@@ -95,8 +95,8 @@ def test_tiny_pipeline_on_cuda_equals_cpu(family, tmp_path):
     assert moved and all((cuda["alphas"][k] - 1).abs().max() > 1e-3 for k in moved)
 
 
-def test_cli_eval_on_cuda_equals_cpu(tiny_gpt2_dir, corpus_file, tmp_path):
-    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_file), "--no-progress"]
+def test_cli_eval_on_cuda_equals_cpu(tiny_gpt2_dir, corpus_dir, tmp_path):
+    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_dir), "--no-progress"]
     argv += ["--seq-len", "64", "--max-tokens", "256", "--calib-samples", "2", "--calib-len", "64"]
     argv += ["--methods", "fp,ptq,quadapter", "--phase1-steps", "3", "--phase2-steps", "2", "--phase2-seq-len", "64"]
     results = {}
@@ -104,7 +104,7 @@ def test_cli_eval_on_cuda_equals_cpu(tiny_gpt2_dir, corpus_file, tmp_path):
         out = tmp_path / f"{device}.json"
         assert main([*argv, "--device", device, "--json", str(out)]) == 0
         cells = json.loads(out.read_text())["cells"]
-        results[device] = {c["label"]: c["ppl"][corpus_file.stem] for c in cells.values()}
+        results[device] = {c["label"]: c["ppl"][corpus_dir.stem] for c in cells.values()}
     assert results["cuda"].keys() == results["cpu"].keys()
     for label, value in results["cpu"].items():
         bound = EXACT if label in ("FP32", "PTQ") else TRAINED

@@ -356,7 +356,7 @@ def test_resolve_state(tmp_path):
         resolve_state(tmp_path / "nothing")
 
 
-def test_cli_export_then_eval(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
+def test_cli_export_then_eval(tiny_gpt2_dir, corpus_dir, tmp_path, capsys):
     from aimet_quadapter.experiments.data import calibration_batches
     from aimet_quadapter.experiments.evaluation import eval_windows_for
     from aimet_quadapter.models import load_model
@@ -365,12 +365,12 @@ def test_cli_export_then_eval(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
     folder = tiny_gpt2_dir
     model, tokenizer = load_model(str(folder))
     sim = build_sim(model)
-    calibrate(sim, calibration_batches(tokenizer, str(corpus_file), num=2, length=SEQ))
+    calibrate(sim, calibration_batches(tokenizer, str(corpus_dir), num=2, length=SEQ))
     state_file = QuadapterState.from_sim(sim, {}, method="ptq").save(tmp_path / "run" / "ptq.safetensors")
 
     out = tmp_path / "export"
     argv = ["export", str(state_file.parent), "--model", str(folder), "--out", str(out), "--seq-len", str(SEQ)]
-    code = main([*argv, "--verify-dataset", str(corpus_file), "--verify-windows", "2"])
+    code = main([*argv, "--verify-dataset", str(corpus_dir), "--verify-windows", "2"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "model_qdq.onnx" in captured.out and "fp+encodings" in captured.out
@@ -379,14 +379,14 @@ def test_cli_export_then_eval(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
     assert manifest["state"]["path"] == str(state_file.resolve())
 
     # a second export to the same folder is refused, with a one-line error
-    assert main([*argv, "--verify-dataset", str(corpus_file)]) == 2
+    assert main([*argv, "--verify-dataset", str(corpus_dir)]) == 2
     assert "already exists" in capsys.readouterr().err
 
     # eval on the export: onnxruntime's perplexity over windows of the export's length; the last window
     # (250 = 7 x 32 + 26 tokens) is padded, and must score exactly as the sim does
     report = tmp_path / "onnx.json"
     code = main(
-        ["eval", "--model", str(out), "--dataset", str(corpus_file), "--max-tokens", "250", "--json", str(report)]
+        ["eval", "--model", str(out), "--dataset", str(corpus_dir), "--max-tokens", "250", "--json", str(report)]
     )
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -394,16 +394,16 @@ def test_cli_export_then_eval(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
     saved = json.loads(report.read_text())
     (cell,) = saved["cells"].values()  # the runner's results.json shape, one cell
     assert cell["label"].startswith("ONNX QDQ") and cell["info"]["seq_len"] == SEQ
-    onnx_ppl = cell["ppl"][corpus_file.stem]
-    windows = eval_windows_for(tokenizer, str(corpus_file), "test", SEQ, None, 250)
+    onnx_ppl = cell["ppl"][corpus_dir.stem]
+    windows = eval_windows_for(tokenizer, str(corpus_dir), "test", SEQ, None, 250)
     assert len(windows[-1].ids) == 26
     sim_ppl = perplexity(sim.model, windows, progress=False).ppl
     assert onnx_ppl == pytest.approx(sim_ppl, rel=1e-5)
 
     # the QDQ file itself works as --model too; the FP graph alone does not (it needs its encodings)
     assert (
-        main(["eval", "--model", str(out / "model_qdq.onnx"), "--dataset", str(corpus_file), "--max-tokens", "64"]) == 0
+        main(["eval", "--model", str(out / "model_qdq.onnx"), "--dataset", str(corpus_dir), "--max-tokens", "64"]) == 0
     )
     capsys.readouterr()
-    assert main(["eval", "--model", str(out / "model.onnx"), "--dataset", str(corpus_file)]) == 2
+    assert main(["eval", "--model", str(out / "model.onnx"), "--dataset", str(corpus_dir)]) == 2
     assert "not the export's QDQ model" in capsys.readouterr().err

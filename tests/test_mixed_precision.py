@@ -108,7 +108,7 @@ def test_a_pattern_that_matches_nothing_names_a_real_quantizer(llama):
     assert "lm.model.layers.0." in str(info.value)
 
 
-def test_cli_and_recipe_take_overrides(tiny_gpt2_dir, corpus_file, tmp_path, capsys):
+def test_cli_and_recipe_take_overrides(tiny_gpt2_dir, corpus_dir, tmp_path, capsys):
     """`describe` (the CLI's own view of the sim) shows the bits that `--policy-bit-overrides` asked for."""
     argv = ["describe", "--model", str(tiny_gpt2_dir), "--policy-bit-overrides", '["*.c_fc.input*=16"]']
     assert main(argv) == 0
@@ -117,7 +117,7 @@ def test_cli_and_recipe_take_overrides(tiny_gpt2_dir, corpus_file, tmp_path, cap
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
         f"model: {tiny_gpt2_dir}\nmethods: [fp]\npolicy: {{bit_overrides: ['*.nothing*=16x']}}\n"
-        f"eval: {{datasets: [{corpus_file}], seq_len: 64, max_tokens: 256}}\n"
+        f"eval: {{datasets: [{corpus_dir}], seq_len: 64, max_tokens: 256}}\n"
     )
     assert main(["run", str(recipe), "--out", str(tmp_path / "run")]) == 2
     assert "bit_overrides[0]" in capsys.readouterr().err
@@ -150,8 +150,8 @@ def test_sensitivity_finds_the_planted_outliers(llama):
         assert float(lm_loss(sim.model, held_out)) == pytest.approx(base, rel=1e-5)
 
 
-def test_cli_sensitivity_suggests_an_override(tiny_gpt2_dir, corpus_file, capsys):
-    argv = ["sensitivity", "--model", str(tiny_gpt2_dir), "--calib-dataset", str(corpus_file)]
+def test_cli_sensitivity_suggests_an_override(tiny_gpt2_dir, corpus_dir, capsys):
+    argv = ["sensitivity", "--model", str(tiny_gpt2_dir), "--calib-dataset", str(corpus_dir)]
     assert main([*argv, "--calib-samples", "2", "--calib-len", "32", "--held-out", "2", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "FP32" in out and "most sensitive: --policy-bit-overrides" in out

@@ -30,11 +30,12 @@ VOCAB = 512  # the tiny GPT-2 config's vocabulary
 RECIPE = """\
 model: ./model
 methods: [fp, ptq, cle, quadapter_bc, quadapter]
-fid: [a.txt]
+fid: [a]
 calibration: {samples: 2, length: 64}
 phase1: {steps: 8}
 phase2: {steps: 2, batch_size: 2, seq_len: 64}
-eval: {datasets: [a.txt, b.txt], seq_len: 64, max_tokens: 320}
+eval: {datasets: [a, b.txt], seq_len: 64, max_tokens: 320}
+dev: {datasets: [a], seq_len: 64}
 """
 
 
@@ -85,10 +86,13 @@ def write_sampled_text(model_dir: Path, path: Path, num: int, length: int, seed:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
-    """recipes/r.yaml, recipes/model/, recipes/a.txt (the F-ID) and recipes/b.txt (hotter sampling: F-OOD)."""
+    """recipes/r.yaml, recipes/model/, recipes/a/ (the F-ID: train, valid and test splits, each sampled with a
+    seed of its own) and recipes/b.txt (hotter sampling: F-OOD)."""
     root = tmp_path_factory.mktemp("world")
     save_outlier_gpt2(root / "model")
-    write_sampled_text(root / "model", root / "a.txt", 12, 128, seed=1, temperature=1.0)
+    (root / "a").mkdir()
+    for split, num, seed in (("train", 12, 1), ("valid", 2, 3), ("test", 3, 4)):
+        write_sampled_text(root / "model", root / "a" / f"{split}.txt", num, 128, seed=seed, temperature=1.0)
     write_sampled_text(root / "model", root / "b.txt", 6, 128, seed=2, temperature=1.5)
     (root / "r.yaml").write_text(RECIPE)
     return root
@@ -140,6 +144,10 @@ def test_run_then_report_end_to_end(base_run, world, capsys):
         assert cell["wall_time_s"] > 0 and cell["method_time_s"] >= 0 and cell["eval_time_s"] > 0
     assert cells["a/quadapter"]["fid"] == "a" and cells["a/quadapter"]["finetune_sequences"] == 4
     assert [d["label"] for d in results["datasets"]] == ["a", "b"]
+    # every cell is scored on the development text too: another text than the test split, so other numbers
+    assert [d["label"] for d in results["dev_datasets"]] == ["a"]
+    for key, cell in cells.items():
+        assert set(cell["dev_ppl"]) == {"a"} and cell["dev_ppl"]["a"] != cell["ppl"]["a"], key
     # the planted outliers hurt PTQ; the calibration-only Quadapter undoes much of it
     ppl = {k: c["ppl"]["a"] for k, c in cells.items()}
     assert ppl["calib:a/ptq"] > 1.5 * ppl["fp"]
@@ -173,6 +181,9 @@ def test_run_then_report_end_to_end(base_run, world, capsys):
         assert by_label[best["label"]][index].startswith("**"), col
         assert sum(by_label[c["label"]][index].startswith("**") for c in calib) == 1
     assert not by_label["FP32"][2].startswith("**")
+    dev_rows = _markdown_rows(report.split("## Development text")[1].split("\n## ")[0])
+    dev_expected = [(c["label"], f"{c['dev_ppl']['a']:.2f}") for c in labels.values()]
+    assert [(r[1], _plain(r[2])) for r in dev_rows] == dev_expected
     # Table 2 layout: F-ID = a, F-OOD = b; averages of one column each
     food = _markdown_rows(report.split("F-ID = a (Table 2 layout)")[1].split("\n## ")[0])
     quad = next(r for r in food if r[1] == "Quadapter")

@@ -152,6 +152,9 @@ class EvalDataset(_Section):
     max_tokens: int | None = Field(None, ge=2)
     seq_len: int | None = Field(None, ge=2)
     stride: int | None = Field(None, ge=1)
+    # tokens of the split skipped before the first window: another part of one text, e.g. development text
+    # read after the part the evaluation reads
+    start: int = Field(0, ge=0)
 
 
 def _as_dataset(value: Any) -> Any:
@@ -164,6 +167,12 @@ class EvalSection(_Section):
     max_tokens: int | None = Field(None, ge=2)
     seq_len: int = Field(1024, ge=2)
     stride: int | None = Field(None, ge=1)
+
+
+class DevSection(EvalSection):
+    """Development text: scored like the evaluation texts, in a table of its own, for choosing settings."""
+
+    split: Literal["train", "valid", "test"] = "valid"
 
 
 class Recipe(_Section):
@@ -191,6 +200,10 @@ class Recipe(_Section):
     # phase2.steps steps each, cycling through the data. None: fresh data every step (steps x batch_size).
     finetune_sizes: list[Annotated[int, Field(ge=1)]] | None = None
     eval: EvalSection
+    # Development text: every cell is also scored on it, so that settings are chosen there and never on the
+    # evaluation texts. Tuning and development text must not read any part of an evaluation text
+    # (experiments/roles.py).
+    dev: DevSection | None = None
 
     _path: Path | None = PrivateAttr(default=None)
 
@@ -309,8 +322,8 @@ def _check_key(key: str) -> None:
         if part not in fields:
             where = ".".join(done) or "the recipe"
             raise QuadapterError(f"--set {key}: unknown field {part!r} in {where}; known: {', '.join(fields)}")
-        annotation = fields[part].annotation
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        options = [fields[part].annotation, *typing.get_args(fields[part].annotation)]  # a section or None
+        model = next((a for a in options if isinstance(a, type) and issubclass(a, BaseModel)), None)
         done.append(part)
 
 

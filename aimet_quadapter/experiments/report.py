@@ -55,13 +55,13 @@ def _row_label(cell: dict) -> str:
     return cell["label"] + (f" (n={cell['size']})" if cell.get("size") else "") + stopped
 
 
-def _best(rows: list[dict], columns: list[str]) -> dict[str, float]:
+def _best(rows: list[dict], columns: list[str], key: str = "ppl") -> dict[str, float]:
     best: dict[str, float] = {}
     candidates = [r for r in rows if r["method"] not in REFERENCES]
     if len(candidates) < 2:
         return best
     for col in columns:
-        values = [r["ppl"][col] for r in candidates if isinstance(r["ppl"].get(col), (int, float))]
+        values = [r[key][col] for r in candidates if isinstance(r.get(key, {}).get(col), (int, float))]
         values = [v for v in values if math.isfinite(v)]
         if values:
             best[col] = min(values)
@@ -73,8 +73,15 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _table(rows: list[dict], columns: list[str], fids: dict[str, list[str]], extra: dict[str, list[str]] | None) -> str:
-    """A markdown table of ``rows``; ``extra`` adds mean columns: title -> the columns it averages."""
+def _table(
+    rows: list[dict],
+    columns: list[str],
+    fids: dict[str, list[str]],
+    extra: dict[str, list[str]] | None,
+    key: str = "ppl",
+) -> str:
+    """A markdown table of ``rows`` (their ``key`` numbers); ``extra`` adds mean columns: title -> the columns
+    it averages."""
     extra = extra or {}
     head = ["Data", "Method", *columns, *extra]
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---", "---"] + ["---:"] * (len(head) - 2)) + " |"]
@@ -82,12 +89,12 @@ def _table(rows: list[dict], columns: list[str], fids: dict[str, list[str]], ext
     for r in rows:
         by_group.setdefault(r["group"], []).append(r)
     for group, members in by_group.items():
-        best = _best(members, columns)
+        best = _best(members, columns, key)
         for i, r in enumerate(members):
             own = set(fids.get(r.get("fid") or "", []))
             cells = []
             for col in columns:
-                value = r["ppl"].get(col)
+                value = r.get(key, {}).get(col)
                 text = _fmt(value)
                 if col in best and value == best[col]:
                     text = f"**{text}**"
@@ -103,6 +110,12 @@ def results_table(results: dict) -> str:
     """The Table-1 layout over every cell of the run."""
     columns = [d["label"] for d in results["datasets"]]
     return _table(ordered_rows(results), columns, results.get("fids", {}), None)
+
+
+def dev_table(results: dict) -> str | None:
+    """The Table-1 layout on the development texts; None when the run has none."""
+    columns = [d["label"] for d in results.get("dev_datasets", [])]
+    return _table(ordered_rows(results), columns, {}, None, "dev_ppl") if columns else None
 
 
 def fid_food_tables(results: dict) -> list[tuple[str, str]]:
@@ -216,6 +229,20 @@ def build_report(run_dir: str | Path) -> str:
         results_table(results),
         "",
     ]
+    dev = dev_table(results)
+    if dev:
+        texts = ", ".join(
+            f"{d['label']} (split {d['split']}" + (f", from token {d['start']}" if d.get("start") else "") + ")"
+            for d in results["dev_datasets"]
+        )
+        parts += [
+            "## Development text",
+            "",
+            f"Settings are chosen on these columns, never on the table above: {texts}.",
+            "",
+            dev,
+            "",
+        ]
     figures = run_dir / "figures"
     bars = plot_perplexities(results, ordered_rows(results), figures / "perplexity.png")
     if bars:

@@ -79,6 +79,12 @@ class EvalSpec:
     seq_len: int
     max_tokens: int | None
     stride: int | None
+    start: int = 0  # tokens of the split skipped before the first window
+
+    @property
+    def stop(self) -> int | None:
+        """Where the tokens the windows read end (None: the end of the split)."""
+        return None if self.max_tokens is None else self.start + self.max_tokens
 
 
 @dataclass(frozen=True)
@@ -143,7 +149,8 @@ class RecipeRun:
             if self.shared_calibration
             else dict(self.fids)
         )
-        self.evals = self._eval_specs()
+        self.evals = self._eval_specs("eval")
+        self.devs = self._eval_specs("dev")
         self.cells = self._plan()
         self._model: PreparedLM | None = None
         self._tokenizer: Any = None
@@ -176,16 +183,19 @@ class RecipeRun:
     def _group_name(refs: list[DatasetRef]) -> str:
         return "+".join(r.label for r in refs)
 
-    def _eval_specs(self) -> list[EvalSpec]:
+    def _eval_specs(self, section: str) -> list[EvalSpec]:
+        """The texts the ``eval`` (test text) or ``dev`` (development text) section scores."""
         from aimet_quadapter.experiments.generated import GENERATED
 
-        e = self.recipe.eval
+        e = getattr(self.recipe, section)
+        if e is None:
+            return []
         specs = []
         for d in e.datasets:
             if d.name == GENERATED:
                 raise QuadapterError(
-                    f"{self.recipe.where()}: field eval.datasets: {GENERATED!r} is text the model samples itself, "
-                    f"for calibration and fine-tuning; evaluate on a corpus or a text file"
+                    f"{self.recipe.where()}: field {section}.datasets: {GENERATED!r} is text the model samples "
+                    f"itself, for calibration and fine-tuning; score a corpus or a text file"
                 )
             ref = self._refs([d.name])[0]
             if d.label:
@@ -197,13 +207,14 @@ class RecipeRun:
                     d.seq_len or e.seq_len,
                     d.max_tokens if d.max_tokens is not None else e.max_tokens,
                     d.stride if d.stride is not None else e.stride,
+                    d.start,
                 )
             )
         labels = [s.ref.label for s in specs]
         dupes = sorted({x for x in labels if labels.count(x) > 1})
         if dupes:
             raise QuadapterError(
-                f"{self.recipe.where()}: field eval.datasets: two datasets share the column {dupes[0]!r}; "
+                f"{self.recipe.where()}: field {section}.datasets: two datasets share the column {dupes[0]!r}; "
                 f"give one a label"
             )
         return specs
@@ -244,7 +255,11 @@ class RecipeRun:
         return out
 
     def _base_payload(self) -> dict:
-        evals = [(s.ref.source, s.ref.label, s.split, s.seq_len, s.max_tokens, s.stride) for s in self.evals]
+        # a start of 0 (every run folder's before the field existed) stays out of the fingerprint
+        evals = [
+            (s.ref.source, s.ref.label, s.split, s.seq_len, s.max_tokens, s.stride, *([s.start] if s.start else []))
+            for s in self.evals
+        ]
         return {"model": self.model_name, "eval": evals}
 
     def _sources(self, refs: list[DatasetRef]) -> list:
@@ -295,6 +310,11 @@ class RecipeRun:
         for s in self.evals:
             if s.ref.label not in known:
                 columns.append({"label": s.ref.label, "source": s.ref.source, "split": s.split})
+        dev = results.setdefault("dev_datasets", [])
+        known = {c["label"] for c in dev}
+        for s in self.devs:
+            if s.ref.label not in known:
+                dev.append({"label": s.ref.label, "source": s.ref.source, "split": s.split, "start": s.start})
         fids = results.setdefault("fids", {})
         for name, refs in self.fids.items():
             fids[name] = [r.label for r in refs]
@@ -307,7 +327,9 @@ class RecipeRun:
         record = results["cells"].get(cell.key)
         if not record or record.get("fingerprint") != self.fingerprint(cell):
             return False
-        return all(s.ref.label in record.get("ppl", {}) for s in self.evals)
+        return all(s.ref.label in record.get("ppl", {}) for s in self.evals) and all(
+            s.ref.label in record.get("dev_ppl", {}) for s in self.devs
+        )
 
     # --- data ---------------------------------------------------------------------------------------
     def _load_model(self) -> PreparedLM:
@@ -334,6 +356,8 @@ class RecipeRun:
 
         self._check_lengths(max_positions(self.model_name))
         self.eval_windows()
+        self.dev_windows()
+        self.check_roles()
         calibrated = [c for c in cells if c.calibration is not None and c.method not in _NO_CALIBRATION]
         groups = [self.calibration_sets[c.calibration_set] for c in calibrated]
         groups += [self.fids[c.fid] for c in cells if c.fid is not None]
@@ -368,6 +392,7 @@ class RecipeRun:
         if any(self.catalog[c.method].finetunes for c in self.cells):
             crops.append(("phase2.seq_len", self.recipe.phase2.seq_len))
         lengths = crops + [(f"eval.datasets ({s.ref.label}) seq_len", s.seq_len) for s in self.evals]
+        lengths += [(f"dev.datasets ({s.ref.label}) seq_len", s.seq_len) for s in self.devs]
         generated = self.recipe.generated.length if self._uses_generated() else None
         if generated is not None:
             lengths.append(("generated.length", generated))
@@ -468,18 +493,55 @@ class RecipeRun:
 
     @cache  # noqa: B019
     def eval_windows(self) -> dict[str, list]:
+        """The windows of the evaluation (test) texts, by column."""
+        return self._windows(self.evals, "eval")
+
+    @cache  # noqa: B019
+    def dev_windows(self) -> dict[str, list]:
+        """The windows of the development texts, by column."""
+        return self._windows(self.devs, "dev")
+
+    def _windows(self, specs: list[EvalSpec], section: str) -> dict[str, list]:
         from aimet_quadapter.experiments.data import eval_windows
 
         out = {}
-        for s in self.evals:
+        for s in specs:
             tokens = self._tokens(s.ref.source, s.split)
-            out[s.ref.label] = eval_windows(tokens, s.seq_len, s.stride, s.max_tokens)
+            out[s.ref.label] = eval_windows(tokens[s.start :], s.seq_len, s.stride, s.max_tokens)
             if not out[s.ref.label]:
                 raise QuadapterError(
-                    f"{self.recipe.where()}: eval dataset {_named(s.ref)}, split {s.split}: the text has "
-                    f"{len(tokens)} token(s); at least 2 are needed to score one"
+                    f"{self.recipe.where()}: {section} dataset {_named(s.ref)}, split {s.split}: the text has "
+                    f"{len(tokens)} token(s)"
+                    + (f", {s.start} of them skipped (start)" if s.start else "")
+                    + "; at least 2 are needed to score one"
                 )
         return out
+
+    def check_roles(self) -> None:
+        """Refuse tuning or development text that reads an evaluation text (experiments/roles.py)."""
+        from aimet_quadapter.experiments.generated import GENERATED
+        from aimet_quadapter.experiments.roles import TextUse, check_roles
+
+        def use(role: str, what: str, s: EvalSpec) -> TextUse:
+            span = f"tokens {s.start}.." + ("" if s.stop is None else str(s.stop))
+            named = f"{what} {_named(s.ref)}, split {s.split}, {span}"
+            return TextUse(role, named, s.ref.source, s.split, self._tokens(s.ref.source, s.split), s.start, s.stop)
+
+        others: list[TextUse] = []
+        tuned = [
+            (f"calibration set {c.calibration}", tuple(self.calibration_sets[c.calibration]))
+            for c in self.cells
+            if c.calibration is not None and c.method not in _NO_CALIBRATION
+        ]
+        tuned += [(f"fine-tuning data of F-ID {c.fid}", tuple(self.fids[c.fid])) for c in self.cells if c.fid]
+        for what, refs in dict.fromkeys(tuned):
+            for r in refs:
+                if r.source != GENERATED:  # sampled by the model: no text of any file
+                    with self._about(r):
+                        tokens = self._tokens(r.source, "train")
+                    others.append(TextUse("tuning", f"{what}: train split of {_named(r)}", r.source, "train", tokens))
+        others += [use("development", "dev dataset", s) for s in self.devs]
+        check_roles(self.recipe.where(), [use("test", "eval dataset", s) for s in self.evals], others)
 
     # --- execution ----------------------------------------------------------------------------------
     def _context(self, cell_dir: Path | None, cal: str | None, fid: str | None, size: int | None):
@@ -558,6 +620,7 @@ class RecipeRun:
 
         eval_start = time.time()
         ppl = evaluate(evaluated, self.eval_windows(), spec.label, self.progress)
+        dev_ppl = evaluate(evaluated, self.dev_windows(), f"{spec.label} (dev)", self.progress) if self.devs else {}
         eval_time = time.time() - eval_start
         if self.main:
             shutil.rmtree(cell_dir / "checkpoints", ignore_errors=True)
@@ -565,6 +628,7 @@ class RecipeRun:
             **self._record(cell),
             "finetune_sequences": sum(len(b) for b in ctx.finetune) if ctx.finetune else None,
             "ppl": ppl,
+            "dev_ppl": dev_ppl,
             "method_time_s": method_time,
             "eval_time_s": eval_time,
             "wall_time_s": time.time() - start,
