@@ -6,8 +6,8 @@
 #
 # Environment (all optional):
 #   CONTAINER_TOOL  command used as "docker"/"podman", e.g. "docker", "podman", "sudo podman". Default:
-#                   the podman-docker.sh wrapper when present (machines without a Docker engine, see
-#                   ../shared/notes/containers.md), else podman, else docker.
+#                   the wrapper script PODMAN_DOCKER names when set (machines without a Docker engine),
+#                   else podman, else docker.
 #   IMAGE           image tag to build and run (default aimet-quadapter:smoke)
 #   BASE_IMAGE      passed as --build-arg BASE_IMAGE (e.g. a CUDA runtime image)
 #   SKIP_BUILD=1    reuse an already built IMAGE
@@ -31,7 +31,7 @@ die() { echo "smoke: FAIL: $*" >&2; exit 1; }
 
 # ---- which container tool ----
 wrapper=""
-for w in "${PODMAN_DOCKER:-}" "$root/../shared/tools/podman-docker.sh" /work/shared/tools/podman-docker.sh; do
+for w in "${PODMAN_DOCKER:-}"; do
     if [[ -n "$w" && -f "$w" ]]; then wrapper=$w; break; fi
 done
 if [[ -n "${CONTAINER_TOOL:-}" ]]; then

@@ -222,3 +222,38 @@ def test_finetuning_methods_need_finetune_data(toy):
     for name in sorted(FINETUNE_METHODS):
         with pytest.raises(QuadapterError, match="needs fine-tuning data"):
             run_method(name, copy.copy(ctx))
+
+
+def test_cle_phase2_trains_the_ranges_of_cles_sim_under_the_same_phase_2(toy, tmp_path):
+    """The matched baseline: CLE's folded weights and alphas stay, every range trains, its training loss falls."""
+    from aimet_quadapter.quadapter.phase2 import lm_loss
+    from aimet_quadapter.quadapter.state import QuadapterState
+    from aimet_quadapter.quant.quantizers import fast_inference
+
+    model, _, train = toy
+    before = _fp_weights(model)
+    cle_ctx = _ctx(toy, out_dir=tmp_path / "cle")
+    cle = run_method("cle", cle_ctx)
+    ctx = _ctx(toy, out_dir=tmp_path / "baseline")
+    ctx.params = dataclasses.replace(
+        ctx.params,
+        phase2=Phase2Parameters(steps=8, batch_size=2, lr_ranges=0.05, lr_ranges_relative=True, learn_ranges=False),
+    )
+    sim = run_method("cle_phase2", ctx)
+    assert _unchanged(model, before)
+    for (name, w), (_, w_cle) in zip(sim.model.named_parameters(), cle.model.named_parameters()):
+        if name in before:
+            assert torch.equal(w, w_cle), f"{name}: the baseline trains no weight and no alpha"
+    ranges = {f"{p}.{r}": q for p, r, q in quantizers(cle.model)}
+    moved = [k for p, r, q in quantizers(sim.model) if not torch.equal(q.max, ranges[k := f"{p}.{r}"].max)]
+    assert len(moved) > len(ranges) // 2, "learn_ranges: false in the recipe does not stop the baseline's ranges"
+
+    def loss(s) -> float:
+        with torch.no_grad(), fast_inference(s.model):
+            return sum(lm_loss(s.model, b).item() for b in train) / len(train)
+
+    assert loss(sim) < loss(cle)
+    state = QuadapterState.load(tmp_path / "baseline" / "cle_phase2.safetensors")
+    cle_state = QuadapterState.load(tmp_path / "cle" / "cle.safetensors")
+    assert state.alphas.keys() == cle_state.alphas.keys()
+    assert all(torch.equal(state.alphas[k], cle_state.alphas[k]) for k in state.alphas)

@@ -380,3 +380,37 @@ def test_generated_text_is_refused_where_it_cannot_serve(world, tmp_path, capsys
     assert main([*args, "--set", "fid=[generated]", "--set", "generated.length=32"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "field calibration.length: 64 tokens, longer than the generated samples" in err
+
+
+def test_seeds_run_every_cell_but_fp32_per_seed_and_report_mean_and_spread(world, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    argv = ["run", str(world / "r.yaml"), "--out", str(run), "--no-progress"]
+    argv += ["--set", "methods=[fp,ptq,cle_phase2,quadapter]", "--set", "seeds=[0,1]", "--set", "phase1.steps=2"]
+    assert main(argv) == 0
+    results = _results(run)
+    cells = results["cells"]
+    keys = {"calib:a/ptq", "a/cle_phase2", "a/quadapter"}
+    assert set(cells) == {"fp"} | {f"{k}#seed{s}" for k in keys for s in (0, 1)}
+    assert results["seeds"] == [0, 1]
+    # each seed draws its own calibration crops (and so its own fine-tuning order): other numbers
+    ptq = [cells[f"calib:a/ptq#seed{s}"]["ppl"]["a"] for s in (0, 1)]
+    assert len(set(ptq)) == 2
+    assert (run / "seed-1" / "calib-a" / "quadapter_bc" / "quadapter_bc.safetensors").is_file()
+    assert (run / "seed-0" / "a" / "quadapter" / "quadapter.safetensors").is_file()
+    summary = results["summary"]["calib:a/ptq"]["ppl"]["a"]
+    assert summary == {"mean": pytest.approx(sum(ptq) / 2), "min": min(ptq), "max": max(ptq)}
+    assert set(results["summary"]["a/quadapter"]["dev_ppl"]) == {"a"}
+
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 0
+    report = (run / "report.md").read_text()
+    rows = {r[1]: r for r in _markdown_rows(report.split("## Perplexity (Table 1 layout)")[1].split("\n## ")[0])}
+    assert list(rows) == ["FP32", "PTQ", "CLE + phase 2 (ranges)", "Quadapter"]
+    assert _plain(rows["PTQ"][2]) == f"{sum(ptq) / 2:.2f} ({min(ptq):.2f}–{max(ptq):.2f})"
+    comparisons = report.split("## Against the matched baselines")[1].split("\n## ")[0]
+    assert "- a, a: Quadapter " in comparisons and "vs CLE + phase 2 (ranges)" in comparisons
+    assert "the spread (2 seeds)" in comparisons
+
+    calls = _count_calls(monkeypatch)
+    assert main(argv) == 0
+    assert calls == {}, "every seed's cells are kept"

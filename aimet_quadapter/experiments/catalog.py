@@ -28,6 +28,9 @@ CATALOG: dict[str, MethodInfo] = {
     "qat_fixed_ranges": MethodInfo("QAT w/o LSQ+", finetunes=True),
     "quadapter_bc_qat": MethodInfo("Quadapter BC+QAT", finetunes=True, from_bc=True),
     "quadapter_bc_qat_fixed_ranges": MethodInfo("Quadapter BC+QAT w/o LSQ+", finetunes=True, from_bc=True),
+    # Quadapter's matched baseline: the same phase 2 (loss, data, steps, rates) on CLE's sim with no alpha to
+    # train, the quantizer ranges learning instead; what the training budget buys without the adapter.
+    "cle_phase2": MethodInfo("CLE + phase 2 (ranges)", finetunes=True),
     "quadapter": MethodInfo("Quadapter", finetunes=True, from_bc=True),
     "quadapter_fixed_ranges": MethodInfo("Quadapter w/o LSQ+", finetunes=True, from_bc=True),
 }

@@ -48,11 +48,17 @@ def plot_perplexities(results: dict, rows: list[dict], path: Path) -> Path | Non
     if not labels or not any(math.isfinite(v) for values in series.values() for v in values):
         return None
     fp = next(r for r in rows if r["method"] == "fp")
+    quantized = [r for r in rows if r["method"] != "fp" and not r.get("size")]
     width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * len(labels) * max(len(series), 2) + 2), 3.8))
     for j, (column, ratios) in enumerate(series.items()):
         xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(labels))]
-        bars = ax.bar(xs, [0.0 if math.isnan(v) else v for v in ratios], width, label=column)
+        # the min-max over seeds, where a row has several
+        spreads = [r.get("spread", {}).get("ppl", {}).get(column) for r in quantized]
+        low = [v - s[0] / fp["ppl"][column] if s and math.isfinite(v) else 0.0 for v, s in zip(ratios, spreads)]
+        high = [s[1] / fp["ppl"][column] - v if s and math.isfinite(v) else 0.0 for v, s in zip(ratios, spreads)]
+        errors = [low, high] if any(low) or any(high) else None
+        bars = ax.bar(xs, [0.0 if math.isnan(v) else v for v in ratios], width, label=column, yerr=errors, capsize=2)
         for bar, ratio in zip(bars, ratios):
             if math.isfinite(ratio):
                 x = bar.get_x() + bar.get_width() / 2

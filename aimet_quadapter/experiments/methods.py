@@ -203,11 +203,27 @@ def _quadapter_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
 
 def _qat_on(ctx: MethodContext, sim: QuantizationSimModel, name: str, learn_ranges: bool) -> QuantizationSimModel:
     """The paper's QAT: every weight (lr 1e-5) and, with LSQ+, every quantizer range (lr 1e-3)."""
-    params = _phase2(ctx, name, name, lr_weights=ctx.baselines.qat_lr_weights, learn_ranges=learn_ranges)
+    return _train_sim(ctx, sim, name, lr_weights=ctx.baselines.qat_lr_weights, learn_ranges=learn_ranges)
+
+
+def _train_sim(ctx: MethodContext, sim: QuantizationSimModel, name: str, **changes) -> QuantizationSimModel:
+    """Phase 2's loop on ``sim`` with no Quadapter: what ``changes`` of the recipe's phase 2 leave trainable."""
+    params = _phase2(ctx, name, name, **changes)
     loss_fn = phase2_loss(params, ctx.model)
     data = _finetune_data(ctx, name)
-    result = run_phase2(sim.model, None, data, params, loss_fn=loss_fn, progress=ctx.progress, desc=f"{name} (QAT)")
+    result = run_phase2(sim.model, None, data, params, loss_fn=loss_fn, progress=ctx.progress, desc=name)
     _write_losses(ctx, name, result.losses)
+    return sim
+
+
+def _cle_phase2(ctx: MethodContext) -> QuantizationSimModel:
+    """Quadapter's matched baseline: CLE's sim, then the recipe's phase 2 with the ranges trained, alphas fixed."""
+    name = "cle_phase2"
+    _phase2(ctx, name)  # fail before calibrating when there is no fine-tuning data
+    sim = build_sim(ctx.model, ctx.policy)
+    qset = apply_cle(sim, ctx.model, ctx.calibration, ctx.params.extra_sites)
+    _train_sim(ctx, sim, name, learn_ranges=True)
+    _save(ctx, name, QuadapterState.from_sim(sim, qset.total_alpha(), method=name))
     return sim
 
 
@@ -254,6 +270,7 @@ _FUNCTIONS: dict[str, Method] = {
     "qat_fixed_ranges": _qat_fixed_ranges,
     "quadapter_bc_qat": _quadapter_bc_qat,
     "quadapter_bc_qat_fixed_ranges": _quadapter_bc_qat_fixed_ranges,
+    "cle_phase2": _cle_phase2,
     "quadapter": _quadapter,
     "quadapter_fixed_ranges": _quadapter_fixed_ranges,
 }

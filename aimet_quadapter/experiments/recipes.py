@@ -199,6 +199,9 @@ class Recipe(_Section):
     # Data-size sweep (Fig. 3): fine-tune on each of these numbers of sequences (phase2.seq_len tokens each),
     # phase2.steps steps each, cycling through the data. None: fresh data every step (steps x batch_size).
     finetune_sizes: list[Annotated[int, Field(ge=1)]] | None = None
+    # Every cell but FP32's once per seed, the seed standing for calibration.seed, generated.seed and
+    # phase1.seed (and so the phase-2 data order): the report gives the mean and the min-max over them.
+    seeds: Annotated[list[int], Field(min_length=1)] | None = None
     eval: EvalSection
     # Development text: every cell is also scored on it, so that settings are chosen there and never on the
     # evaluation texts. Tuning and development text must not read any part of an evaluation text
@@ -232,6 +235,16 @@ class Recipe(_Section):
         from aimet_quadapter.quant.config import BaselineParameters
 
         return BaselineParameters(**self.baselines.model_dump())
+
+    def for_seed(self, seed: int) -> Recipe:
+        """This recipe with ``seed`` in every seed it has, and no ``seeds`` list: one seed's run."""
+        update = {
+            section: getattr(self, section).model_copy(update={"seed": seed})
+            for section in ("calibration", "generated", "phase1")
+        }
+        out = self.model_copy(update={**update, "seeds": None})
+        out._path = self._path
+        return out
 
     # --- names and paths --------------------------------------------------------------------------------
     @property
@@ -409,6 +422,8 @@ def validate_recipe(raw: dict, where: str = "recipe", overridden: list[str] | No
             f"{where}: field fid: {calibrated[0]} needs calibration data: give an F-ID dataset "
             f"(its train split calibrates), or set calibration.dataset"
         )
+    if recipe.seeds and len(set(recipe.seeds)) < len(recipe.seeds):
+        raise QuadapterError(f"{where}: field seeds: {recipe.seeds} names a seed twice")
     tuning = [m for m in recipe.methods if CATALOG[m].finetunes]
     if tuning and not recipe.fid:
         raise QuadapterError(f"{where}: field fid: methods {', '.join(tuning)} fine-tune, so they need an F-ID dataset")

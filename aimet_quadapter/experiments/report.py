@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 
 from aimet_quadapter.atomic import write_text_atomic
-from aimet_quadapter.experiments.results_file import load_results
+from aimet_quadapter.experiments.results_file import load_results, merge_seeds
 
 REFERENCES = {"fp", "fp_finetuned"}  # not quantized: upper bounds, never "best"
 
@@ -39,15 +39,16 @@ def _group_title(group: str) -> str:
     return group
 
 
-def ordered_rows(results: dict) -> list[dict]:
-    """Cells in table order: FP first, calibration groups, then F-ID groups; by method, then sweep size."""
+def ordered_rows(results: dict, seeds: bool = False) -> list[dict]:
+    """Rows in table order: FP first, calibration groups, then F-ID groups; by method, then sweep size. The
+    seeds of a cell are one row (mean, and min-max in ``spread``); ``seeds``: each its own row."""
     groups = ["-"] + [f"calib:{c}" for c in results.get("calibration_sets", {})] + list(results.get("fids", {}))
-    cells = list(results["cells"].values())
+    cells = list((results["cells"] if seeds else merge_seeds(results["cells"])).values())
     for c in cells:
         if c["group"] not in groups:
             groups.append(c["group"])
     order = {g: i for i, g in enumerate(groups)}
-    return sorted(cells, key=lambda c: (order[c["group"]], c.get("rank", 99), c.get("size") or 0))
+    return sorted(cells, key=lambda c: (order[c["group"]], c.get("rank", 99), c.get("size") or 0, c.get("seed") or 0))
 
 
 def _row_label(cell: dict) -> str:
@@ -96,11 +97,13 @@ def _table(
             for col in columns:
                 value = r.get(key, {}).get(col)
                 text = _fmt(value)
+                low, high = r.get("spread", {}).get(key, {}).get(col, (None, None))
+                spread = f" ({_fmt(low)}–{_fmt(high)})" if len(r.get("seeds", [])) > 1 else ""
                 if col in best and value == best[col]:
                     text = f"**{text}**"
                 if col in own:
                     text = f"<ins>{text}</ins>"
-                cells.append(text)
+                cells.append(text + spread)
             cells += [_fmt(_mean([r["ppl"].get(c) for c in cols])) for cols in extra.values()]
             lines.append("| " + " | ".join([_group_title(group) if i == 0 else "", _row_label(r), *cells]) + " |")
     return "\n".join(lines)
@@ -110,6 +113,44 @@ def results_table(results: dict) -> str:
     """The Table-1 layout over every cell of the run."""
     columns = [d["label"] for d in results["datasets"]]
     return _table(ordered_rows(results), columns, results.get("fids", {}), None)
+
+
+# Each trained method against what the same training buys without it (same data, steps, rates, loss).
+MATCHED = {"quadapter": ("cle_phase2", "qat"), "quadapter_bc_qat": ("qat",)}
+
+
+def matched_comparisons(results: dict) -> list[str]:
+    """One line per trained method, matched baseline and column: their numbers and whether the method's is
+    lower beyond the spread over seeds (its worst seed better than the baseline's best), within it, or
+    unknown (one seed)."""
+    rows = ordered_rows(results)
+    lines = []
+    for r in rows:
+        for other in MATCHED.get(r["method"], ()):
+            base = next((b for b in rows if b["method"] == other and b["group"] == r["group"]), None)
+            if base is None:
+                continue
+            for field, title in (("ppl", ""), ("dev_ppl", " (development)")):
+                for col, value in r.get(field, {}).items():
+                    b = base.get(field, {}).get(col)
+                    if not isinstance(b, (int, float)):
+                        continue
+                    lines.append(
+                        f"- {r['group']}, {col}{title}: {r['label']} {_fmt(value)} vs {base['label']} "
+                        f"{_fmt(b)} ({100 * (value / b - 1):+.1f} %): {_verdict(r, base, field, col)}"
+                    )
+    return lines
+
+
+def _verdict(a: dict, b: dict, field: str, col: str) -> str:
+    if len(a.get("seeds", [])) < 2 or len(b.get("seeds", [])) < 2:
+        return "one seed, no spread to judge by"
+    (a_low, a_high), (b_low, b_high) = a["spread"][field][col], b["spread"][field][col]
+    if a_high < b_low:
+        return f"lower beyond the spread ({len(a['seeds'])} seeds)"
+    if b_high < a_low:
+        return f"higher beyond the spread ({len(a['seeds'])} seeds)"
+    return f"within the spread ({len(a['seeds'])} seeds)"
 
 
 def dev_table(results: dict) -> str | None:
@@ -175,7 +216,7 @@ def _kept(info: dict) -> str:
 
 def timing_table(results: dict) -> str:
     lines = ["| Cell | Method (s) | Evaluation (s) | Wall (s) | Notes |", "| --- | ---: | ---: | ---: | --- |"]
-    for r in ordered_rows(results):
+    for r in ordered_rows(results, seeds=True):
         key = next(k for k, v in results["cells"].items() if v is r)
         if r.get("error"):  # a stopped cell has no times: its training diverged
             lines.append(f"| {key} | – | – | – | stopped: {r['error']} |")
@@ -224,11 +265,19 @@ def build_report(run_dir: str | Path) -> str:
         "## Perplexity (Table 1 layout)",
         "",
         "Lower is better. <ins>Underlined</ins>: the row's own F-ID (its fine-tuning data). **Bold**: best "
-        "quantized result of the column within its group.",
+        "quantized result of the column within its group."
+        + (
+            f" Rows run with seeds {', '.join(map(str, results['seeds']))}: their mean (min–max)."
+            if results.get("seeds")
+            else ""
+        ),
         "",
         results_table(results),
         "",
     ]
+    comparisons = matched_comparisons(results)
+    if comparisons:
+        parts += ["## Against the matched baselines", "", *comparisons, ""]
     dev = dev_table(results)
     if dev:
         texts = ", ".join(

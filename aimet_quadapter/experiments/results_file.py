@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from aimet_quadapter.atomic import write_text_atomic
@@ -24,3 +25,54 @@ def load_results(run_dir: str | Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise QuadapterError(f"{path} is not valid JSON ({exc}); delete it to start the run afresh") from None
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
+    """``cells`` (results.json's, by key) with the seeds of one cell merged into one row under the key without
+    ``#seed<N>``, in order of first appearance: its ``ppl`` and ``dev_ppl`` the mean over the seeds, ``spread``
+    their [min, max], ``seeds`` which ones. Cells without a seed are returned as they are."""
+    groups: dict[str, list[dict]] = {}
+    for key, c in cells.items():
+        groups.setdefault(key.rsplit("#seed", 1)[0] if c.get("seed") is not None else key, []).append(c)
+    rows = {}
+    for key, members in groups.items():
+        if members[0].get("seed") is None:
+            rows[key] = members[0]
+            continue
+        row = {**members[0], "seeds": [m["seed"] for m in members], "spread": {}}
+        errors = [m["error"] for m in members if m.get("error")]
+        if errors:
+            row["error"] = errors[0]
+        for field in ("ppl", "dev_ppl"):
+            row[field], row["spread"][field] = {}, {}
+            for col in dict.fromkeys(col for m in members for col in m.get(field, {})):
+                values = [m[field][col] for m in members if _finite(m.get(field, {}).get(col))]
+                if values:
+                    row[field][col] = sum(values) / len(values)
+                    row["spread"][field][col] = [min(values), max(values)]
+        rows[key] = row
+    return rows
+
+
+def summary(results: dict) -> dict[str, dict]:
+    """Mean and min-max over the seeds of every seeded cell, keyed like its cells without ``#seed<N>``."""
+    return {
+        key: {
+            "method": row["method"],
+            "group": row["group"],
+            "seeds": row["seeds"],
+            **{
+                field: {
+                    col: {"mean": value, "min": row["spread"][field][col][0], "max": row["spread"][field][col][1]}
+                    for col, value in row[field].items()
+                }
+                for field in ("ppl", "dev_ppl")
+            },
+        }
+        for key, row in merge_seeds(results.get("cells", {})).items()
+        if "seeds" in row
+    }

@@ -43,7 +43,7 @@ from aimet_quadapter.errors import QuadapterError, TrainingDiverged
 from aimet_quadapter.experiments.catalog import CATALOG
 from aimet_quadapter.experiments.lock import RunLock
 from aimet_quadapter.experiments.recipes import Recipe
-from aimet_quadapter.experiments.results_file import FORMAT, RESULTS, load_results, write_json_atomic
+from aimet_quadapter.experiments.results_file import FORMAT, RESULTS, load_results, summary, write_json_atomic
 
 if TYPE_CHECKING:  # imported when a run starts: the model code pulls in AIMET
     from aimet_quadapter.models import PreparedLM
@@ -95,6 +95,7 @@ class Cell:
     calibration: str | None  # calibration set name
     fid: str | None  # F-ID name (fine-tuning cells)
     size: int | None  # fine-tuning sequences in a data-size sweep
+    seed: int | None = None  # one seed of a recipe's ``seeds``
 
     @property
     def calibration_set(self) -> str:
@@ -114,7 +115,8 @@ class Cell:
     def folder(self) -> str:
         """Where the cell's states and figures go (``MethodContext.out_dir``), relative to the run folder."""
         leaf = _safe(self.method + (f"@{self.size}" if self.size else ""))
-        return leaf if self.group == "-" else _safe(self.group.replace("calib:", "calib-")) + "/" + leaf
+        folder = leaf if self.group == "-" else _safe(self.group.replace("calib:", "calib-")) + "/" + leaf
+        return folder if self.seed is None else f"seed-{self.seed}/{folder}"
 
 
 def _safe(name: str) -> str:
@@ -131,10 +133,25 @@ def _fingerprint(payload: dict) -> str:
 
 
 class RecipeRun:
-    """The plan of one recipe into one run folder, and its execution."""
+    """The plan of one recipe into one run folder, and its execution.
 
-    def __init__(self, recipe: Recipe, out_dir: Path, progress: bool = True, log: Callable[[str], None] = print):
+    A recipe with ``seeds`` runs as one child run per seed (:meth:`Recipe.for_seed`) into the same folder and
+    ``results.json``: keys ``<cell>#seed<N>``, files under ``seed-<N>/``; FP32's cell, the same for every seed,
+    once.
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        out_dir: Path,
+        progress: bool = True,
+        log: Callable[[str], None] = print,
+        seed: int | None = None,
+        parent: Recipe | None = None,
+    ):
         self.recipe = recipe
+        self.seed = seed
+        self.parent = parent or recipe  # what results.json records as the recipe
         self.out_dir = Path(out_dir)
         self.progress = progress
         self.log = log
@@ -225,6 +242,7 @@ class RecipeRun:
     def _plan(self) -> list[Cell]:
         methods = list(dict.fromkeys(self.recipe.methods))
         cells: list[Cell] = []
+        tag = "" if self.seed is None else f"#seed{self.seed}"
         for m in methods:
             if m in _NO_CALIBRATION:
                 cells.append(Cell(m, m, "-", None, None, None))
@@ -232,15 +250,15 @@ class RecipeRun:
             if m in _NO_CALIBRATION or self.catalog[m].finetunes:
                 continue
             for cal in self.calibration_sets:
-                cells.append(Cell(f"calib:{cal}/{m}", m, f"calib:{cal}", cal, None, None))
+                cells.append(Cell(f"calib:{cal}/{m}{tag}", m, f"calib:{cal}", cal, None, None, self.seed))
         sizes: list[int | None] = [*self.recipe.finetune_sizes] if self.recipe.finetune_sizes else [None]
         for fid in self.fids:
             for m in methods:
                 if not self.catalog[m].finetunes:
                     continue
                 for size in sizes:
-                    key = f"{fid}/{m}" + (f"@{size}" if size else "")
-                    cells.append(Cell(key, m, fid, self._calibration_of(fid), fid, size))
+                    key = f"{fid}/{m}" + (f"@{size}" if size else "") + tag
+                    cells.append(Cell(key, m, fid, self._calibration_of(fid), fid, size, self.seed))
         return cells
 
     # --- fingerprints ---------------------------------------------------------------------------------
@@ -301,10 +319,12 @@ class RecipeRun:
         results.setdefault("cells", {})
         results["model"] = self.model_name
         recipes = results.setdefault("recipes", {})
-        recipes[self.recipe.display_name] = {
-            "path": str(self.recipe.path) if self.recipe.path else None,
-            "settings": self.recipe.model_dump(mode="json"),
+        recipes[self.parent.display_name] = {
+            "path": str(self.parent.path) if self.parent.path else None,
+            "settings": self.parent.model_dump(mode="json"),
         }
+        if self.parent.seeds:
+            results["seeds"] = sorted({*results.get("seeds", []), *self.parent.seeds})
         columns = results.setdefault("datasets", [])
         known = {c["label"] for c in columns}
         for s in self.evals:
@@ -563,7 +583,8 @@ class RecipeRun:
         return ctx
 
     def _bc_dir(self, cal: str) -> Path:
-        return self.out_dir / _safe(f"calib-{cal}") / "quadapter_bc"
+        folder = self.out_dir if self.seed is None else self.out_dir / f"seed-{self.seed}"
+        return folder / _safe(f"calib-{cal}") / "quadapter_bc"
 
     def _bc_state(self, cal: str, info: dict):
         """Quadapter BC's state for calibration set ``cal``: in memory, saved by an earlier cell, or computed now."""
@@ -648,6 +669,7 @@ class RecipeRun:
             "calibration": cell.calibration,
             "fid": cell.fid,
             "size": cell.size,
+            "seed": cell.seed,
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "fingerprint": self.fingerprint(cell),
             "folder": cell.folder,
@@ -659,6 +681,9 @@ class RecipeRun:
 
     def _write(self, results: dict) -> None:
         if self.main:
+            seeded = summary(results)
+            if seeded:
+                results["summary"] = seeded
             write_json_atomic(self.out_dir / RESULTS, results)
 
     def run(self) -> dict:
@@ -668,7 +693,16 @@ class RecipeRun:
             raise QuadapterError(f"run folder {self.out_dir} cannot be created: {exc.strerror or exc}") from None
         lock = RunLock(self.out_dir) if self.main else contextlib.nullcontext()
         with lock:
-            return self._run()
+            if not self.recipe.seeds:
+                return self._run()
+            results: dict = {}
+            for seed in self.recipe.seeds:
+                self.log(f"seed {seed} ({self.recipe.seeds.index(seed) + 1} of {len(self.recipe.seeds)})")
+                child = RecipeRun(self.recipe.for_seed(seed), self.out_dir, self.progress, self.log, seed, self.recipe)
+                child._model, child._tokenizer = self._model, self._tokenizer  # one model for every seed
+                results = child._run()
+                self._model, self._tokenizer = child._model, child._tokenizer
+            return results
 
     def _run(self) -> dict:
         results = self._load_or_new()
