@@ -414,3 +414,18 @@ def test_seeds_run_every_cell_but_fp32_per_seed_and_report_mean_and_spread(world
     calls = _count_calls(monkeypatch)
     assert main(argv) == 0
     assert calls == {}, "every seed's cells are kept"
+
+
+def test_a_cell_computed_under_other_library_versions_is_marked(base_run, tmp_path):
+    from aimet_quadapter.versions import library_versions
+
+    run = _copy(base_run, tmp_path)
+    results = _results(run)
+    assert all(c["versions"] == library_versions() for c in results["cells"].values())
+    results["cells"]["calib:a/cle"]["versions"]["torch"] = "0.1.0"
+    (run / "results.json").write_text(json.dumps(results))
+    assert main(["report", str(run)]) == 0
+    report = (run / "report.md").read_text()
+    rows = {r[1]: r for r in _markdown_rows(report.split("## Perplexity (Table 1 layout)")[1].split("\n## ")[0])}
+    assert "CLE †" in rows and "PTQ" in rows and "PTQ †" not in rows
+    assert "CLE (calib:a): torch 0.1.0" in report

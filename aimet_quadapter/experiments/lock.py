@@ -1,8 +1,9 @@
-"""One run per run folder: a lock file that names its process, and is taken over once that process is gone.
+"""One run per run folder: an OS file lock on ``run.lock``, and ``run.lock.json`` naming the process that holds it.
 
-Two runs writing one ``results.json`` would each overwrite the other's cells. A lock left by a killed run
-(SIGKILL, a machine that went down) names a process that no longer exists, so the next run takes it over
-instead of waiting forever. Under ``torchrun`` only the first process holds it.
+Two runs writing one ``results.json`` would each overwrite the other's cells. The lock is the operating
+system's (``filelock``), so the kernel releases it when its process dies, however it dies: a killed run
+leaves nothing to take over, and no two runs can both see the folder free. Under ``torchrun`` only the first
+process holds it.
 """
 
 from __future__ import annotations
@@ -14,64 +15,60 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from filelock import FileLock, Timeout
+
+from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.errors import QuadapterError
 
 LOCK = "run.lock"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
+HOLDER = "run.lock.json"
+_HOLDER_WAIT_S = 2.0  # the winner of a race writes its name just after taking the lock
 
 
 class RunLock:
-    """``with RunLock(folder):`` holds ``folder/run.lock`` for the duration; :class:`QuadapterError` if a live
-    process on this machine holds it."""
+    """``with RunLock(folder):`` holds ``folder/run.lock`` for the duration; :class:`QuadapterError`, naming the
+    holder, if another process holds it."""
 
     def __init__(self, folder: Path):
-        self.path = Path(folder) / LOCK
-        self.held = False
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK
+        self.holder_path = self.folder / HOLDER
+        self._lock = FileLock(self.path, timeout=0)
 
     def _holder(self) -> dict | None:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None  # gone meanwhile, or a torn write of a killed run: not a live holder
+        deadline = time.monotonic() + _HOLDER_WAIT_S
+        while True:
+            try:
+                return json.loads(self.holder_path.read_text())
+            except (OSError, ValueError):
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.05)
 
     def acquire(self) -> None:
+        try:
+            self._lock.acquire()
+        except Timeout:
+            holder = self._holder()
+            who = (
+                f"process {holder.get('pid')} on {holder.get('host')} (started {holder.get('started', '?')})"
+                if holder
+                else "another process"
+            )
+            raise QuadapterError(
+                f"run folder {self.folder} is in use by {who}; wait for it, or use another --out"
+            ) from None
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-        for _ in range(3):  # a stale lock removed, then raced for
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self._holder()
-                if holder and holder.get("host") == me["host"] and _alive(int(holder.get("pid", -1))):
-                    raise QuadapterError(
-                        f"run folder {self.path.parent} is in use by process {holder['pid']} (started "
-                        f"{holder.get('started', '?')}); wait for it, or use another --out"
-                    ) from None
-                if holder and holder.get("host") != me["host"]:
-                    raise QuadapterError(
-                        f"run folder {self.path.parent} is locked by process {holder.get('pid')} on "
-                        f"{holder.get('host')}; if that run is over, delete {self.path}"
-                    ) from None
-                self.path.unlink(missing_ok=True)  # its process is gone: a killed run's lock
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
-            return
-        raise QuadapterError(f"could not take the lock {self.path}: another run keeps taking it")
+        write_text_atomic(self.holder_path, json.dumps(me))
+
+    @property
+    def held(self) -> bool:
+        return self._lock.is_locked
 
     def release(self) -> None:
-        if self.held:
-            self.path.unlink(missing_ok=True)
-            self.held = False
+        if self._lock.is_locked:
+            self.holder_path.unlink(missing_ok=True)
+            self._lock.release()
 
     def __enter__(self) -> RunLock:
         self.acquire()

@@ -53,7 +53,27 @@ def ordered_rows(results: dict, seeds: bool = False) -> list[dict]:
 
 def _row_label(cell: dict) -> str:
     stopped = " (stopped: training diverged)" if cell.get("error") else ""
-    return cell["label"] + (f" (n={cell['size']})" if cell.get("size") else "") + stopped
+    other = " †" if cell.get("other_versions") else ""
+    return cell["label"] + (f" (n={cell['size']})" if cell.get("size") else "") + stopped + other
+
+
+def _versions_note(results: dict) -> str | None:
+    """Marks (``other_versions``) the cells computed under other library versions than the newest cell, and
+    says which; None when every cell that records them agrees."""
+    cells = [c for c in results["cells"].values() if c.get("versions")]
+    if not cells:
+        return None
+    newest = max(cells, key=lambda c: c["finished"])["versions"]
+    notes = []
+    for c in cells:
+        differ = {k: v for k, v in c["versions"].items() if newest.get(k) != v and k != "aimet-quadapter"}
+        if differ:
+            c["other_versions"] = True
+            notes.append(f"{c['label']} ({c['group']}): " + ", ".join(f"{k} {v}" for k, v in differ.items()))
+    if not notes:
+        return None
+    now = ", ".join(f"{k} {v}" for k, v in newest.items() if k != "aimet-quadapter")
+    return f"† computed under other versions than the newest cell's ({now}): " + "; ".join(notes) + "."
 
 
 def _best(rows: list[dict], columns: list[str], key: str = "ppl") -> dict[str, float]:
@@ -260,6 +280,7 @@ def build_report(run_dir: str | Path) -> str:
     results = load_results(run_dir)
     if not results.get("cells"):
         return f"# Report of {run_dir}\n\nNo finished cell yet.\n"
+    versions = _versions_note(results)  # before the tables: it marks their rows
     parts = [f"# Report of `{run_dir.name}`", "", *_settings_lines(results), ""]
     parts += [
         "## Perplexity (Table 1 layout)",
@@ -274,6 +295,7 @@ def build_report(run_dir: str | Path) -> str:
         "",
         results_table(results),
         "",
+        *([versions, ""] if versions else []),
     ]
     comparisons = matched_comparisons(results)
     if comparisons:

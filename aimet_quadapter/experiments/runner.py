@@ -44,6 +44,7 @@ from aimet_quadapter.experiments.catalog import CATALOG
 from aimet_quadapter.experiments.lock import RunLock
 from aimet_quadapter.experiments.recipes import Recipe
 from aimet_quadapter.experiments.results_file import FORMAT, RESULTS, load_results, summary, write_json_atomic
+from aimet_quadapter.versions import library_versions
 
 if TYPE_CHECKING:  # imported when a run starts: the model code pulls in AIMET
     from aimet_quadapter.models import PreparedLM
@@ -671,6 +672,9 @@ class RecipeRun:
             "size": cell.size,
             "seed": cell.seed,
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            # not in the fingerprint (a version bump would recompute every run folder): the report marks a
+            # cell computed under other versions than the newest cell's
+            "versions": library_versions(),
             "fingerprint": self.fingerprint(cell),
             "folder": cell.folder,
         }

@@ -20,11 +20,9 @@ folder beside the target and renamed into place at the end; on any failure the t
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import math
 import os
-import platform
 import shutil
 import tempfile
 import time
@@ -60,6 +58,7 @@ from aimet_quadapter.memory import release_freed_memory
 from aimet_quadapter.models import device_of
 from aimet_quadapter.quant.policy import sim_policy
 from aimet_quadapter.quant.quantizers import fast_inference, quantizers, shared_activation_groups
+from aimet_quadapter.versions import library_versions
 
 ENCODING_VERSIONS = ("1.0.0", "2.0.0")
 QDQ_OPSET = 21  # QuantizeLinear/DequantizeLinear with per-axis and 4/16-bit types; what AIMET recommends
@@ -477,16 +476,6 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _tool_versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for dist in ("aimet-quadapter", "aimet-torch", "torch", "onnx", "onnxruntime", "transformers"):
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            versions[dist] = "not installed"
-    return versions
-
-
 def _opset(path: Path) -> int:
     return next(version for domain, version in opset_imports(path) if domain in ("", "ai.onnx"))
 
@@ -633,7 +622,7 @@ def export_quantized(
             "quantizers": n_quantizers,
             "shared_ranges_merged": merged,
             "verification": report.to_dict(),
-            "tools": _tool_versions(),
+            "tools": library_versions(),
             "export_time_s": round(time.time() - start, 3),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **(extra_manifest or {}),
