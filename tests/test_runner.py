@@ -333,6 +333,21 @@ def test_plan_of_a_matrix_without_loading_anything(tmp_path):
     assert {c.key for c in per_fid.cells if per_fid.fingerprint(c) == policy.fingerprint(c)} == {"fp"}
 
 
+def test_settings_a_method_does_not_read_leave_its_cells_alone(tmp_path):
+    recipe_file = tmp_path / "m.yaml"
+    recipe_file.write_text("model: gpt2\nmethods: [cle_phase2, quadapter]\nfid: [ptb]\neval: {datasets: [ptb]}\n")
+
+    def fingerprints(*overrides: str) -> dict[str, str]:
+        run = RecipeRun(load_recipe(recipe_file, list(overrides)), tmp_path / "out", progress=False)
+        return {c.method: run.fingerprint(c) for c in run.cells}
+
+    base = fingerprints()
+    for unread in ("phase2.lr_alpha=0.5", "phase2.learn_ranges=false", "phase1.steps=3"):
+        changed = fingerprints(unread)
+        assert changed["cle_phase2"] == base["cle_phase2"] and changed["quadapter"] != base["quadapter"], unread
+    assert fingerprints("phase2.lr_ranges=0.5")["cle_phase2"] != base["cle_phase2"]
+
+
 def test_the_report_shows_the_phase1_check_to_the_decimal_that_decides_it():
     from aimet_quadapter.experiments.report import info_text
 

@@ -14,6 +14,9 @@ class MethodInfo:
     label: str  # the paper's row name
     finetunes: bool = False  # needs the F-ID training data
     from_bc: bool = False  # continues from Quadapter BC
+    # recipe settings ("section" or "section.field") the method never reads: out of its cells' fingerprints,
+    # so that changing them does not compute its cells again
+    unused: tuple[str, ...] = ()
 
 
 CATALOG: dict[str, MethodInfo] = {
@@ -30,7 +33,9 @@ CATALOG: dict[str, MethodInfo] = {
     "quadapter_bc_qat_fixed_ranges": MethodInfo("Quadapter BC+QAT w/o LSQ+", finetunes=True, from_bc=True),
     # Quadapter's matched baseline: the same phase 2 (loss, data, steps, rates) on CLE's sim with no alpha to
     # train, the quantizer ranges learning instead; what the training budget buys without the adapter.
-    "cle_phase2": MethodInfo("CLE + phase 2 (ranges)", finetunes=True),
+    "cle_phase2": MethodInfo(
+        "CLE + phase 2 (ranges)", finetunes=True, unused=("phase1", "phase2.lr_alpha", "phase2.learn_ranges")
+    ),
     "quadapter": MethodInfo("Quadapter", finetunes=True, from_bc=True),
     "quadapter_fixed_ranges": MethodInfo("Quadapter w/o LSQ+", finetunes=True, from_bc=True),
 }

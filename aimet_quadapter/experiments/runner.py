@@ -305,6 +305,12 @@ class RecipeRun:
             payload.update(self._sections(sections))
             return _fingerprint(payload)
         payload.update(self._sections(("phase1", "phase2", "quadapter", "baselines")))
+        for unused in self.catalog[cell.method].unused:
+            section, _, field = unused.partition(".")
+            if field:
+                payload[section].pop(field, None)
+            else:
+                payload.pop(section, None)
         payload["fid"] = self._sources(self.fids[cell.fid_name])
         payload["size"] = cell.size
         return _fingerprint(payload)
