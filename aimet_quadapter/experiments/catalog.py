@@ -17,6 +17,9 @@ class MethodInfo:
     # recipe settings ("section" or "section.field") the method never reads: out of its cells' fingerprints,
     # so that changing them does not compute its cells again
     unused: tuple[str, ...] = ()
+    # what the same training buys without the method (same data, steps, rates, loss): the report sets the
+    # method against each of these
+    matched: tuple[str, ...] = ()
 
 
 CATALOG: dict[str, MethodInfo] = {
@@ -29,13 +32,13 @@ CATALOG: dict[str, MethodInfo] = {
     "quadapter_bc": MethodInfo("Quadapter BC"),
     "qat": MethodInfo("QAT", finetunes=True),
     "qat_fixed_ranges": MethodInfo("QAT w/o LSQ+", finetunes=True),
-    "quadapter_bc_qat": MethodInfo("Quadapter BC+QAT", finetunes=True, from_bc=True),
+    "quadapter_bc_qat": MethodInfo("Quadapter BC+QAT", finetunes=True, from_bc=True, matched=("qat",)),
     "quadapter_bc_qat_fixed_ranges": MethodInfo("Quadapter BC+QAT w/o LSQ+", finetunes=True, from_bc=True),
     # Quadapter's matched baseline: the same phase 2 (loss, data, steps, rates) on CLE's sim with no alpha to
     # train, the quantizer ranges learning instead; what the training budget buys without the adapter.
     "cle_phase2": MethodInfo(
         "CLE + phase 2 (ranges)", finetunes=True, unused=("phase1", "phase2.lr_alpha", "phase2.learn_ranges")
     ),
-    "quadapter": MethodInfo("Quadapter", finetunes=True, from_bc=True),
+    "quadapter": MethodInfo("Quadapter", finetunes=True, from_bc=True, matched=("cle_phase2", "qat")),
     "quadapter_fixed_ranges": MethodInfo("Quadapter w/o LSQ+", finetunes=True, from_bc=True),
 }

@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 
 from aimet_quadapter.atomic import write_text_atomic
+from aimet_quadapter.experiments.catalog import CATALOG
 from aimet_quadapter.experiments.results_file import load_results, merge_seeds
 
 REFERENCES = {"fp", "fp_finetuned"}  # not quantized: upper bounds, never "best"
@@ -135,10 +136,6 @@ def results_table(results: dict) -> str:
     return _table(ordered_rows(results), columns, results.get("fids", {}), None)
 
 
-# Each trained method against what the same training buys without it (same data, steps, rates, loss).
-MATCHED = {"quadapter": ("cle_phase2", "qat"), "quadapter_bc_qat": ("qat",)}
-
-
 def matched_comparisons(results: dict) -> list[str]:
     """One line per trained method, matched baseline and column: their numbers and whether the method's is
     lower beyond the spread over seeds (its worst seed better than the baseline's best), within it, or
@@ -146,7 +143,8 @@ def matched_comparisons(results: dict) -> list[str]:
     rows = ordered_rows(results)
     lines = []
     for r in rows:
-        for other in MATCHED.get(r["method"], ()):
+        info = CATALOG.get(r["method"])
+        for other in info.matched if info else ():
             base = next((b for b in rows if b["method"] == other and b["group"] == r["group"]), None)
             if base is None:
                 continue

@@ -25,7 +25,7 @@ RUN = 128
 class TextUse:
     """One reading of a text: which role reads it, which tokens of which split of which source."""
 
-    role: str  # "tuning" or "development"; evaluation texts are the ones checked against
+    role: str  # "tuning", "development", or "test" (an evaluation text, the one checked against)
     what: str  # how an error message names this use, e.g. "calibration (train split of ptb)"
     source: str
     split: str
