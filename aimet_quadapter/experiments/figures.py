@@ -23,12 +23,17 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+def _bar_rows(rows: list[dict]) -> list[dict]:
+    """The rows that get a bar: every quantized one, sweeps left out."""
+    return [r for r in rows if r["method"] != "fp" and not r.get("size")]
+
+
 def perplexity_bars(results: dict, rows: list[dict]) -> tuple[list[str], dict[str, list[float]]]:
     """The bars of :func:`plot_perplexities`: a label per quantized cell (``rows`` in table order, sweeps
     left out) and, per eval dataset, each cell's perplexity / FP32's (NaN where either is missing)."""
     columns = [d["label"] for d in results["datasets"]]
     fp = next((r for r in rows if r["method"] == "fp"), None)
-    quantized = [r for r in rows if r["method"] != "fp" and not r.get("size")]
+    quantized = _bar_rows(rows)
     if fp is None:
         return [], {}
     labels = [r["label"] + ("" if r["group"].startswith("calib:") else f"\n({r['group']})") for r in quantized]
@@ -48,7 +53,7 @@ def plot_perplexities(results: dict, rows: list[dict], path: Path) -> Path | Non
     if not labels or not any(math.isfinite(v) for values in series.values() for v in values):
         return None
     fp = next(r for r in rows if r["method"] == "fp")
-    quantized = [r for r in rows if r["method"] != "fp" and not r.get("size")]
+    quantized = _bar_rows(rows)
     width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * len(labels) * max(len(series), 2) + 2), 3.8))
     for j, (column, ratios) in enumerate(series.items()):

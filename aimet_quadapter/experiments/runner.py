@@ -172,6 +172,7 @@ class RecipeRun:
         self.cells = self._plan()
         self._model: PreparedLM | None = None
         self._tokenizer: Any = None
+        self._token_cache: dict[tuple[str, str], torch.Tensor] = {}  # shared with the seeds' child runs
         self._bc: dict[str, QuadapterState | None] = {}
         # Under torchrun every process computes every cell (data-parallel inside); only the first writes files.
         self.main = distributed.is_main()
@@ -438,12 +439,13 @@ class RecipeRun:
         groups = [*self.fids.values(), *self.calibration_sets.values()]
         return any(r.source == GENERATED for refs in groups for r in refs)
 
-    @cache  # noqa: B019 - one run object per recipe run; the cache dies with it
     def _tokens(self, source: str, split: str) -> torch.Tensor:
         from aimet_quadapter.experiments import data
 
-        text = data.load_text(source, split)  # a file that is not text is refused before the tokenizer loads
-        return data.tokenize(self.tokenizer(), text)
+        if (source, split) not in self._token_cache:
+            text = data.load_text(source, split)  # a file that is not text is refused before the tokenizer loads
+            self._token_cache[source, split] = data.tokenize(self.tokenizer(), text)
+        return self._token_cache[source, split]
 
     @contextlib.contextmanager
     def _about(self, ref: DatasetRef):
@@ -709,7 +711,8 @@ class RecipeRun:
             for seed in self.recipe.seeds:
                 self.log(f"seed {seed} ({self.recipe.seeds.index(seed) + 1} of {len(self.recipe.seeds)})")
                 child = RecipeRun(self.recipe.for_seed(seed), self.out_dir, self.progress, self.log, seed, self.recipe)
-                child._model, child._tokenizer = self._model, self._tokenizer  # one model for every seed
+                # one model and one tokenization of each text for every seed
+                child._model, child._tokenizer, child._token_cache = self._model, self._tokenizer, self._token_cache
                 results = child._run()
                 self._model, self._tokenizer = child._model, child._tokenizer
             return results
