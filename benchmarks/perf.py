@@ -294,12 +294,12 @@ def case_memory_fp_train(model, args) -> dict:
 
 def case_memory_pipeline(model, args) -> dict:
     """Peak memory of the whole pipeline: sim, phase 1 on every site, static calibration, phase 2, evaluation."""
-    from aimet_quadapter.experiments.data import eval_windows
-    from aimet_quadapter.experiments.evaluation import evaluate
     from aimet_quadapter.quadapter.api import QuadapterParameters, apply_quadapter
     from aimet_quadapter.quadapter.phase1 import Phase1Parameters
     from aimet_quadapter.quadapter.phase2 import Phase2Parameters
     from aimet_quadapter.quant.policy import build_sim
+    from aimet_quadapter.text.data import eval_windows
+    from aimet_quadapter.text.perplexity import evaluate
 
     calib = [_ids(model, 1, args.seq_len, seed=i) for i in range(2)]
     finetune = [_ids(model, args.batch, args.seq_len, seed=10)]
@@ -319,9 +319,9 @@ def case_memory_export(model, args) -> dict:
     the CLI's steps after the model is loaded, at its default length (128) and number of windows (4)."""
     import tempfile
 
-    from aimet_quadapter.experiments.data import eval_windows
     from aimet_quadapter.export.exporter import export_quantized
     from aimet_quadapter.quant.policy import build_sim, calibrate
+    from aimet_quadapter.text.data import eval_windows
 
     length = 128
     sim = build_sim(model, in_place=True)  # as the CLI builds it: the FP weights are not kept

@@ -13,14 +13,14 @@ import argparse
 import json
 import time
 
-from aimet_quadapter.experiments.data import calibration_batches, eval_windows
-from aimet_quadapter.experiments.evaluation import eval_windows_for, evaluate, perplexity
 from aimet_quadapter.models import load_model, quiet_libraries
 from aimet_quadapter.quadapter.api import QuadapterParameters, apply_phase1
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters
 from aimet_quadapter.quadapter.phase2 import Phase2Parameters
 from aimet_quadapter.quant.policy import build_sim, calibrate
 from aimet_quadapter.testing import sample_corpus, toy_model
+from aimet_quadapter.text.data import calibration_batches, eval_windows
+from aimet_quadapter.text.perplexity import eval_windows_for, evaluate, perplexity
 
 
 def compare(model, calib, windows, steps: int, tokens: int | None) -> dict:

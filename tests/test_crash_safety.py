@@ -78,7 +78,7 @@ def test_killed_anywhere_resumes_to_the_uninterrupted_result(tmp_path, tiny_gpt2
         "os:replace:3:results.json",  # the PTQ cell's results.json written to its temporary file, not yet renamed
         f"{PHASE1_SITE}:3",  # phase 1, after two sites were done
         "aimet_quadapter.quadapter.phase2:_accumulate:3",  # phase 2, after two steps were checkpointed
-        "aimet_quadapter.experiments.evaluation:window_nll:2",  # the Quadapter cell's evaluation
+        "aimet_quadapter.text.perplexity:window_nll:2",  # the Quadapter cell's evaluation
     ]
     counts = []
     for i, kill in enumerate(kills):

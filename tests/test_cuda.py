@@ -14,8 +14,6 @@ import pytest
 import torch
 
 from aimet_quadapter.cli import main
-from aimet_quadapter.experiments.data import eval_windows
-from aimet_quadapter.experiments.evaluation import perplexity
 from aimet_quadapter.export.exporter import export_quantized
 from aimet_quadapter.models import device_of, quiet_libraries
 from aimet_quadapter.quadapter.api import QuadapterParameters, apply_quadapter
@@ -25,6 +23,8 @@ from aimet_quadapter.quadapter.state import QuadapterState
 from aimet_quadapter.quant.policy import build_sim, calibrate
 from aimet_quadapter.quant.quantizers import quantizers
 from aimet_quadapter.testing import sample_corpus, toy_model
+from aimet_quadapter.text.data import eval_windows
+from aimet_quadapter.text.perplexity import perplexity
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason=f"no CUDA device (torch {torch.__version__}, CUDA build {torch.version.cuda})"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.experiments import data
+from aimet_quadapter.text import data
 
 # ---------------------------------------------------------------- windows
 

@@ -7,13 +7,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from aimet_quadapter.experiments.data import eval_windows
-from aimet_quadapter.experiments.evaluation import perplexity
 from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.api import attach_quadapters
 from aimet_quadapter.quadapter.phase2 import Phase2Parameters, run_phase2
 from aimet_quadapter.quant.policy import build_sim, calibrate
 from aimet_quadapter.testing import sample_corpus, toy_model
+from aimet_quadapter.text.data import eval_windows
+from aimet_quadapter.text.perplexity import perplexity
 
 
 def _run() -> dict:

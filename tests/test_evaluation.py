@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from aimet_quadapter.experiments.data import Window, eval_windows
-from aimet_quadapter.experiments.evaluation import perplexity, window_nll
 from aimet_quadapter.quant.policy import QuantPolicy, build_sim, calibrate
 from aimet_quadapter.quant.quantizers import fast_inference
 from aimet_quadapter.testing import sample_corpus, toy_model
+from aimet_quadapter.text.data import Window, eval_windows
+from aimet_quadapter.text.perplexity import perplexity, window_nll
 
 
 def _by_hand(model, windows):

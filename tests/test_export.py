@@ -16,7 +16,6 @@ from onnx.external_data_helper import uses_external_data
 
 from aimet_quadapter.cli import main
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.experiments.evaluation import perplexity
 from aimet_quadapter.export import exporter as export_module
 from aimet_quadapter.export.exporter import (
     Tolerance,
@@ -34,6 +33,7 @@ from aimet_quadapter.quant.aimet_adapter import wrapped_aimet_onnx_export
 from aimet_quadapter.quant.policy import build_sim, calibrate
 from aimet_quadapter.quant.quantizers import quantizers, shared_activation_groups
 from aimet_quadapter.testing import sample_corpus, toy_model
+from aimet_quadapter.text.perplexity import perplexity
 
 quiet_libraries()
 SEQ = 32
@@ -357,10 +357,10 @@ def test_resolve_state(tmp_path):
 
 
 def test_cli_export_then_eval(tiny_gpt2_dir, corpus_dir, tmp_path, capsys):
-    from aimet_quadapter.experiments.data import calibration_batches
-    from aimet_quadapter.experiments.evaluation import eval_windows_for
     from aimet_quadapter.models import load_model
     from aimet_quadapter.quant.policy import calibrate
+    from aimet_quadapter.text.data import calibration_batches
+    from aimet_quadapter.text.perplexity import eval_windows_for
 
     folder = tiny_gpt2_dir
     model, tokenizer = load_model(str(folder))

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from aimet_quadapter.experiments.methods import FINETUNE_METHODS, LABELS, REGISTRY, MethodContext, run_method
+from aimet_quadapter.experiments.catalog import CATALOG
+from aimet_quadapter.experiments.methods import REGISTRY, MethodContext, run_method
 from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.api import QuadapterParameters
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters
@@ -47,10 +48,12 @@ def _unchanged(model, before: dict[str, torch.Tensor]) -> bool:
 def test_registry_has_the_papers_rows():
     for name in ("fp", "ptq", "adaround", "cle", "quadapter_bc", "qat", "quadapter_bc_qat", "quadapter"):
         assert name in REGISTRY
-    assert LABELS["quadapter_bc_qat"] == "Quadapter BC+QAT"
-    assert {"qat", "qat_fixed_ranges", "quadapter", "quadapter_fixed_ranges", "fp_finetuned"} <= FINETUNE_METHODS
-    assert not {"fp", "ptq", "adaround", "seq_mse", "cle", "quadapter_bc"} & FINETUNE_METHODS
-    assert all(REGISTRY[m].from_bc for m in ("quadapter", "quadapter_bc_qat", "quadapter_fixed_ranges"))
+    assert CATALOG["quadapter_bc_qat"].label == "Quadapter BC+QAT"
+    finetunes = {m for m, info in CATALOG.items() if info.finetunes}
+    assert {"qat", "qat_fixed_ranges", "quadapter", "quadapter_fixed_ranges", "fp_finetuned"} <= finetunes
+    assert not {"fp", "ptq", "adaround", "seq_mse", "cle", "quadapter_bc"} & finetunes
+    assert all(CATALOG[m].from_bc for m in ("quadapter", "quadapter_bc_qat", "quadapter_fixed_ranges"))
+    assert REGISTRY.keys() == CATALOG.keys(), "every catalog entry has its function, and no function lacks one"
 
 
 def test_adaround_batches_limits_the_batches_aimet_reruns_the_model_on(toy):
@@ -219,7 +222,7 @@ def test_finetuning_methods_need_finetune_data(toy):
 
     ctx = _ctx(toy)
     ctx.finetune = None
-    for name in sorted(FINETUNE_METHODS):
+    for name in sorted(m for m, info in CATALOG.items() if info.finetunes):
         with pytest.raises(QuadapterError, match="needs fine-tuning data"):
             run_method(name, copy.copy(ctx))
 

@@ -245,3 +245,31 @@ def test_local_folder_positions_come_from_its_config(tiny_gpt2_dir, tmp_path):
     config = json.loads((tiny_gpt2_dir / "config.json").read_text())
     assert max_positions(str(tiny_gpt2_dir)) == config["n_positions"]
     assert max_positions(str(tmp_path)) is None  # no config.json: known once the model loads
+
+
+def test_the_hub_check_asks_huggingface_hub_at_its_endpoint(monkeypatch):
+    """HF_ENDPOINT (a mirror, a proxy's address) is where the package asks, through huggingface_hub's session."""
+    import http.server
+    import threading
+
+    from huggingface_hub import constants
+
+    from aimet_quadapter.models.hub import hub_reachable
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    try:
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+        hub_reachable.cache_clear()
+        assert hub_reachable()
+        server.shutdown()
+        server.server_close()
+        hub_reachable.cache_clear()
+        assert not hub_reachable(timeout=1.0), "nobody answers at that address now"
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        hub_reachable.cache_clear()
+        assert not hub_reachable(), "HF_HUB_OFFLINE is honoured before any request"
+    finally:
+        hub_reachable.cache_clear()

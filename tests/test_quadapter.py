@@ -9,8 +9,6 @@ import pytest
 import torch
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.experiments.data import eval_windows
-from aimet_quadapter.experiments.evaluation import perplexity
 from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quadapter.api import QuadapterParameters, apply_cle, apply_quadapter, attach_quadapters
@@ -20,6 +18,8 @@ from aimet_quadapter.quadapter.state import QuadapterState
 from aimet_quadapter.quant.policy import build_sim, calibrate
 from aimet_quadapter.quant.quantizers import DynamicRanges, quantizers_in
 from aimet_quadapter.testing import sample_corpus, toy_model
+from aimet_quadapter.text.data import eval_windows
+from aimet_quadapter.text.perplexity import perplexity
 
 quiet_libraries()
 FAMILIES = ["gpt2", "llama"]

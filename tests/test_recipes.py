@@ -73,6 +73,8 @@ def test_the_paper_settings_reach_the_parameter_objects():
         ("calibration:\n  samples: 0\n", "field calibration.samples: must be >= 1"),
         ("quadapter:\n  init: random\n", "field quadapter.init:"),
         ("finetune_sizes: [8, 0]\n", "field finetune_sizes[1]: must be >= 1"),
+        ("phase2:\n  lr_alpha: .inf\n", "field phase2.lr_alpha: input should be a finite number"),
+        ("phase1:\n  lr: .nan\n", "field phase1.lr: input should be a finite number"),
     ],
 )
 def test_malformed_recipe_is_one_line_naming_the_field(tmp_path, capsys, text, field):

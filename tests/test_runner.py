@@ -6,7 +6,6 @@ predictor of it and quantization damage shows up as a higher perplexity.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import shutil
@@ -116,13 +115,13 @@ def _copy(run: Path, tmp_path: Path) -> Path:
 def _count_calls(monkeypatch) -> dict[str, int]:
     """Wrap every registered method so that a test sees which ones ran."""
     calls: dict[str, int] = {}
-    for name, spec in list(methods.REGISTRY.items()):
+    for name, fn in list(methods.REGISTRY.items()):
 
-        def counted(ctx, name=name, fn=spec.fn):
+        def counted(ctx, name=name, fn=fn):
             calls[name] = calls.get(name, 0) + 1
             return fn(ctx)
 
-        monkeypatch.setitem(methods.REGISTRY, name, dataclasses.replace(spec, fn=counted))
+        monkeypatch.setitem(methods.REGISTRY, name, counted)
     return calls
 
 
@@ -233,6 +232,50 @@ def test_changed_settings_recompute_only_the_cells_they_affect(base_run, world, 
     assert calls == {}
 
 
+@pytest.fixture
+def toy_method():
+    """A method added the way every method is: one catalog entry and one function under @method."""
+    from aimet_quadapter.experiments.catalog import CATALOG, MethodInfo
+    from aimet_quadapter.quant.policy import build_sim, calibrate
+
+    @methods.method("ptq_one_batch", MethodInfo("PTQ, one calibration batch", reads=("baselines",)))
+    def ptq_one_batch(ctx):
+        sim = build_sim(ctx.model, ctx.policy)
+        calibrate(sim, ctx.calibration[:1])
+        return sim
+
+    yield "ptq_one_batch"
+    del CATALOG["ptq_one_batch"], methods.REGISTRY["ptq_one_batch"]
+
+
+def test_a_method_added_as_one_entry_runs_is_reported_and_fingerprinted_by_what_it_reads(
+    base_run, world, tmp_path, monkeypatch, toy_method, capsys
+):
+    run = _copy(base_run, tmp_path)
+    calls = _count_calls(monkeypatch)
+    args = ["run", str(world / "r.yaml"), "--out", str(run), "--no-progress", "--set", "methods=[fp,ptq,ptq_one_batch]"]
+    assert main(args) == 0
+    assert calls == {"ptq_one_batch": 1}  # fp and ptq come from the base run
+    cell = _results(run)["cells"]["calib:a/ptq_one_batch"]
+    assert cell["label"] == "PTQ, one calibration batch"
+    assert all(v > 1 for v in cell["ppl"].values())
+    calls.clear()
+    assert main([*args, "--set", "phase1.steps=3"]) == 0
+    assert calls == {}, "phase 1's settings are not among what the method reads"
+    assert main([*args, "--set", "baselines.adaround_iterations=7"]) == 0
+    assert calls == {"ptq_one_batch": 1}, "a setting of the section it reads computes it again, and only it"
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 0
+    assert "PTQ, one calibration batch" in capsys.readouterr().out
+
+
+def test_a_function_without_a_catalog_entry_is_refused():
+    from aimet_quadapter.errors import QuadapterError
+
+    with pytest.raises(QuadapterError, match="no entry in experiments/catalog.py"):
+        methods.method("not_in_the_catalog")(lambda ctx: ctx.model)
+
+
 def test_phase1_is_shared_through_the_saved_state(world, tmp_path, monkeypatch):
     run = tmp_path / "run"
     common = ["run", str(world / "r.yaml"), "--out", str(run), "--no-progress"]
@@ -258,7 +301,7 @@ def test_interrupted_run_keeps_finished_cells(world, tmp_path, monkeypatch):
     def interrupted(ctx):
         raise KeyboardInterrupt
 
-    monkeypatch.setitem(methods.REGISTRY, "cle", methods.MethodSpec(interrupted, spec.label))
+    monkeypatch.setitem(methods.REGISTRY, "cle", interrupted)
     assert main(common) == 130
     assert set(_results(run)["cells"]) == {"fp", "calib:a/ptq"}
     monkeypatch.setitem(methods.REGISTRY, "cle", spec)
@@ -444,3 +487,19 @@ def test_a_cell_computed_under_other_library_versions_is_marked(base_run, tmp_pa
     rows = {r[1]: r for r in _markdown_rows(report.split("## Perplexity (Table 1 layout)")[1].split("\n## ")[0])}
     assert "CLE †" in rows and "PTQ" in rows and "PTQ †" not in rows
     assert "CLE (calib:a): torch 0.1.0" in report
+
+
+def test_messages_go_to_stderr_at_the_level_asked_and_always_to_the_run_log(base_run, world, tmp_path, capsys):
+    run = _copy(base_run, tmp_path)
+    args = ["run", str(world / "r.yaml"), "--out", str(run), "--no-progress"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "cells already in" in err and "run of r (" not in err  # the debug header stays in the file
+    assert main([*args, "-q"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and "| PTQ |" in captured.out, "quiet: no messages, the results still print"
+    assert main([*args, "--verbose"]) == 0
+    assert "run of r (" in capsys.readouterr().err
+    lines = (run / "run.log").read_text().splitlines()
+    assert sum("cells already in" in line for line in lines) >= 3  # appended by every run, quiet ones too
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (DEBUG|INFO) ", lines[-1])

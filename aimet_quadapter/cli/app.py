@@ -21,9 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from aimet_quadapter import logs
 from aimet_quadapter.cli.export import add_export_command
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.settings import default_of
+from aimet_quadapter.text import EVAL_SEQ_LEN
 
 if TYPE_CHECKING:  # for the annotation only
     from aimet_quadapter.experiments.recipes import Recipe
@@ -187,12 +189,15 @@ def _write_results(args: argparse.Namespace, results: dict) -> None:
 
 
 def _eval_export(args: argparse.Namespace) -> int:
+    from datetime import datetime, timezone
+
     from aimet_quadapter.experiments.recipes import EvalSection
     from aimet_quadapter.experiments.report import results_table
+    from aimet_quadapter.experiments.results_file import FORMAT
     from aimet_quadapter.export.onnx_eval import eval_exported
 
     defaults = EvalSection.model_fields
-    results = eval_exported(
+    score = eval_exported(
         args.model,
         args.dataset,
         args.split,
@@ -200,18 +205,37 @@ def _eval_export(args: argparse.Namespace) -> int:
         args.stride,
         args.max_tokens,
         progress=not args.no_progress,
-        log=lambda text: print(text, file=sys.stderr),
+        log=logs.log.info,
     )
+    cell = {
+        "method": "onnx_qdq",
+        "label": score.label,
+        "rank": 0,
+        "group": "-",
+        "ppl": score.ppl,
+        "method_time_s": 0.0,
+        "eval_time_s": score.seconds,
+        "wall_time_s": score.seconds,
+        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "info": {
+            "onnx": str(score.qdq),
+            "runtime": "onnxruntime",
+            "seq_len": score.seq_len,
+            "policy": score.manifest.get("policy"),
+        },
+    }
+    columns = [{"label": label, "source": source, "split": args.split} for label, source in score.sources.items()]
+    results = {"format": FORMAT, "model": score.manifest["model"], "datasets": columns, "cells": {"onnx_qdq": cell}}
     print(results_table(results))
     _write_results(args, results)
     return 0
 
 
 def _cmd_describe(args: argparse.Namespace) -> int:
-    from aimet_quadapter.experiments.data import calibration_batches
     from aimet_quadapter.models import load_model
     from aimet_quadapter.quant.config import QuantPolicy
     from aimet_quadapter.quant.policy import build_sim, calibrate, describe, format_description
+    from aimet_quadapter.text.data import calibration_batches
 
     given = {k.split(".", 1)[1]: v for k, v in _section_overrides(args).items() if k.startswith("policy.")}
     policy = QuantPolicy(**given)
@@ -236,13 +260,13 @@ def _cmd_describe(args: argparse.Namespace) -> int:
 def _cmd_sensitivity(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from aimet_quadapter.experiments.data import batches, holdout_seed, load_text, random_crops, tokenize
     from aimet_quadapter.models import load_model
     from aimet_quadapter.models.loading import check_length, max_positions
     from aimet_quadapter.quadapter.phase2 import lm_loss, mean_lm_loss
     from aimet_quadapter.quant.config import QuantPolicy
     from aimet_quadapter.quant.mixed_precision import bit_sensitivity, quantizer_kinds
     from aimet_quadapter.quant.policy import build_sim, calibrate
+    from aimet_quadapter.text.data import batches, holdout_seed, load_text, random_crops, tokenize
 
     given = {k.split(".", 1)[1]: v for k, v in _section_overrides(args).items() if k.startswith("policy.")}
     policy = QuantPolicy(**given)
@@ -299,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--split", default="test", choices=("train", "valid", "test"), help="(default test)")
     p.add_argument("--max-tokens", type=_yaml_value, help="evaluate only the first N tokens of each dataset")
-    p.add_argument("--seq-len", type=_yaml_value, help="evaluation window (default 1024, the paper's)")
+    p.add_argument("--seq-len", type=_yaml_value, help=f"evaluation window (default {EVAL_SEQ_LEN}, the paper's)")
     p.add_argument("--stride", type=_yaml_value, help="sliding-window stride (default: non-overlapping)")
     p.add_argument(
         "--methods",
@@ -366,6 +390,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="a folder written by `run`")
     p.set_defaults(func=_cmd_report)
     add_export_command(sub)
+    for command in sub.choices.values():
+        talk = command.add_mutually_exclusive_group()
+        talk.add_argument("-v", "--verbose", action="store_true", help="also the debug messages")
+        talk.add_argument(
+            "-q",
+            "--quiet",
+            action="store_true",
+            help="warnings and errors only, no progress bars (results still print)",
+        )
     return parser
 
 
@@ -402,12 +435,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--no-progress" in argv:
+    if {"--no-progress", "--quiet", "-q"} & set(argv):
         # The libraries' own bars (transformers' GGUF loading) take no switch. tqdm reads TQDM_* once, when
         # imported, and building the parser imports torch, which imports tqdm: so this comes first.
         os.environ["TQDM_DISABLE"] = "1"
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.quiet and hasattr(args, "no_progress"):
+        args.no_progress = True
+    logs.configure(-1 if args.quiet else 1 if args.verbose else 0)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from aimet_quadapter import distributed
 

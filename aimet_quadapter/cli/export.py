@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.export.formats import ENCODING_VERSION, ENCODING_VERSIONS, SEQ_LEN
 
 
 def positive_int(text: str) -> int:
@@ -38,12 +39,14 @@ def add_export_command(subparsers) -> None:
         help="the FP model the state was trained on: hub id, local folder, or smollm2-135m (offline)",
     )
     p.add_argument("--out", required=True, help="export folder (must not exist unless --force)")
-    p.add_argument("--seq-len", type=positive_int, default=128, help="the graph's fixed input length (default 128)")
+    p.add_argument(
+        "--seq-len", type=positive_int, default=SEQ_LEN, help=f"the graph's fixed input length (default {SEQ_LEN})"
+    )
     p.add_argument(
         "--encodings-version",
-        choices=("1.0.0", "2.0.0"),
-        default="1.0.0",
-        help="AIMET encodings format (default 1.0.0)",
+        choices=ENCODING_VERSIONS,
+        default=ENCODING_VERSION,
+        help=f"AIMET encodings format (default {ENCODING_VERSION})",
     )
     p.add_argument(
         "--dynamic-length",
@@ -80,16 +83,16 @@ def _cmd_export(args) -> int:
     state_path = resolve_state(args.state)
     state = QuadapterState.load(state_path)
     check_new_folder(Path(args.out).expanduser().absolute(), args.force)
-    from aimet_quadapter.experiments import data
+    from aimet_quadapter.text import data
 
     data.load_text(args.verify_dataset, args.verify_split)  # read again below, once the tokenizer is there
     from aimet_quadapter.models.loading import check_length, max_positions
 
     check_length(max_positions(args.model), args.seq_len, "--seq-len")
 
-    from aimet_quadapter.experiments.evaluation import eval_windows_for
     from aimet_quadapter.export.exporter import export_quantized, sha256_file
     from aimet_quadapter.models import load_model
+    from aimet_quadapter.text.perplexity import eval_windows_for
 
     model, tokenizer = load_model(args.model, quiet=True, device=device)
     model.check_length(args.seq_len, "--seq-len")

@@ -1,35 +1,48 @@
-"""The methods a recipe can name, as data: their table labels and what each needs.
+"""The methods a recipe can name, one entry each: its table label and everything the runner derives from it.
 
-Apart from :mod:`aimet_quadapter.experiments.methods` (the code that runs them, which imports AIMET) so
-that a recipe's method names are checked in the first seconds of a command.
+A new method is one entry here and one function in :mod:`aimet_quadapter.experiments.methods` under
+``@method("name")``. The entries live apart from the functions (which import AIMET) so that a recipe's
+method names and needs are checked in the first seconds of a command.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The recipe sections a method's settings live in, beyond model, eval, policy and calibration.
+SECTIONS = ("phase1", "phase2", "quadapter", "baselines")
+
 
 @dataclass(frozen=True)
 class MethodInfo:
     label: str  # the paper's row name
+    # False: the FP model's own function, no calibration set and no setting involved
+    calibrates: bool = True
+    quantized: bool = True  # False: a float reference (an upper bound), never a table's "best"
     finetunes: bool = False  # needs the F-ID training data
-    from_bc: bool = False  # continues from Quadapter BC
-    # recipe settings ("section" or "section.field") the method never reads: out of its cells' fingerprints,
-    # so that changing them does not compute its cells again
+    from_bc: bool = False  # continues from Quadapter BC (phase 1), which runs first where not yet saved
+    # recipe sections the method reads: a change there computes its cells again, a change elsewhere does not
+    reads: tuple[str, ...] = SECTIONS
+    # settings ("section" or "section.field") within ``reads`` that the method never reads after all
     unused: tuple[str, ...] = ()
     # what the same training buys without the method (same data, steps, rates, loss): the report sets the
     # method against each of these
     matched: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        for name in (*self.reads, *(u.partition(".")[0] for u in self.unused)):
+            if name not in SECTIONS:
+                raise ValueError(f"method {self.label!r}: {name!r} is not a recipe section ({', '.join(SECTIONS)})")
+
 
 CATALOG: dict[str, MethodInfo] = {
-    "fp": MethodInfo("FP32"),
-    "fp_finetuned": MethodInfo("FP fine-tuned", finetunes=True),
-    "ptq": MethodInfo("PTQ"),
-    "adaround": MethodInfo("AdaRound"),
-    "seq_mse": MethodInfo("SeqMSE"),
-    "cle": MethodInfo("CLE"),
-    "quadapter_bc": MethodInfo("Quadapter BC"),
+    "fp": MethodInfo("FP32", calibrates=False, quantized=False, reads=()),
+    "fp_finetuned": MethodInfo("FP fine-tuned", quantized=False, finetunes=True),
+    "ptq": MethodInfo("PTQ", reads=()),
+    "adaround": MethodInfo("AdaRound", reads=("baselines",)),
+    "seq_mse": MethodInfo("SeqMSE", reads=("baselines",)),
+    "cle": MethodInfo("CLE", reads=("quadapter",)),
+    "quadapter_bc": MethodInfo("Quadapter BC", reads=("phase1", "quadapter")),
     "qat": MethodInfo("QAT", finetunes=True),
     "qat_fixed_ranges": MethodInfo("QAT w/o LSQ+", finetunes=True),
     "quadapter_bc_qat": MethodInfo("Quadapter BC+QAT", finetunes=True, from_bc=True, matched=("qat",)),
@@ -42,3 +55,5 @@ CATALOG: dict[str, MethodInfo] = {
     "quadapter": MethodInfo("Quadapter", finetunes=True, from_bc=True, matched=("cle_phase2", "qat")),
     "quadapter_fixed_ranges": MethodInfo("Quadapter w/o LSQ+", finetunes=True, from_bc=True),
 }
+# Phase 1's own cell: the methods that continue from it share its result (and its settings' fingerprint).
+BC = "quadapter_bc"

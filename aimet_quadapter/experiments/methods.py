@@ -23,7 +23,7 @@ from aimet_torch.quantsim import QuantizationSimModel
 from aimet_quadapter import distributed
 from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.experiments.catalog import CATALOG
+from aimet_quadapter.experiments.catalog import CATALOG, MethodInfo
 from aimet_quadapter.experiments.plots import plot_channel_ranges, plot_phase1_curves
 from aimet_quadapter.models import PreparedLM
 from aimet_quadapter.quadapter.adapter import QuadapterSet
@@ -65,29 +65,40 @@ class MethodContext:
 
 
 Method = Callable[[MethodContext], "PreparedLM | QuantizationSimModel"]
+# name -> the function that runs it; filled by @method below, one entry per CATALOG entry
+REGISTRY: dict[str, Method] = {}
 
 
-@dataclass(frozen=True)
-class MethodSpec:
-    fn: Method
-    label: str  # the paper's row name
-    finetunes: bool = False  # needs ctx.finetune (the F-ID training data)
-    from_bc: bool = False  # continues from Quadapter BC
+def method(name: str, info: MethodInfo | None = None) -> Callable[[Method], Method]:
+    """Register the decorated function as method ``name``: its catalog entry, or ``info`` to add one."""
+
+    def register(fn: Method) -> Method:
+        if info is not None:
+            CATALOG[name] = info
+        if name not in CATALOG:
+            raise QuadapterError(f"method {name!r} has no entry in experiments/catalog.py (or pass its MethodInfo)")
+        REGISTRY[name] = fn
+        return fn
+
+    return register
 
 
 # --- calibration-only methods -------------------------------------------------------------------------
 
 
+@method("fp")
 def _fp(ctx: MethodContext) -> PreparedLM:
     return ctx.model
 
 
+@method("ptq")
 def _ptq(ctx: MethodContext) -> QuantizationSimModel:
     sim = build_sim(ctx.model, ctx.policy)
     calibrate(sim, ctx.calibration)
     return sim
 
 
+@method("adaround")
 def _adaround(ctx: MethodContext) -> QuantizationSimModel:
     sim = build_sim(ctx.model, ctx.policy)
     info = apply_adaround(sim, ctx.model, ctx.calibration, ctx.baselines, ctx.out_dir)
@@ -95,6 +106,7 @@ def _adaround(ctx: MethodContext) -> QuantizationSimModel:
     return sim
 
 
+@method("seq_mse")
 def _seq_mse(ctx: MethodContext) -> QuantizationSimModel:
     sim = build_sim(ctx.model, ctx.policy)
     info = apply_seq_mse(sim, ctx.model, ctx.calibration, ctx.baselines)
@@ -102,6 +114,7 @@ def _seq_mse(ctx: MethodContext) -> QuantizationSimModel:
     return sim
 
 
+@method("cle")
 def _cle(ctx: MethodContext) -> QuantizationSimModel:
     sim = build_sim(ctx.model, ctx.policy)
     qset = apply_cle(sim, ctx.model, ctx.calibration, ctx.params.extra_sites)
@@ -109,6 +122,7 @@ def _cle(ctx: MethodContext) -> QuantizationSimModel:
     return sim
 
 
+@method("quadapter_bc")
 def _quadapter_bc(ctx: MethodContext) -> QuantizationSimModel:
     sim = build_sim(ctx.model, ctx.policy)
     params = ctx.params
@@ -193,10 +207,12 @@ def _quadapter_phase2(ctx: MethodContext, name: str, learn_ranges: bool | None) 
     return sim
 
 
+@method("quadapter")
 def _quadapter(ctx: MethodContext) -> QuantizationSimModel:
     return _quadapter_phase2(ctx, "quadapter", None)
 
 
+@method("quadapter_fixed_ranges")
 def _quadapter_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
     return _quadapter_phase2(ctx, "quadapter_fixed_ranges", False)
 
@@ -216,6 +232,7 @@ def _train_sim(ctx: MethodContext, sim: QuantizationSimModel, name: str, **chang
     return sim
 
 
+@method("cle_phase2")
 def _cle_phase2(ctx: MethodContext) -> QuantizationSimModel:
     """Quadapter's matched baseline: CLE's sim, then the recipe's phase 2 with the ranges trained, alphas fixed."""
     name = "cle_phase2"
@@ -227,26 +244,31 @@ def _cle_phase2(ctx: MethodContext) -> QuantizationSimModel:
     return sim
 
 
+@method("qat")
 def _qat(ctx: MethodContext) -> QuantizationSimModel:
     _phase2(ctx, "qat")  # fail before calibrating when there is no fine-tuning data
     return _qat_on(ctx, _ptq(ctx), "qat", True)
 
 
+@method("qat_fixed_ranges")
 def _qat_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
     _phase2(ctx, "qat_fixed_ranges")
     return _qat_on(ctx, _ptq(ctx), "qat_fixed_ranges", False)
 
 
+@method("quadapter_bc_qat")
 def _quadapter_bc_qat(ctx: MethodContext) -> QuantizationSimModel:
     _phase2(ctx, "quadapter_bc_qat")
     return _qat_on(ctx, quadapter_bc_start(ctx)[0], "quadapter_bc_qat", True)
 
 
+@method("quadapter_bc_qat_fixed_ranges")
 def _quadapter_bc_qat_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
     _phase2(ctx, "quadapter_bc_qat_fixed_ranges")
     return _qat_on(ctx, quadapter_bc_start(ctx)[0], "quadapter_bc_qat_fixed_ranges", False)
 
 
+@method("fp_finetuned")
 def _fp_finetuned(ctx: MethodContext) -> PreparedLM:
     """The FP upper bound (the paper's Fig. 6): the FP weights fine-tuned on the same loop, no quantizer."""
     name = "fp_finetuned"
@@ -258,38 +280,16 @@ def _fp_finetuned(ctx: MethodContext) -> PreparedLM:
     return model
 
 
-_FUNCTIONS: dict[str, Method] = {
-    "fp": _fp,
-    "fp_finetuned": _fp_finetuned,
-    "ptq": _ptq,
-    "adaround": _adaround,
-    "seq_mse": _seq_mse,
-    "cle": _cle,
-    "quadapter_bc": _quadapter_bc,
-    "qat": _qat,
-    "qat_fixed_ranges": _qat_fixed_ranges,
-    "quadapter_bc_qat": _quadapter_bc_qat,
-    "quadapter_bc_qat_fixed_ranges": _quadapter_bc_qat_fixed_ranges,
-    "cle_phase2": _cle_phase2,
-    "quadapter": _quadapter,
-    "quadapter_fixed_ranges": _quadapter_fixed_ranges,
-}
-if _FUNCTIONS.keys() != CATALOG.keys():  # a method added to one and not the other
-    raise ImportError(f"methods and catalog disagree: {sorted(_FUNCTIONS.keys() ^ CATALOG.keys())}")
-REGISTRY: dict[str, MethodSpec] = {
-    name: MethodSpec(_FUNCTIONS[name], info.label, info.finetunes, info.from_bc) for name, info in CATALOG.items()
-}
-# The plain views the eval command uses.
-METHODS: dict[str, Method] = {name: spec.fn for name, spec in REGISTRY.items()}
-LABELS: dict[str, str] = {name: spec.label for name, spec in REGISTRY.items()}
-FINETUNE_METHODS: frozenset[str] = frozenset(n for n, s in REGISTRY.items() if s.finetunes)
+_missing = CATALOG.keys() - REGISTRY.keys()
+if _missing:  # a catalog entry without its function
+    raise ImportError(f"methods without a function under @method: {sorted(_missing)}")
 
 
 def run_method(name: str, ctx: MethodContext):
     if name not in REGISTRY:
         raise QuadapterError(f"unknown method {name!r}; known: {', '.join(REGISTRY)}")
     start = time.time()
-    out = REGISTRY[name].fn(ctx)
+    out = REGISTRY[name](ctx)
     ctx.timings[name] = time.time() - start
     return out
 

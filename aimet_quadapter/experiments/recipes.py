@@ -34,6 +34,7 @@ from aimet_quadapter.experiments.catalog import CATALOG
 from aimet_quadapter.models import EXTRA_SITE_GROUPS
 from aimet_quadapter.models.devices import DEVICE_CHOICES, DEVICE_PATTERN
 from aimet_quadapter.settings import bounds, default_of
+from aimet_quadapter.text import EVAL_SEQ_LEN
 
 DATA_ENV = "AIMET_QUADAPTER_DATA"
 
@@ -60,9 +61,21 @@ def _mirror(source: type, name: str, exclude: tuple[str, ...] = (), **narrow: An
         default = default_of(f)
         description = f.metadata.get("help") or None
         limits = bounds(f)
-        field = Field(default, description=description, ge=limits.get("ge"), gt=limits.get("gt"), le=limits.get("le"))
+        finite = False if f.metadata.get("finite", True) and _has_float(annotation) else None
+        field = Field(
+            default,
+            description=description,
+            ge=limits.get("ge"),
+            gt=limits.get("gt"),
+            le=limits.get("le"),
+            allow_inf_nan=finite,
+        )
         fields[f.name] = (annotation, field)
     return _create_model(name, __base__=_Section, **fields)
+
+
+def _has_float(annotation: Any) -> bool:
+    return annotation is float or float in typing.get_args(annotation)
 
 
 def parameter_sections() -> list[tuple[str, type, tuple[str, ...]]]:
@@ -132,7 +145,7 @@ MethodName = Annotated[str, AfterValidator(_known_method)]
 class QuadapterSection(_QuadapterBase):
     # crops of the calibration length drawn from the calibration set's train split with another seed: phase 1
     # keeps its result only if the LM loss there (static ranges) is no worse than its start's; 0: no check.
-    # Too few crops make the check a coin toss on a real model (README, the demo).
+    # Too few crops make the check a coin toss on a real model (docs/method.md, phase 1).
     holdout: int = Field(8, ge=0)
 
 
@@ -165,7 +178,7 @@ class EvalSection(_Section):
     datasets: list[Annotated[EvalDataset, BeforeValidator(_as_dataset)]] = Field(min_length=1)
     split: Literal["train", "valid", "test"] = "test"
     max_tokens: int | None = Field(None, ge=2)
-    seq_len: int = Field(1024, ge=2)
+    seq_len: int = Field(EVAL_SEQ_LEN, ge=2)
     stride: int | None = Field(None, ge=1)
 
 
@@ -275,8 +288,8 @@ class Recipe(_Section):
 
     def resolve_dataset(self, name: str) -> str:
         """A corpus name as is; a local path as an absolute path found as the module docstring says."""
-        from aimet_quadapter.experiments.data import ALIASES, CORPORA
         from aimet_quadapter.experiments.generated import GENERATED
+        from aimet_quadapter.text.data import ALIASES, CORPORA
 
         if ALIASES.get(name.lower(), name.lower()) in CORPORA or name == GENERATED:
             return name
@@ -416,7 +429,7 @@ def validate_recipe(raw: dict, where: str = "recipe", overridden: list[str] | No
         recipe.baseline_parameters()
     except QuadapterError as exc:
         raise QuadapterError(f"{where}: {exc}") from None
-    calibrated = [m for m in recipe.methods if m != "fp"]
+    calibrated = [m for m in recipe.methods if CATALOG[m].calibrates]
     if calibrated and recipe.calibration.dataset is None and not recipe.fid:
         raise QuadapterError(
             f"{where}: field fid: {calibrated[0]} needs calibration data: give an F-ID dataset "

@@ -21,8 +21,6 @@ from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.experiments.catalog import CATALOG
 from aimet_quadapter.experiments.results_file import load_results, merge_seeds
 
-REFERENCES = {"fp", "fp_finetuned"}  # not quantized: upper bounds, never "best"
-
 
 def _fmt(value) -> str:
     if not isinstance(value, (int, float)):
@@ -79,7 +77,7 @@ def _versions_note(results: dict) -> str | None:
 
 def _best(rows: list[dict], columns: list[str], key: str = "ppl") -> dict[str, float]:
     best: dict[str, float] = {}
-    candidates = [r for r in rows if r["method"] not in REFERENCES]
+    candidates = [r for r in rows if r["method"] not in CATALOG or CATALOG[r["method"]].quantized]
     if len(candidates) < 2:
         return best
     for col in columns:

@@ -25,9 +25,10 @@ import contextlib
 import gc
 import hashlib
 import json
+import logging
 import shutil
+import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import cache
@@ -40,30 +41,19 @@ from tqdm.auto import tqdm
 from aimet_quadapter import distributed
 from aimet_quadapter.atomic import write_atomic, write_text_atomic
 from aimet_quadapter.errors import QuadapterError, TrainingDiverged
-from aimet_quadapter.experiments.catalog import CATALOG
+from aimet_quadapter.experiments.catalog import BC, CATALOG
 from aimet_quadapter.experiments.lock import RunLock
-from aimet_quadapter.experiments.recipes import Recipe
+from aimet_quadapter.experiments.recipes import Recipe, parameter_sections
 from aimet_quadapter.experiments.results_file import FORMAT, RESULTS, load_results, summary, write_json_atomic
+from aimet_quadapter.logs import log, log_file
 from aimet_quadapter.versions import library_versions
 
 if TYPE_CHECKING:  # imported when a run starts: the model code pulls in AIMET
     from aimet_quadapter.models import PreparedLM
     from aimet_quadapter.quadapter.state import QuadapterState
 
-# Methods whose result is the FP model's: no calibration set involved.
-_NO_CALIBRATION = {"fp"}
-# Recipe sections each calibration-only method depends on, beyond model, eval, policy and calibration.
-_CALIBRATION_SECTIONS = {
-    "ptq": (),
-    "adaround": ("baselines",),
-    "seq_mse": ("baselines",),
-    "cle": ("quadapter",),
-    "quadapter_bc": ("phase1", "quadapter"),
-}
-_BC_SECTIONS = ("phase1", "quadapter")
-# Settings added after run folders existed: at their default they stay out of the fingerprints, so those
-# folders' cells are not computed again for a setting that does not change them.
-_ADDED_LATER = {"phase2": {"loss": "lm", "lr_ranges_relative": False}}
+# recipe section -> the parameter dataclass whose fields say which settings change a result
+_SOURCES = {section: source for section, source, _ in parameter_sections()}
 
 
 @dataclass(frozen=True)
@@ -146,7 +136,6 @@ class RecipeRun:
         recipe: Recipe,
         out_dir: Path,
         progress: bool = True,
-        log: Callable[[str], None] = print,
         seed: int | None = None,
         parent: Recipe | None = None,
     ):
@@ -155,7 +144,6 @@ class RecipeRun:
         self.parent = parent or recipe  # what results.json records as the recipe
         self.out_dir = Path(out_dir)
         self.progress = progress
-        self.log = log
         self.catalog = CATALOG
         self.model_name = recipe.resolve_model()
         self.device = self._device()
@@ -178,7 +166,10 @@ class RecipeRun:
         self.main = distributed.is_main()
         if not self.main:
             self.progress = False
-            self.log = lambda _message: None
+
+    def _say(self, message: str, level: int = logging.INFO) -> None:
+        if self.main:  # under torchrun the first process speaks for all
+            log.log(level, message)
 
     def _device(self) -> torch.device:
         from aimet_quadapter.models.devices import resolve_device
@@ -190,7 +181,7 @@ class RecipeRun:
 
     # --- plan ---------------------------------------------------------------------------------------
     def _refs(self, names: list[str]) -> list[DatasetRef]:
-        from aimet_quadapter.experiments.data import dataset_label
+        from aimet_quadapter.text.data import dataset_label
 
         refs = []
         for name in names:
@@ -246,10 +237,10 @@ class RecipeRun:
         cells: list[Cell] = []
         tag = "" if self.seed is None else f"#seed{self.seed}"
         for m in methods:
-            if m in _NO_CALIBRATION:
+            if not self.catalog[m].calibrates:
                 cells.append(Cell(m, m, "-", None, None, None))
         for m in methods:
-            if m in _NO_CALIBRATION or self.catalog[m].finetunes:
+            if not self.catalog[m].calibrates or self.catalog[m].finetunes:
                 continue
             for cal in self.calibration_sets:
                 cells.append(Cell(f"calib:{cal}/{m}{tag}", m, f"calib:{cal}", cal, None, None, self.seed))
@@ -265,14 +256,9 @@ class RecipeRun:
 
     # --- fingerprints ---------------------------------------------------------------------------------
     def _sections(self, names: tuple[str, ...]) -> dict:
-        # where checkpoints go, how often, and how a batch is sliced or recomputed for memory do not change a result
-        skip = {"checkpoint_every", "checkpoint_dir", "micro_batch_size", "recompute_blocks"}
-        out = {n: getattr(self.recipe, n).model_dump(mode="json", exclude=skip) for n in names}
-        for name, fields in _ADDED_LATER.items():
-            for key, default in fields.items():
-                if name in out and out[name].get(key) == default:
-                    del out[name][key]
-        return out
+        from aimet_quadapter.settings import result_view
+
+        return {n: result_view(_SOURCES[n], getattr(self.recipe, n).model_dump(mode="json")) for n in names}
 
     def _base_payload(self) -> dict:
         # a start of 0 (every run folder's before the field existed) stays out of the fingerprint
@@ -297,27 +283,25 @@ class RecipeRun:
         return {"samples": c.samples, "length": c.length, "seed": c.seed}
 
     def fingerprint(self, cell: Cell) -> str:
+        info = self.catalog[cell.method]
         payload = {"method": cell.method, **self._base_payload()}
-        if cell.method in _NO_CALIBRATION:
+        if not info.calibrates:
             return _fingerprint(payload)
         payload.update(self._calibration_payload(cell.calibration_set))
-        if not self.catalog[cell.method].finetunes:
-            sections = _CALIBRATION_SECTIONS.get(cell.method, ("phase1", "phase2", "quadapter", "baselines"))
-            payload.update(self._sections(sections))
-            return _fingerprint(payload)
-        payload.update(self._sections(("phase1", "phase2", "quadapter", "baselines")))
-        for unused in self.catalog[cell.method].unused:
+        payload.update(self._sections(info.reads))
+        for unused in info.unused:
             section, _, field = unused.partition(".")
             if field:
                 payload[section].pop(field, None)
             else:
                 payload.pop(section, None)
-        payload["fid"] = self._sources(self.fids[cell.fid_name])
-        payload["size"] = cell.size
+        if info.finetunes:
+            payload["fid"] = self._sources(self.fids[cell.fid_name])
+            payload["size"] = cell.size
         return _fingerprint(payload)
 
     def bc_fingerprint(self, cal: str) -> str:
-        payload = {"model": self.model_name, **self._calibration_payload(cal), **self._sections(_BC_SECTIONS)}
+        payload = {"model": self.model_name, **self._calibration_payload(cal), **self._sections(self.catalog[BC].reads)}
         return _fingerprint(payload)
 
     # --- results file ---------------------------------------------------------------------------------
@@ -369,6 +353,16 @@ class RecipeRun:
             self._check_sites(self._model)  # site names are known once the model is: before any cell's work
         return self._model
 
+    def score(self, state: QuadapterState) -> dict[str, float]:
+        """Perplexity of ``state``'s sim, rebuilt on this run's model, on the evaluation texts."""
+        from aimet_quadapter.text.perplexity import evaluate
+
+        windows = self.eval_windows()  # a bad text is refused before the model loads
+        model = self._load_model()
+        self._model = None  # the sim takes the model's weights over (in place): no copy of them
+        sim = state.build_sim(model, in_place=True)
+        return evaluate(sim, windows, str(state.metadata.get("method") or "state"), self.progress)
+
     def tokenizer(self):
         if self._tokenizer is None:
             from aimet_quadapter.models import load_tokenizer
@@ -386,16 +380,16 @@ class RecipeRun:
         self.eval_windows()
         self.dev_windows()
         self.check_roles()
-        calibrated = [c for c in cells if c.calibration is not None and c.method not in _NO_CALIBRATION]
+        calibrated = [c for c in cells if c.calibration is not None and self.catalog[c.method].calibrates]
         groups = [self.calibration_sets[c.calibration_set] for c in calibrated]
         groups += [self.fids[c.fid] for c in cells if c.fid is not None]
         for ref in dict.fromkeys(r for refs in groups for r in refs if r.source != GENERATED):  # texts before sampling
             with self._about(ref):
                 self._tokens(ref.source, "train")
         for cell in cells:
-            if cell.calibration is not None and cell.method not in _NO_CALIBRATION:
+            if cell.calibration is not None and self.catalog[cell.method].calibrates:
                 self.calibration_batches(cell.calibration)
-                if self.catalog[cell.method].from_bc or cell.method == "quadapter_bc":
+                if self.catalog[cell.method].from_bc or cell.method == BC:
                     self.validation_batches(cell.calibration)
             if cell.fid is not None:
                 self.finetune_batches(cell.fid, cell.size)
@@ -415,7 +409,7 @@ class RecipeRun:
         from aimet_quadapter.models.loading import check_length
 
         crops = []  # lengths cut from the calibration and fine-tuning texts
-        if any(c.method not in _NO_CALIBRATION for c in self.cells):  # FP32 alone calibrates nothing
+        if any(self.catalog[c.method].calibrates for c in self.cells):  # FP32 alone calibrates nothing
             crops.append(("calibration.length", self.recipe.calibration.length))
         if any(self.catalog[c.method].finetunes for c in self.cells):
             crops.append(("phase2.seq_len", self.recipe.phase2.seq_len))
@@ -440,7 +434,7 @@ class RecipeRun:
         return any(r.source == GENERATED for refs in groups for r in refs)
 
     def _tokens(self, source: str, split: str) -> torch.Tensor:
-        from aimet_quadapter.experiments import data
+        from aimet_quadapter.text import data
 
         if (source, split) not in self._token_cache:
             text = data.load_text(source, split)  # a file that is not text is refused before the tokenizer loads
@@ -457,8 +451,8 @@ class RecipeRun:
 
     def _crops(self, refs: list[DatasetRef], num: int, length: int, seed: int) -> torch.Tensor:
         """``num`` crops of the train split(s), shared out evenly over the datasets of an expanded F-ID."""
-        from aimet_quadapter.experiments.data import random_crops
         from aimet_quadapter.experiments.generated import GENERATED, sample_crops
+        from aimet_quadapter.text.data import random_crops
 
         parts = []
         for i, ref in enumerate(refs):
@@ -483,10 +477,10 @@ class RecipeRun:
         path = self.out_dir / "generated" / f"{key}.pt"
         if path.is_file():
             return torch.load(path)
-        self.log(f"sampling {params.samples} x {params.length} tokens of text from the FP model (dataset generated)")
+        self._say(f"sampling {params.samples} x {params.length} tokens of text from the FP model (dataset generated)")
         start = time.time()
         samples = generate_samples(self._load_model(), params, self.progress)
-        self.log(f"  {time.time() - start:.0f} s; kept in {path}")
+        self._say(f"  {time.time() - start:.0f} s; kept in {path}")
         if self.main:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, lambda tmp: torch.save(samples, tmp))
@@ -494,7 +488,7 @@ class RecipeRun:
 
     @cache  # noqa: B019
     def calibration_batches(self, cal: str) -> list[torch.Tensor]:
-        from aimet_quadapter.experiments.data import batches
+        from aimet_quadapter.text.data import batches
 
         c = self.recipe.calibration
         return batches(self._crops(self.calibration_sets[cal], c.samples, c.length, c.seed), 1)
@@ -502,7 +496,7 @@ class RecipeRun:
     @cache  # noqa: B019
     def validation_batches(self, cal: str) -> list[torch.Tensor]:
         """Held-out crops of the calibration set (another seed), for phase 1's check against its start."""
-        from aimet_quadapter.experiments.data import batches, holdout_seed
+        from aimet_quadapter.text.data import batches, holdout_seed
 
         c, n = self.recipe.calibration, self.recipe.quadapter.holdout
         return batches(self._crops(self.calibration_sets[cal], n, c.length, holdout_seed(c.seed)), 1) if n else []
@@ -515,7 +509,7 @@ class RecipeRun:
         return self._crops(self.fids[fid], max(sizes), p2.seq_len, self.recipe.calibration.seed + 1)
 
     def finetune_batches(self, fid: str, size: int | None) -> list[torch.Tensor]:
-        from aimet_quadapter.experiments.data import batches
+        from aimet_quadapter.text.data import batches
 
         pool = self._finetune_pool(fid)
         return batches(pool[:size] if size else pool, self.recipe.phase2.batch_size)
@@ -531,7 +525,7 @@ class RecipeRun:
         return self._windows(self.devs, "dev")
 
     def _windows(self, specs: list[EvalSpec], section: str) -> dict[str, list]:
-        from aimet_quadapter.experiments.data import eval_windows
+        from aimet_quadapter.text.data import eval_windows
 
         out = {}
         for s in specs:
@@ -560,7 +554,7 @@ class RecipeRun:
         tuned = [
             (f"calibration set {c.calibration}", tuple(self.calibration_sets[c.calibration]))
             for c in self.cells
-            if c.calibration is not None and c.method not in _NO_CALIBRATION
+            if c.calibration is not None and self.catalog[c.method].calibrates
         ]
         tuned += [(f"fine-tuning data of F-ID {c.fid}", tuple(self.fids[c.fid])) for c in self.cells if c.fid]
         for what, refs in dict.fromkeys(tuned):
@@ -593,7 +587,7 @@ class RecipeRun:
 
     def _bc_dir(self, cal: str) -> Path:
         folder = self.out_dir if self.seed is None else self.out_dir / f"seed-{self.seed}"
-        return folder / _safe(f"calib-{cal}") / "quadapter_bc"
+        return folder / _safe(f"calib-{cal}") / BC
 
     def _bc_state(self, cal: str, info: dict):
         """Quadapter BC's state for calibration set ``cal``: in memory, saved by an earlier cell, or computed now."""
@@ -608,11 +602,11 @@ class RecipeRun:
         if state_file.is_file() and stamp.is_file() and stamp.read_text().strip() == self.bc_fingerprint(cal):
             self._bc[cal] = QuadapterState.load(state_file)
             return self._bc[cal]
-        self.log(f"phase 1 (Quadapter BC) on calibration set {cal}, shared by the methods that continue from it")
+        self._say(f"phase 1 (Quadapter BC) on calibration set {cal}, shared by the methods that continue from it")
         start = time.time()
         folder.mkdir(parents=True, exist_ok=True)
         ctx = self._context(folder, cal, None, None)
-        run_method("quadapter_bc", ctx)
+        run_method(BC, ctx)
         if self.main:
             write_text_atomic(stamp, self.bc_fingerprint(cal))
         info["bc_time_s"] = time.time() - start
@@ -642,11 +636,11 @@ class RecipeRun:
         method_start = time.time()
         evaluated = run_method(cell.method, ctx)
         method_time = time.time() - method_start
-        if cell.method == "quadapter_bc":
+        if cell.method == BC:
             if self.main:
                 write_text_atomic(cell_dir / "bc_fingerprint.txt", self.bc_fingerprint(cell.calibration_set))
             self._bc[cell.calibration_set] = ctx.bc_state
-        from aimet_quadapter.experiments.evaluation import evaluate
+        from aimet_quadapter.text.perplexity import evaluate
 
         eval_start = time.time()
         ppl = evaluate(evaluated, self.eval_windows(), spec.label, self.progress)
@@ -704,13 +698,15 @@ class RecipeRun:
         except OSError as exc:
             raise QuadapterError(f"run folder {self.out_dir} cannot be created: {exc.strerror or exc}") from None
         lock = RunLock(self.out_dir) if self.main else contextlib.nullcontext()
-        with lock:
+        with lock, log_file(self.out_dir / "run.log") if self.main else contextlib.nullcontext():
+            log.debug("run of %s (%s) by: %s", self.recipe.display_name, self.recipe.where(), " ".join(sys.argv))
+            log.debug("versions: %s", library_versions())
             if not self.recipe.seeds:
                 return self._run()
             results: dict = {}
             for seed in self.recipe.seeds:
-                self.log(f"seed {seed} ({self.recipe.seeds.index(seed) + 1} of {len(self.recipe.seeds)})")
-                child = RecipeRun(self.recipe.for_seed(seed), self.out_dir, self.progress, self.log, seed, self.recipe)
+                self._say(f"seed {seed} ({self.recipe.seeds.index(seed) + 1} of {len(self.recipe.seeds)})")
+                child = RecipeRun(self.recipe.for_seed(seed), self.out_dir, self.progress, seed, self.recipe)
                 # one model and one tokenization of each text for every seed
                 child._model, child._tokenizer, child._token_cache = self._model, self._tokenizer, self._token_cache
                 results = child._run()
@@ -723,14 +719,14 @@ class RecipeRun:
         p2 = self.recipe.phase2
         seen = max(p2.steps, 1) * p2.batch_size
         if self.recipe.finetune_sizes and max(self.recipe.finetune_sizes) > seen:
-            self.log(
+            self._say(
                 f"note: phase 2 sees at most {seen} sequences (phase2.steps x phase2.batch_size); "
                 f"finetune_sizes above that use only their first {seen}"
             )
         pending = [c for c in self.cells if not self.is_done(results, c)]
         skipped = len(self.cells) - len(pending)
         if skipped:
-            self.log(f"{skipped} of {len(self.cells)} cells already in {self.out_dir / RESULTS}: skipped")
+            self._say(f"{skipped} of {len(self.cells)} cells already in {self.out_dir / RESULTS}: skipped")
         self.check_data(pending)
         bar = tqdm(pending, desc="matrix", unit="cell", disable=not self.progress)
         for cell in bar:
@@ -743,12 +739,10 @@ class RecipeRun:
             results["updated"] = record["finished"]
             self._write(results)
             values = ", ".join(f"{k} {v:.3f}" for k, v in record["ppl"].items())
-            if self.main:
-                tqdm.write(
-                    f"{cell.key}: stopped: {record['error']}"
-                    if "error" in record
-                    else f"{cell.key} ({record['wall_time_s']:.0f} s): {values}"
-                )
+            if "error" in record:
+                self._say(f"{cell.key}: stopped: {record['error']}", logging.WARNING)
+            else:
+                self._say(f"{cell.key} ({record['wall_time_s']:.0f} s): {values}")
         bar.close()
         return results
 
@@ -756,14 +750,7 @@ class RecipeRun:
 def score_state(recipe: Recipe, state: QuadapterState, progress: bool = True) -> dict[str, float]:
     """Perplexity of a saved state on ``recipe``'s evaluation texts (its ``eval`` section), with the sim
     rebuilt from the state: no calibration, no training, the windows a training run of ``recipe`` scores."""
-    from aimet_quadapter.experiments.evaluation import evaluate
-
-    run = RecipeRun(recipe, Path(".unused"), progress)
-    windows = run.eval_windows()  # a bad text is refused before the model loads
-    model = run._load_model()
-    run._model = None  # the sim takes the model's weights over (in place): no copy of them
-    sim = state.build_sim(model, in_place=True)
-    return evaluate(sim, windows, str(state.metadata.get("method") or "state"), progress)
+    return RecipeRun(recipe, Path(".unused"), progress).score(state)
 
 
 def run_recipe(recipe: Recipe, out_dir: Path | str | None = None, progress: bool = True) -> tuple[Path, dict]:

@@ -1,7 +1,7 @@
 """Export of a trained sim for on-device inference, verified against the simulation before it is kept.
 
 >>> sim = QuadapterState.load("quadapter.safetensors").build_sim(fp_model)
->>> export_quantized(sim, "export/", seq_len=128, verify_windows=windows, model_name="gpt2", method="quadapter")
+>>> export_quantized(sim, "export/", verify_windows=windows, model_name="gpt2", method="quadapter")
 
 writes, into ``export/``:
 
@@ -39,8 +39,14 @@ from aimet_torch.quantsim import QuantizationSimModel
 
 from aimet_quadapter.atomic import check_new_folder
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.experiments.data import Window
-from aimet_quadapter.experiments.evaluation import window_nll
+from aimet_quadapter.export.formats import (
+    ENCODING_VERSION,
+    ENCODING_VERSIONS,
+    INPUT_NAME,
+    OUTPUT_NAME,
+    QDQ_OPSET,
+    SEQ_LEN,
+)
 from aimet_quadapter.export.lean import inline_weights, lean_aimet_export, opset_imports
 from aimet_quadapter.export.onnx_eval import (
     ENCODINGS,
@@ -58,11 +64,9 @@ from aimet_quadapter.memory import release_freed_memory
 from aimet_quadapter.models import device_of
 from aimet_quadapter.quant.policy import sim_policy
 from aimet_quadapter.quant.quantizers import fast_inference, quantizers, shared_activation_groups
+from aimet_quadapter.text.data import Window
+from aimet_quadapter.text.perplexity import window_nll
 from aimet_quadapter.versions import library_versions
-
-ENCODING_VERSIONS = ("1.0.0", "2.0.0")
-QDQ_OPSET = 21  # QuantizeLinear/DequantizeLinear with per-axis and 4/16-bit types; what AIMET recommends
-INPUT_NAME, OUTPUT_NAME = "input_ids", "logits"
 
 
 @dataclass(frozen=True)
@@ -495,8 +499,8 @@ def _run_aimet_export(step: str, fn, *args, **kwargs) -> None:
 def export_quantized(
     sim: QuantizationSimModel,
     out_dir: str | Path,
-    seq_len: int = 128,
-    encoding_version: str = "1.0.0",
+    seq_len: int = SEQ_LEN,
+    encoding_version: str = ENCODING_VERSION,
     *,
     verify_windows: Sequence[Window | torch.Tensor],
     model_name: str | None = None,
@@ -642,9 +646,6 @@ def export_quantized(
         sim.model.to(device)
     paths = {name: out_dir / name for name in (FP_ONNX, ENCODINGS, QDQ_ONNX, MANIFEST)}
     return ExportResult(out_dir, manifest, report, paths)
-
-
-# --- state files --------------------------------------------------------------------------------------
 
 
 __all__ = [

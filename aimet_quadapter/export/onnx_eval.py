@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.experiments.data import Window
+from aimet_quadapter.text import EVAL_SEQ_LEN
+from aimet_quadapter.text.data import Window
 
 MANIFEST = "manifest.json"
 FP_ONNX = "model.onnx"
@@ -336,30 +337,41 @@ def _channel_axis(enc: Encoding, shape: list[int] | None, uses: list[tuple[str, 
 
 
 def onnx_perplexity(lm: OnnxLM, windows: Sequence[Window], desc: str = "onnx", progress: bool = True):
-    """:func:`aimet_quadapter.experiments.evaluation.perplexity` of an exported model."""
-    from aimet_quadapter.experiments.evaluation import perplexity
+    """:func:`aimet_quadapter.text.perplexity.perplexity` of an exported model."""
+    from aimet_quadapter.text.perplexity import perplexity
 
     return perplexity(lm, windows, desc=desc, progress=progress)
+
+
+@dataclass(frozen=True)
+class ExportScore:
+    """Perplexity of an exported QDQ model on each dataset, and what it was computed with."""
+
+    ppl: dict[str, float]  # dataset label -> perplexity
+    sources: dict[str, str]  # dataset label -> the dataset as given
+    seq_len: int
+    label: str
+    qdq: Path
+    manifest: dict
+    seconds: float
 
 
 def eval_exported(
     export: str | Path,
     datasets: Sequence[str],
     split: str = "test",
-    seq_len: int = 1024,
+    seq_len: int = EVAL_SEQ_LEN,
     stride: int | None = None,
     max_tokens: int | None = None,
     progress: bool = True,
     log: Callable[[str], None] = lambda _text: None,
-) -> dict:
-    """Perplexity of an exported QDQ model in onnxruntime, as the ``results.json`` of one cell."""
+) -> ExportScore:
+    """Perplexity of an exported QDQ model in onnxruntime."""
     import time
-    from datetime import datetime, timezone
 
-    from aimet_quadapter.experiments.data import dataset_label
-    from aimet_quadapter.experiments.evaluation import eval_windows_for
-    from aimet_quadapter.experiments.results_file import FORMAT
     from aimet_quadapter.models import load_tokenizer, quiet_libraries
+    from aimet_quadapter.text.data import dataset_label
+    from aimet_quadapter.text.perplexity import eval_windows_for
 
     start = time.time()
     qdq, manifest = qdq_model_of(str(export))
@@ -373,25 +385,12 @@ def eval_exported(
     stride = min(stride, seq_len) if stride else None
     label = f"ONNX QDQ {manifest.get('method') or 'model'}"
     ppl: dict[str, float] = {}
-    columns = []
+    sources: dict[str, str] = {}
     for dataset in datasets:
         windows = eval_windows_for(tokenizer, dataset, split, seq_len, stride, max_tokens)
         column = dataset_label(dataset)
         ppl[column] = onnx_perplexity(lm, windows, desc=f"{label} {column}", progress=progress).ppl
-        columns.append({"label": column, "source": dataset, "split": split})
+        sources[column] = dataset
     if not all(math.isfinite(v) for v in ppl.values()):
         raise QuadapterError(f"the exported model {qdq} gave a non-finite perplexity: {ppl}")
-    elapsed = time.time() - start
-    cell = {
-        "method": "onnx_qdq",
-        "label": label,
-        "rank": 0,
-        "group": "-",
-        "ppl": ppl,
-        "method_time_s": 0.0,
-        "eval_time_s": elapsed,
-        "wall_time_s": elapsed,
-        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "info": {"onnx": str(qdq), "runtime": "onnxruntime", "seq_len": seq_len, "policy": manifest.get("policy")},
-    }
-    return {"format": FORMAT, "model": manifest["model"], "datasets": columns, "cells": {"onnx_qdq": cell}}
+    return ExportScore(ppl, sources, seq_len, label, Path(qdq), manifest, time.time() - start)

@@ -54,12 +54,14 @@ def prepare(hf_model: Any) -> None:  # transformers models: config and submodule
     use_quantizable_attention(hf_model, GPT2Attention)
 
 
-def tiny_config(vocab_size: int = 512, hidden: int = 64, layers: int = 2, heads: int = 4, **kw) -> GPT2Config:
+def tiny_config(
+    vocab_size: int = 512, hidden: int = 64, layers: int = 2, heads: int = 4, positions: int = 256, **kw
+) -> GPT2Config:
     from transformers import GPT2Config
 
     return GPT2Config(
         vocab_size=vocab_size,
-        n_positions=256,
+        n_positions=positions,
         n_embd=hidden,
         n_layer=layers,
         n_head=heads,

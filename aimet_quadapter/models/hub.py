@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
-from urllib.parse import urlparse
 
 
 def _offline_flag() -> bool:
@@ -19,13 +17,19 @@ def _offline_flag() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub answers, asked through huggingface_hub's own HTTP session: its endpoint (HF_ENDPOINT),
+    its offline switch (HF_HUB_OFFLINE) and the proxies it is configured with (HTTPS_PROXY, ...)."""
     if _offline_flag():
         return False
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return False
     try:
-        socket.create_connection((host, 443), timeout=timeout).close()
+        get_session().head(constants.ENDPOINT, timeout=timeout)  # any HTTP answer: someone is there
         return True
-    except OSError:
+    except Exception:  # no answer; the HTTP backend's error classes differ between huggingface_hub versions
         return False
 
 

@@ -33,7 +33,7 @@ class Phase1Parameters:
     loss_tokens: int | None = setting(
         None, ge=1, help="token-wise sites: the loss on this many calibration tokens (None: all)"
     )
-    # A block-wise optimum fitted to the calibration text can generalise worse than the start (see README).
+    # A block-wise optimum fitted to the calibration text can generalise worse than the start (docs/method.md, phase 1).
     keep_start: tuple[str, ...] = setting(
         (), help="sites (fnmatch patterns of site names) left at their start alpha, in effect but not trained"
     )
@@ -45,7 +45,9 @@ class Phase1Parameters:
         "are scored too; the best of start, these and the end is kept",
     )
     seed: int = setting(0, help="seed of the loss-token sample")
-    checkpoint_dir: str | None = setting(None, help="folder of the checkpoint written after every site (resumable)")
+    checkpoint_dir: str | None = setting(
+        None, result=False, help="folder of the checkpoint written after every site (resumable)"
+    )
 
     def __post_init__(self):
         self.check_points = tuple(self.check_points)
@@ -74,17 +76,23 @@ class Phase2Parameters:
     # Gradients of the slices are summed into the step's gradient, so the result is the whole batch's up to
     # float rounding; activations for the backward pass are kept for one slice at a time.
     micro_batch_size: int | None = setting(
-        1, ge=1, help="sequences per forward/backward pass, accumulated to batch_size (None: the whole batch)"
+        1,
+        ge=1,
+        result=False,
+        help="sequences per forward/backward pass, accumulated to batch_size (None: the whole batch)",
     )
     seq_len: int = setting(512, ge=2, help="tokens per sequence")
     # Every block's fake-quantized weights and activations would otherwise be kept for the backward pass;
     # recomputed, only one block's are alive at a time, for one more forward pass per step.
-    recompute_blocks: bool = setting(True, help="recompute each decoder block in the backward pass (less memory)")
+    recompute_blocks: bool = setting(
+        True, result=False, help="recompute each decoder block in the backward pass (less memory)"
+    )
     # Distillation needs no labels, so it does not pull the model toward the fine-tuning text's own
     # next-token statistics: only toward the FP model's behaviour on it.
     loss: str = setting(
         "lm",
         choices=("lm", "kd"),
+        before="lm",
         help="lm: next-token cross entropy on the fine-tuning text (the paper); kd: KL divergence to the FP "
         "model's next-token distribution on it (FP fine-tuning always uses lm)",
     )
@@ -95,13 +103,14 @@ class Phase2Parameters:
     # absolute rate leaves the wide ranges where they are or throws the narrow ones about.
     lr_ranges_relative: bool = setting(
         False,
+        before=False,
         help="lr_ranges is a fraction of each quantizer's calibrated width (max - min) instead of a step in its "
         "own units (the paper)",
     )
     learn_ranges: bool = setting(True, help="train the quantizer ranges; False: the paper's 'without LSQ+'")
     lr_weights: float = setting(0.0, ge=0, help="> 0 trains the model weights too (QAT)")
-    checkpoint_every: int = setting(200, ge=1, help="steps between checkpoints (with checkpoint_dir)")
-    checkpoint_dir: str | None = setting(None, help="folder of the resumable checkpoint")
+    checkpoint_every: int = setting(200, ge=1, result=False, help="steps between checkpoints (with checkpoint_dir)")
+    checkpoint_dir: str | None = setting(None, result=False, help="folder of the resumable checkpoint")
 
     def __post_init__(self):
         check_fields(self, "phase2")

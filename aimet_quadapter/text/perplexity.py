@@ -13,9 +13,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from aimet_quadapter import distributed
-from aimet_quadapter.experiments import data
-from aimet_quadapter.experiments.data import Window
 from aimet_quadapter.quant.quantizers import fast_inference
+from aimet_quadapter.text import EVAL_SEQ_LEN, data
+from aimet_quadapter.text.data import Window
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -73,11 +73,11 @@ def eval_windows_for(
     tokenizer,
     dataset: str,
     split: str = "test",
-    seq_len: int = 1024,
+    seq_len: int = EVAL_SEQ_LEN,
     stride: int | None = None,
     max_tokens: int | None = None,
 ) -> list[Window]:
-    """The evaluation windows of ``dataset``'s ``split``: :func:`~aimet_quadapter.experiments.data.eval_windows`."""
+    """The evaluation windows of ``dataset``'s ``split``: :func:`~aimet_quadapter.text.data.eval_windows`."""
     ids = data.tokenize(tokenizer, data.load_text(dataset, split))
     return data.eval_windows(ids, seq_len, stride, max_tokens)
 
@@ -93,14 +93,3 @@ def evaluate(
         with fast_inference(model.model):
             return evaluate(model.model, windows, label, progress)
     return {name: perplexity(model, w, desc=f"{label} {name}", progress=progress).ppl for name, w in windows.items()}
-
-
-def format_table(results: dict[str, dict[str, float]], datasets: list[str]) -> str:
-    """A plain-text table: one row per method, one column per dataset."""
-    labels = [data.dataset_label(d) for d in datasets]
-    width = max([len(m) for m in results] + [6])
-    cols = [max(len(lbl), 9) for lbl in labels]
-    lines = [f"{'method':<{width}}  " + "  ".join(f"{lbl:>{c}}" for lbl, c in zip(labels, cols))]
-    for method, row in results.items():
-        lines.append(f"{method:<{width}}  " + "  ".join(f"{row[d]:>{c}.3f}" for d, c in zip(datasets, cols)))
-    return "\n".join(lines)

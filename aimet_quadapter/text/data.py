@@ -16,6 +16,7 @@ import torch
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models.hub import go_offline_if_unreachable
+from aimet_quadapter.text import EVAL_SEQ_LEN
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ class Window:
 
 
 def eval_windows(
-    ids: torch.Tensor, max_length: int = 1024, stride: int | None = None, max_tokens: int | None = None
+    ids: torch.Tensor, max_length: int = EVAL_SEQ_LEN, stride: int | None = None, max_tokens: int | None = None
 ) -> list[Window]:
     """Cut a token stream into evaluation windows of at most ``max_length`` tokens.
 

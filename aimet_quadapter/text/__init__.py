@@ -1,0 +1,7 @@
+"""Text and how a model is scored on it: corpora, tokenization, windows and crops, perplexity.
+
+Below both :mod:`aimet_quadapter.experiments` and :mod:`aimet_quadapter.export`, which each score models on
+text; it knows nothing of recipes, runs or exported files.
+"""
+
+EVAL_SEQ_LEN = 1024  # tokens per evaluation window: the paper's (GPT-2's context)
