@@ -144,6 +144,21 @@ class PreparedLM(nn.Module):
         mask = torch.triu(mask, diagonal=1)[None, None]
         return self.lm(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
 
+    def step(self, input_ids: torch.Tensor, cache: Any = None) -> tuple[torch.Tensor, Any]:
+        """Logits of ``input_ids`` as the tokens after those ``cache`` holds, and the cache with them added: a
+        prefill (several tokens) or a decode step (one) of generation with a KV cache (transformers' cache;
+        ``None`` starts an empty one). In a sim, every quantizer's range is static, so a token's logits do
+        not depend on how the tokens before it were fed: the same as :meth:`forward`'s up to float rounding."""
+        if cache is None:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=self.config)
+        past, length = cache.get_seq_length(), input_ids.shape[-1]
+        mask = torch.full((length, past + length), torch.finfo(torch.float32).min, device=input_ids.device)
+        mask = torch.triu(mask, diagonal=past + 1)[None, None]  # token i sees the past and new tokens 0..i
+        out = self.lm(input_ids=input_ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        return out.logits, out.past_key_values
+
     def block_paths(self) -> list[str]:
         blocks = self.get_submodule(f"lm.{self.arch.blocks}")
         return [f"lm.{self.arch.blocks}.{i}" for i in range(len(list(blocks.children())))]

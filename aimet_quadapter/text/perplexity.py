@@ -13,6 +13,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from aimet_quadapter import distributed
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.models import PreparedLM
 from aimet_quadapter.quant.quantizers import fast_inference
 from aimet_quadapter.text import EVAL_SEQ_LEN, data
 from aimet_quadapter.text.data import Window
@@ -60,6 +62,20 @@ def perplexity(
     summed, count = distributed.sum_over_ranks(total.item(), count)
     nll = summed / count
     return Perplexity(math.exp(nll), nll, int(count))
+
+
+@torch.no_grad()
+def cached_logits(model: PreparedLM, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits of ``ids`` (1, T) as a device generates them: the first ``prefill`` tokens in one pass, then one
+    token at a time against the KV cache; shape (1, T, vocab), comparable with ``model(ids)``."""
+    if not 1 <= prefill <= ids.shape[-1]:
+        raise QuadapterError(f"prefill must be between 1 and the sequence length {ids.shape[-1]}, got {prefill}")
+    logits, cache = model.step(ids[:, :prefill])
+    parts = [logits]
+    for t in range(prefill, ids.shape[-1]):
+        logits, cache = model.step(ids[:, t : t + 1], cache)
+        parts.append(logits)
+    return torch.cat(parts, dim=1)
 
 
 def _device_of(model: LogitsFn) -> torch.device:
