@@ -370,10 +370,17 @@ def test_cli_export_then_eval(tiny_gpt2_dir, corpus_dir, tmp_path, capsys):
 
     out = tmp_path / "export"
     argv = ["export", str(state_file.parent), "--model", str(folder), "--out", str(out), "--seq-len", str(SEQ)]
-    code = main([*argv, "--verify-dataset", str(corpus_dir), "--verify-windows", "2"])
+    # KV graphs that cannot hold the verification windows are refused before anything loads
+    assert main([*argv, "--kv-graphs", "--kv-context", "16", "--verify-dataset", str(corpus_dir)]) == 2
+    assert "--kv-prefill 128 must be below --kv-context 16" in capsys.readouterr().err
+    assert main([*argv, "--kv-graphs", "--kv-context", "16", "--kv-prefill", "8"]) == 2
+    assert "must fit --kv-context 16" in capsys.readouterr().err
+    kv = ["--kv-graphs", "--kv-context", "64", "--kv-prefill", "8"]
+    code = main([*argv, *kv, "--verify-dataset", str(corpus_dir), "--verify-windows", "2"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "model_qdq.onnx" in captured.out and "fp+encodings" in captured.out
+    assert "KV graphs (ar8, ar1 over 64 tokens)" in captured.out and (out / "kv" / "ar1_qdq.onnx").is_file()
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["model"] == str(folder.resolve()) and manifest["method"] == "ptq"
     assert manifest["state"]["path"] == str(state_file.resolve())
@@ -407,3 +414,57 @@ def test_cli_export_then_eval(tiny_gpt2_dir, corpus_dir, tmp_path, capsys):
     capsys.readouterr()
     assert main(["eval", "--model", str(out / "model.onnx"), "--dataset", str(corpus_dir)]) == 2
     assert "not the export's QDQ model" in capsys.readouterr().err
+
+
+def test_kv_graphs_prefill_then_decode_compute_what_the_sim_computes(toy, tmp_path):
+    from aimet_quadapter.export.kv import KVGraphs
+
+    sim = toy["state"].build_sim(toy["model"])
+    kv = KVGraphs(context=48, lengths=(8, 1))
+    result = export_quantized(sim, tmp_path / "e", SEQ, verify_windows=toy["verify"], model_name="toy", kv=kv)
+    entry = result.manifest["kv"]
+    folder = result.out_dir / "kv"
+    assert set(entry["files"]) == {f"ar{n}{suffix}" for n in (8, 1) for suffix in (".onnx", ".encodings", "_qdq.onnx")}
+    layers, kv_heads, head_dim = toy["model"].kv_shape()
+    if toy["family"] == "llama":
+        assert kv_heads < toy["model"].config.num_attention_heads  # grouped-query attention kept, not repeated
+    for n in (8, 1):
+        graph = onnx.load(str(folder / f"ar{n}_qdq.onnx"))
+        shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.graph.input}
+        assert shapes["input_ids"] == [1, n] and shapes["attention_mask"] == [1, 1, n, 48]
+        assert shapes[f"past_key_{layers - 1}"] == [1, kv_heads, 48 - n, head_dim]  # static shapes throughout
+    agreement = entry["verification"]
+    # PTQ under the paper's placement: the graphs reproduce the sim to float32 rounding, token for token
+    assert agreement["ppl_rel_diff"] < 1e-5 and agreement["vs_full_graph_max_abs_logit_diff"] < 1e-4
+    assert agreement["top1_agreement"] == 1.0 and agreement["greedy_agreement"] == 1.0
+    assert agreement["greedy_tokens"] == 8 * len(toy["verify"]) and agreement["greedy_common_prefix"] == 8
+    assert entry["shared_encodings_checked"] > 0  # the two graphs' common tensors, one encoding each
+
+
+def test_kv_graphs_with_a_wrong_mask_fail_and_leave_nothing(tmp_path, monkeypatch):
+    """A host that lets a token see one slot too many (the next token) computes something else: caught."""
+    from aimet_quadapter.export import kv as kv_module
+
+    model = toy_model("gpt2")
+    corpus = sample_corpus(model, 5, SEQ, seed=1)
+    sim = build_sim(model)
+    calibrate(sim, [corpus[:2]])
+    right = kv_module.attention_mask
+
+    def one_too_many(n, context, filled):
+        mask = right(n, context, filled)
+        past = context - n
+        for i in range(n - 1):
+            mask[0, 0, i, past + i + 1] = 0.0
+        return mask
+
+    monkeypatch.setattr(kv_module, "attention_mask", one_too_many)
+    with pytest.raises(QuadapterError, match="KV-cache graphs"):
+        export_quantized(
+            sim,
+            tmp_path / "e",
+            SEQ,
+            verify_windows=list(corpus[2:4]),
+            kv=kv_module.KVGraphs(context=48, lengths=(8, 1)),
+        )
+    assert not (tmp_path / "e").exists()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.formats import ENCODING_VERSION, ENCODING_VERSIONS, SEQ_LEN
+from aimet_quadapter.text import EVAL_SEQ_LEN
 
 
 def positive_int(text: str) -> int:
@@ -64,6 +65,23 @@ def add_export_command(subparsers) -> None:
         help="a state whose readers of one tensor hold different ranges (saved before they were tied): give "
         "them the union (changes the model)",
     )
+    p.add_argument(
+        "--kv-graphs",
+        action="store_true",
+        help="also the prefill and decode graphs with a KV cache (in OUT/kv/), as a device generates text",
+    )
+    p.add_argument(
+        "--kv-context",
+        type=positive_int,
+        default=EVAL_SEQ_LEN,
+        help=f"tokens the KV graphs attend over, past and new (default {EVAL_SEQ_LEN})",
+    )
+    p.add_argument(
+        "--kv-prefill",
+        type=positive_int,
+        default=SEQ_LEN,
+        help=f"tokens the prefill graph takes at once (default {SEQ_LEN}); the decode graph takes one",
+    )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
@@ -79,6 +97,17 @@ def _cmd_export(args) -> int:
 
     # everything a user can get wrong is checked before the model loads
     start = time.time()
+    kv = None
+    if args.kv_graphs:
+        from aimet_quadapter.export.kv import KVGraphs
+
+        if args.kv_prefill >= args.kv_context:
+            raise QuadapterError(f"--kv-prefill {args.kv_prefill} must be below --kv-context {args.kv_context}")
+        kv = KVGraphs(args.kv_context, (args.kv_prefill, 1))
+        if args.seq_len > kv.context - 1:
+            raise QuadapterError(
+                f"--seq-len {args.seq_len}: the verification windows must fit --kv-context {kv.context}"
+            )
     device = resolve_device(args.device)
     state_path = resolve_state(args.state)
     state = QuadapterState.load(state_path)
@@ -89,6 +118,8 @@ def _cmd_export(args) -> int:
     from aimet_quadapter.models.loading import check_length, max_positions
 
     check_length(max_positions(args.model), args.seq_len, "--seq-len")
+    if kv is not None:
+        check_length(max_positions(args.model), kv.context, "--kv-context")
 
     from aimet_quadapter.export.exporter import export_quantized, sha256_file
     from aimet_quadapter.models import load_model
@@ -124,6 +155,7 @@ def _cmd_export(args) -> int:
             "verify_dataset": {"name": args.verify_dataset, "split": args.verify_split},
         },
         progress=not args.no_progress,
+        kv=kv,
     )
     m, v = result.manifest, result.verification
     print(f"exported {m['method'] or 'state'} of {args.model} to {result.out_dir}:")
@@ -155,6 +187,16 @@ def _cmd_export(args) -> int:
             f"{noisy.ppl_rel_diff:.1e} in perplexity and agree on the top-1 token at {noisy.top1_agreement:.1%} of "
             f"positions. No other runtime will reproduce the sim token by token; compare devices by perplexity "
             f"(see docs/export.md)"
+        )
+    if "kv" in m:
+        a = m["kv"]["verification"]
+        print(
+            f"KV graphs ({', '.join(m['kv']['graphs'])} over {m['kv']['context']} tokens): prefill then decode "
+            f"against the sim: perplexity {a['graphs_ppl']:.4f} vs {a['sim_ppl']:.4f} (rel. diff "
+            f"{a['ppl_rel_diff']:.1e}), max |logit diff| {a['max_abs_logit_diff']:.3g} (against the full-sequence "
+            f"graph {a['vs_full_graph_max_abs_logit_diff']:.3g}), same top-1 {a['top1_agreement']:.4f}; greedy "
+            f"generation: {a['greedy_agreement']:.1%} of {a['greedy_tokens']} tokens as the sim's, the first "
+            f"{a['greedy_common_prefix']:.1f} of each prompt's alike on average"
         )
     print(f"export time {m['export_time_s']:.1f} s (total {time.time() - start:.1f} s)")
     return 0

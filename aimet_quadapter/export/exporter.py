@@ -26,7 +26,6 @@ import os
 import shutil
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -43,10 +42,12 @@ from aimet_quadapter.export.formats import (
     ENCODING_VERSION,
     ENCODING_VERSIONS,
     INPUT_NAME,
+    KV_FOLDER,
     OUTPUT_NAME,
     QDQ_OPSET,
     SEQ_LEN,
 )
+from aimet_quadapter.export.kv import KVGraphs, export_kv_graphs, verify_kv_graphs
 from aimet_quadapter.export.lean import inline_weights, lean_aimet_export, opset_imports
 from aimet_quadapter.export.onnx_eval import (
     ENCODINGS,
@@ -60,6 +61,7 @@ from aimet_quadapter.export.onnx_eval import (
     qdq_graph_encodings,
     read_encodings,
 )
+from aimet_quadapter.export.tracing import run_aimet_export
 from aimet_quadapter.memory import release_freed_memory
 from aimet_quadapter.models import device_of
 from aimet_quadapter.quant.policy import sim_policy
@@ -484,18 +486,6 @@ def _opset(path: Path) -> int:
     return next(version for domain, version in opset_imports(path) if domain in ("", "ai.onnx"))
 
 
-def _run_aimet_export(step: str, fn, *args, **kwargs) -> None:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # TorchScript tracer warnings about shapes: expected for a fixed graph
-            fn(*args, **kwargs)
-    except QuadapterError:
-        raise
-    except Exception as exc:  # AIMET and torch.onnx raise RuntimeError, ValueError, NotImplementedError...
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise QuadapterError(f"{step} failed: {type(exc).__name__}: {first}") from exc
-
-
 def export_quantized(
     sim: QuantizationSimModel,
     out_dir: str | Path,
@@ -512,6 +502,7 @@ def export_quantized(
     merge_shared_ranges: bool = False,
     extra_manifest: dict | None = None,
     progress: bool = False,
+    kv: KVGraphs | None = None,
 ) -> ExportResult:
     """Export ``sim`` (a calibrated or trained sim of a PreparedLM) to ``out_dir``, verified; see the module doc.
 
@@ -520,7 +511,8 @@ def export_quantized(
     is opset 21. ``verify_windows`` are held-out token windows (at most ``seq_len`` tokens each; shorter
     ones are padded at the end for a fixed-length graph) on which the export must match the sim.
     ``model_name`` is what ``eval`` loads the tokenizer from. ``merge_shared_ranges``: see
-    :func:`reconcile_shared_ranges` (changes ``sim``).
+    :func:`reconcile_shared_ranges` (changes ``sim``). ``kv``: also the prefill and decode graphs with a KV
+    cache, in ``kv/`` (:mod:`aimet_quadapter.export.kv`), verified on the same windows.
     """
     start = time.time()
     if encoding_version not in ENCODING_VERSIONS:
@@ -533,6 +525,8 @@ def export_quantized(
     too_long = [len(w.ids) for w in windows if len(w.ids) > seq_len]
     if too_long:
         raise QuadapterError(f"verification windows of {max(too_long)} tokens exceed the export length {seq_len}")
+    if kv is not None and max(len(w.ids) for w in windows) > kv.context - 1:
+        raise QuadapterError(f"verification windows of {seq_len} tokens do not fit a KV context of {kv.context}")
     if dynamic_length:
         # prove the dynamic axis too: the same text at another length
         windows.append(Window(windows[0].ids[: max(2, len(windows[0].ids) // 2)], 1))
@@ -565,7 +559,7 @@ def export_quantized(
             (scratch / part).mkdir(parents=True)
         parked = scratch / "parked"  # the sim's weights while AIMET traces their quantize-dequantized copies
         with lean_aimet_export(sim.model, parked):
-            _run_aimet_export(
+            run_aimet_export(
                 "AIMET's FP ONNX + encodings export (sim.onnx.export)",
                 sim.onnx.export,
                 (dummy,),
@@ -577,7 +571,7 @@ def export_quantized(
 
         # a second context: the parked weights must be back before this export makes its copies of them
         with lean_aimet_export(sim.model, parked):
-            _run_aimet_export(
+            run_aimet_export(
                 "AIMET's QDQ ONNX export (aimet_torch.onnx.export)",
                 aimet_torch.onnx.export,
                 sim.model,
@@ -595,6 +589,18 @@ def export_quantized(
         if not (tmp / ENCODINGS).is_file():
             raise QuadapterError(f"AIMET's export wrote no {ENCODINGS} file")
         report = verify_export(sim, tmp, windows, tolerance, progress=progress)
+        kv_entry = None
+        if kv is not None:
+            kv_entry = export_kv_graphs(sim, tmp / KV_FOLDER, kv, encoding_version)
+            agreement = verify_kv_graphs(
+                sim, tmp / KV_FOLDER, kv, windows, tmp / QDQ_ONNX, report.ppl_bound, report.logit_bound
+            )
+            kv_entry["verification"] = asdict(agreement)
+            kv_entry["files"] = {
+                p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+                for p in sorted((tmp / KV_FOLDER).iterdir())
+                if p.is_file()
+            }
         policy = sim_policy(sim).to_dict()
         files = {
             p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir()) if p.is_file()
@@ -626,6 +632,7 @@ def export_quantized(
             "quantizers": n_quantizers,
             "shared_ranges_merged": merged,
             "verification": report.to_dict(),
+            **({"kv": kv_entry} if kv_entry is not None else {}),
             "tools": library_versions(),
             "export_time_s": round(time.time() - start, 3),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

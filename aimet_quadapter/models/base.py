@@ -88,7 +88,7 @@ class Architecture:
     head_site: SiteSpec
     # Rewrites the HF model in place into a form AIMET can quantize, the FP function unchanged.
     prepare: Callable[[nn.Module], None]
-    # (kv_heads, heads, head_dim) of the model, for sites with repeat_heads.
+    # (kv_heads, heads, head_dim) of the model: sites with repeat_heads, and the KV cache's shape.
     head_layout: Callable[[object], tuple[int, int, int]] | None = None
     # The groups of extra sites that are on by default for this family (see SiteSpec.extra).
     extra_sites_default: tuple[str, ...] = ()
@@ -158,6 +158,39 @@ class PreparedLM(nn.Module):
         mask = torch.triu(mask, diagonal=past + 1)[None, None]  # token i sees the past and new tokens 0..i
         out = self.lm(input_ids=input_ids, attention_mask=mask, past_key_values=cache, use_cache=True)
         return out.logits, out.past_key_values
+
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, kv_heads, head_dim): a layer's cached keys (and values) are (batch, kv_heads, tokens, head_dim)."""
+        if self.arch.head_layout is None:
+            raise ValueError(f"family {self.arch.name} declares no head_layout")
+        kv_heads, _, head_dim = self.arch.head_layout(self.config)
+        return len(self.block_paths()), kv_heads, head_dim
+
+    def forward_cached(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """The forward of a device's KV-cache graph: ``input_ids`` (1, N) at ``position_ids`` (1, N) after the
+        cached keys and values ``past`` (key then value of each layer, each (1, kv_heads, P, head_dim)), under
+        the additive ``attention_mask`` (1, 1, N, P + N). Returns the logits (1, N, vocab) and the N new keys
+        and values of each layer, in the order of ``past``: static shapes, plain tensors in and out."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.config)
+        for layer in range(len(past) // 2):
+            cache.update(past[2 * layer], past[2 * layer + 1], layer)
+        old = past[0].shape[2]
+        out = self.lm(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        new: list[torch.Tensor] = []
+        for cached in cache.layers:
+            kv: Any = cached  # a DynamicCache's layers hold keys and values (transformers types them loosely)
+            new += [kv.keys[:, :, old:], kv.values[:, :, old:]]
+        return (out.logits, *new)
 
     def block_paths(self) -> list[str]:
         blocks = self.get_submodule(f"lm.{self.arch.blocks}")

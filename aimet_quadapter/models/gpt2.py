@@ -74,6 +74,10 @@ def tiny_config(
     )
 
 
+def head_layout(config) -> tuple[int, int, int]:
+    return config.n_head, config.n_head, config.n_embd // config.n_head
+
+
 GPT2 = Architecture(
     name="gpt2",
     model_types=("gpt2",),
@@ -86,5 +90,6 @@ GPT2 = Architecture(
     ),
     head_site=SiteSpec("transformer.ln_f", ("lm_head",)),
     prepare=prepare,
+    head_layout=head_layout,
     tiny_config=tiny_config,
 )

@@ -1,0 +1,326 @@
+"""Prefill and decode graphs with a KV cache: the language model as a device runs it.
+
+A device generates over a fixed context of C tokens with graphs of static shapes: an AR-N graph takes N tokens
+at once (the prompt, in chunks: the prefill), an AR-1 graph one token (the decode). Each takes the cached keys
+and values of the tokens before, ``past_key_<layer>`` / ``past_value_<layer>`` of shape (1, kv_heads, C - N,
+head_dim) with the most recent at the end and unused slots masked, the additive ``attention_mask`` (1, 1, N,
+C) and ``position_ids`` (1, N), and returns ``logits`` and the new keys and values of its N tokens
+(``new_key_<layer>`` / ``new_value_<layer>``), which the host appends to its cache. Both graphs are exported
+from one sim: one set of quantizers, so the encodings of every tensor they share agree (checked).
+
+:class:`KVGraphRunner` is such a host in onnxruntime; :func:`verify_kv_graphs` holds the graphs' perplexity
+and greedy generation against the sim's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import types
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from aimet_torch.quantsim import QuantizationSimModel
+
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.export.formats import ENCODING_VERSION, QDQ_OPSET
+from aimet_quadapter.export.tracing import run_aimet_export
+from aimet_quadapter.models import PreparedLM
+from aimet_quadapter.quant.quantizers import fast_inference
+from aimet_quadapter.text import EVAL_SEQ_LEN
+from aimet_quadapter.text.data import Window
+from aimet_quadapter.text.perplexity import window_nll
+
+MASKED = float(np.finfo(np.float32).min)  # what the sim's attention takes as a masked score
+
+
+@dataclass(frozen=True)
+class KVGraphs:
+    """The graphs to export: a context of ``context`` tokens, one graph per AR length in ``lengths`` (1: decode)."""
+
+    context: int = EVAL_SEQ_LEN
+    lengths: tuple[int, ...] = (128, 1)
+
+    def __post_init__(self) -> None:
+        if 1 not in self.lengths:
+            raise QuadapterError(f"KV graphs {list(self.lengths)}: a decode graph (length 1) is needed")
+        bad = [n for n in self.lengths if not 1 <= n < self.context]
+        if bad:
+            raise QuadapterError(
+                f"KV graph length {bad[0]} must be between 1 and the context {self.context} (excluded)"
+            )
+
+
+def graph_file(n: int, qdq: bool = False) -> str:
+    return f"ar{n}{'_qdq' if qdq else ''}.onnx"
+
+
+def io_names(layers: int) -> tuple[list[str], list[str]]:
+    cache = [f"{kind}_{layer}" for layer in range(layers) for kind in ("key", "value")]
+    return ["input_ids", "attention_mask", "position_ids", *[f"past_{c}" for c in cache]], [
+        "logits",
+        *[f"new_{c}" for c in cache],
+    ]
+
+
+def attention_mask(n: int, context: int, filled: int) -> np.ndarray:
+    """(1, 1, n, context): query i sees the last ``filled`` of the ``context - n`` past slots and new tokens 0..i."""
+    past = context - n
+    mask = np.full((1, 1, n, context), MASKED, dtype=np.float32)
+    for i in range(n):
+        mask[0, 0, i, past - filled : past] = 0.0
+        mask[0, 0, i, past : past + i + 1] = 0.0
+    return mask
+
+
+@contextlib.contextmanager
+def _cached_forward(model: PreparedLM) -> Iterator[None]:
+    """AIMET exports ``sim.model``'s forward: the KV-cache forward stands in for it while the graphs are traced."""
+    model.forward = types.MethodType(PreparedLM.forward_cached, model)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del model.forward  # the class's own forward again
+
+
+def export_kv_graphs(
+    sim: QuantizationSimModel, folder: Path, graphs: KVGraphs, encoding_version: str = ENCODING_VERSION
+) -> dict:
+    """Write, for each AR length N of ``graphs``, ``arN.onnx`` + ``arN.encodings`` (the FP graph and its encodings,
+    for a converter) and ``arN_qdq.onnx`` (for onnxruntime) into ``folder``; returns their manifest entry."""
+    import aimet_torch.onnx
+
+    model = sim.model
+    layers, kv_heads, head_dim = model.kv_shape()
+    inputs, outputs = io_names(layers)
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = {}
+    for n in graphs.lengths:
+        past = graphs.context - n
+        args = (
+            torch.zeros((1, n), dtype=torch.long),
+            torch.from_numpy(attention_mask(n, graphs.context, past)),
+            torch.arange(past, graphs.context)[None],
+            *[torch.zeros((1, kv_heads, past, head_dim)) for _ in range(2 * layers)],
+        )
+        common = {"input_names": inputs, "output_names": outputs, "dynamo": False}
+        with torch.no_grad(), _cached_forward(model):
+            run_aimet_export(
+                f"AIMET's QDQ ONNX export of the AR-{n} graph (aimet_torch.onnx.export)",
+                aimet_torch.onnx.export, model, args, str(folder / graph_file(n, qdq=True)),
+                opset_version=QDQ_OPSET, export_int32_bias=False, **common,
+            )  # fmt: skip
+            run_aimet_export(
+                f"AIMET's FP ONNX + encodings export of the AR-{n} graph (sim.onnx.export)",
+                sim.onnx.export, args, str(folder / graph_file(n)), encoding_version=encoding_version, **common,
+            )  # fmt: skip
+        entries[f"ar{n}"] = {
+            "tokens": n,
+            "past": past,
+            "files": [graph_file(n), f"ar{n}.encodings", graph_file(n, qdq=True)],
+        }
+    shared = _check_shared_encodings(folder, graphs)
+    return {
+        "context": graphs.context,
+        "layers": layers,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "inputs": inputs,
+        "outputs": outputs,
+        "graphs": entries,
+        "shared_encodings_checked": shared,
+    }
+
+
+def _check_shared_encodings(folder: Path, graphs: KVGraphs) -> int:
+    """The encodings of a tensor both graphs hold must be one: a device keeps one encoding per tensor."""
+    from aimet_quadapter.export.onnx_eval import read_encodings
+
+    by_graph = []
+    for n in graphs.lengths:
+        entries = read_encodings(json.loads((folder / f"ar{n}.encodings").read_text()))
+        by_graph.append({e.name: e for e in entries})
+    first, checked = by_graph[0], 0
+    for other in by_graph[1:]:
+        for name in first.keys() & other.keys():
+            a, b = first[name], other[name]
+            if not (
+                a.bitwidth == b.bitwidth
+                and np.array_equal(a.scale, b.scale)
+                and np.array_equal(a.zero_point, b.zero_point)
+            ):
+                raise QuadapterError(f"KV graphs: tensor {name} has two encodings: {first[name]} and {other[name]}")
+            checked += 1
+    return checked
+
+
+class KVGraphRunner:
+    """A host for the QDQ graphs of a folder, in onnxruntime: :meth:`prefill` feeds a prompt in chunks through
+    the longest graph (the last chunk padded at its end, only its real tokens kept), :meth:`decode` one token
+    through the AR-1 graph; each returns the logits of the tokens it fed and appends their keys and values to
+    the cache. :meth:`reset` empties the cache."""
+
+    def __init__(self, folder: Path, graphs: KVGraphs, kv_shape: tuple[int, int, int]):
+        from aimet_quadapter.export.onnx_eval import ort_session
+
+        self.graphs = graphs
+        self.layers, self.kv_heads, self.head_dim = kv_shape
+        self.sessions = {n: ort_session(str(folder / graph_file(n, qdq=True)), True, True) for n in graphs.lengths}
+        self.prefill_n = max(graphs.lengths)
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = [np.zeros((1, self.kv_heads, 0, self.head_dim), dtype=np.float32) for _ in range(2 * self.layers)]
+
+    @property
+    def filled(self) -> int:
+        return self.cache[0].shape[2]
+
+    def _run(self, n: int, ids: np.ndarray, keep: int) -> np.ndarray:
+        filled, past = self.filled, self.graphs.context - n
+        if filled > past:  # the graph has room for `past` cached tokens before its own
+            raise QuadapterError(
+                f"the KV cache holds {filled} tokens: the AR-{n} graph takes at most {past} before its own"
+            )
+        feed: dict[str, np.ndarray] = {
+            "input_ids": ids.reshape(1, n).astype(np.int64),
+            "attention_mask": attention_mask(n, self.graphs.context, filled),
+            "position_ids": np.arange(filled, filled + n, dtype=np.int64)[None],
+        }
+        for i, cached in enumerate(self.cache):  # right-aligned: the most recent token in the last slot
+            slots = np.zeros((1, self.kv_heads, past, self.head_dim), dtype=np.float32)
+            slots[:, :, past - filled :] = cached
+            feed[f"past_{'key' if i % 2 == 0 else 'value'}_{i // 2}"] = slots
+        out = self.sessions[n].run(None, feed)
+        self.cache = [np.concatenate([c, new[:, :, :keep]], axis=2) for c, new in zip(self.cache, out[1:])]
+        return out[0][0, :keep]
+
+    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        """(len(ids), vocab) logits of ``ids`` fed as a prompt after what the cache holds."""
+        tokens, n, parts = np.asarray(ids, dtype=np.int64), self.prefill_n, []
+        for start in range(0, len(tokens), n):
+            real = min(n, len(tokens) - start)
+            chunk = np.zeros(n, dtype=np.int64)
+            chunk[:real] = tokens[start : start + real]
+            parts.append(self._run(n, chunk, real))
+        return np.concatenate(parts)
+
+    def decode(self, token: int) -> np.ndarray:
+        """(vocab,) logits of one token after what the cache holds."""
+        return self._run(1, np.asarray([token], dtype=np.int64), 1)[0]
+
+    def logits(self, ids: Sequence[int], prefill: int) -> np.ndarray:
+        """(T, vocab) logits of ``ids`` from an empty cache: the first ``prefill`` as a prompt, the rest decoded."""
+        self.reset()
+        parts = [self.prefill(ids[:prefill])]
+        parts += [self.decode(int(t))[None] for t in ids[prefill:]]
+        return np.concatenate(parts)
+
+    def generate(self, prompt: Sequence[int], steps: int) -> list[int]:
+        """``steps`` greedy tokens after ``prompt``, from an empty cache."""
+        self.reset()
+        out = [int(self.prefill(prompt)[-1].argmax())]
+        while len(out) < steps:
+            out.append(int(self.decode(out[-1]).argmax()))
+        return out[:steps]
+
+
+@dataclass(frozen=True)
+class KVAgreement:
+    windows: int
+    tokens: int
+    sim_ppl: float
+    graphs_ppl: float
+    ppl_rel_diff: float  # the graphs (prefill, then decode) against the sim's full-sequence pass
+    max_abs_logit_diff: float
+    top1_agreement: float
+    # against the full-sequence QDQ graph in onnxruntime: the same ops, so float rounding apart the same values
+    vs_full_graph_max_abs_logit_diff: float
+    greedy_tokens: int  # tokens generated greedily from each window's first half, by the sim and by the graphs
+    greedy_agreement: float  # share of those the graphs generate as the sim does
+    greedy_common_prefix: float  # tokens the two agree on before their first difference, mean over the prompts
+
+
+def _sim_greedy(model: PreparedLM, prompt: torch.Tensor, steps: int) -> list[int]:
+    logits, cache = model.step(prompt[None])
+    out = []
+    for _ in range(steps):
+        token = int(logits[0, -1].argmax())
+        out.append(token)
+        logits, cache = model.step(torch.tensor([[token]]), cache)
+    return out
+
+
+def verify_kv_graphs(
+    sim: QuantizationSimModel,
+    folder: Path,
+    graphs: KVGraphs,
+    windows: Sequence[Window],
+    full_graph: Path,
+    ppl_bound: float,
+    logit_bound: float,
+    greedy_steps: int = 8,
+) -> KVAgreement:
+    """Each window through the graphs (its first half as the prompt, the rest decoded one token at a time)
+    against the sim's full-sequence logits and against ``full_graph`` (the full-sequence QDQ graph) in
+    onnxruntime; ``greedy_steps`` tokens generated from each window's first half by the graphs and by the sim.
+    Raises where the graphs differ from the sim by more than the bounds (the full-sequence export's, set by
+    the float32 floor it measured) or from the full-sequence graph by more than float rounding."""
+    from aimet_quadapter.export.onnx_eval import OnnxLM
+
+    model = sim.model
+    longest = max(len(w.ids) for w in windows)
+    if longest > graphs.context - 1:
+        raise QuadapterError(f"verification windows of {longest} tokens do not fit a KV context of {graphs.context}")
+    runner = KVGraphRunner(folder, graphs, model.kv_shape())
+    full = OnnxLM(full_graph, low_memory=True)
+    sim_nll, graphs_nll = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    tokens, max_diff, full_diff, same, total, greedy_same, greedy_total = 0, 0.0, 0.0, 0, 0, 0, 0
+    prefixes: list[int] = []
+    with torch.no_grad(), fast_inference(model):
+        for window in windows:
+            ids = window.ids
+            prefill = max(1, len(ids) // 2)
+            reference = model(ids[None].to(next(model.parameters()).device)).float().cpu()
+            ours = torch.from_numpy(runner.logits(ids.tolist(), prefill))[None]
+            graph = full(ids[None])
+            sim_nll += window_nll(reference, window)
+            graphs_nll += window_nll(ours, window)
+            scored = slice(window.first_target - 1, len(ids) - 1)
+            max_diff = max(max_diff, float((reference[0, scored] - ours[0, scored]).abs().max()))
+            full_diff = max(full_diff, float((graph[0, scored] - ours[0, scored]).abs().max()))
+            same += int((reference[0, scored].argmax(-1) == ours[0, scored].argmax(-1)).sum())
+            total += window.n_targets
+            tokens += window.n_targets
+            steps = min(greedy_steps, graphs.context - 1 - prefill)
+            want = _sim_greedy(model, ids[:prefill], steps)
+            got = runner.generate(ids[:prefill].tolist(), steps)
+            greedy_same += sum(a == b for a, b in zip(want, got))
+            greedy_total += steps
+            prefixes.append(next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), steps))
+    sim_ppl, graphs_ppl = math.exp(sim_nll.item() / tokens), math.exp(graphs_nll.item() / tokens)
+    agreement = KVAgreement(
+        windows=len(windows),
+        tokens=tokens,
+        sim_ppl=sim_ppl,
+        graphs_ppl=graphs_ppl,
+        ppl_rel_diff=abs(graphs_ppl - sim_ppl) / sim_ppl,
+        max_abs_logit_diff=max_diff,
+        top1_agreement=same / max(total, 1),
+        vs_full_graph_max_abs_logit_diff=full_diff,
+        greedy_tokens=greedy_total,
+        greedy_agreement=greedy_same / max(greedy_total, 1),
+        greedy_common_prefix=sum(prefixes) / len(prefixes),
+    )
+    if agreement.ppl_rel_diff > ppl_bound or max_diff > logit_bound or full_diff > logit_bound:
+        raise QuadapterError(
+            f"the KV-cache graphs (prefill, then decode) do not compute what the sim computes: perplexity "
+            f"{graphs_ppl:.4f} vs sim {sim_ppl:.4f} (rel. diff {agreement.ppl_rel_diff:.2e}, allowed {ppl_bound:.2e}), "
+            f"max |logit diff| {max_diff:.3g} against the sim and {full_diff:.3g} against the full-sequence graph "
+            f"(allowed {logit_bound:.3g})"
+        )
+    return agreement
