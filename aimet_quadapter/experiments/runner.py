@@ -46,6 +46,7 @@ from aimet_quadapter.experiments.lock import RunLock
 from aimet_quadapter.experiments.recipes import Recipe, parameter_sections
 from aimet_quadapter.experiments.results_file import FORMAT, RESULTS, load_results, summary, write_json_atomic
 from aimet_quadapter.logs import log, log_file
+from aimet_quadapter.settings import result_view
 from aimet_quadapter.versions import library_versions
 
 if TYPE_CHECKING:  # imported when a run starts: the model code pulls in AIMET
@@ -256,8 +257,6 @@ class RecipeRun:
 
     # --- fingerprints ---------------------------------------------------------------------------------
     def _sections(self, names: tuple[str, ...]) -> dict:
-        from aimet_quadapter.settings import result_view
-
         return {n: result_view(_SOURCES[n], getattr(self.recipe, n).model_dump(mode="json")) for n in names}
 
     def _base_payload(self) -> dict:
