@@ -437,7 +437,9 @@ def test_kv_graphs_prefill_then_decode_compute_what_the_sim_computes(toy, tmp_pa
     # PTQ under the paper's placement: the graphs reproduce the sim to float32 rounding, token for token
     assert agreement["ppl_rel_diff"] < 1e-5 and agreement["vs_full_graph_max_abs_logit_diff"] < 1e-4
     assert agreement["top1_agreement"] == 1.0 and agreement["greedy_agreement"] == 1.0
-    assert agreement["greedy_tokens"] == 8 * len(toy["verify"]) and agreement["greedy_common_prefix"] == 8
+    steps = min(32, 48 - 1 - SEQ // 2)  # from each window's first half, as far as the context goes
+    assert agreement["greedy_tokens"] == steps * min(3, len(toy["verify"]))
+    assert agreement["greedy_common_prefix"] == steps
     assert entry["shared_encodings_checked"] > 0  # the two graphs' common tensors, one encoding each
 
 
