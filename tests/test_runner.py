@@ -378,7 +378,7 @@ def test_plan_of_a_matrix_without_loading_anything(tmp_path):
 
 def test_settings_a_method_does_not_read_leave_its_cells_alone(tmp_path):
     recipe_file = tmp_path / "m.yaml"
-    recipe_file.write_text("model: gpt2\nmethods: [cle_phase2, quadapter]\nfid: [ptb]\neval: {datasets: [ptb]}\n")
+    recipe_file.write_text("model: gpt2\nmethods: [cle_phase2, qat, quadapter]\nfid: [ptb]\neval: {datasets: [ptb]}\n")
 
     def fingerprints(*overrides: str) -> dict[str, str]:
         run = RecipeRun(load_recipe(recipe_file, list(overrides)), tmp_path / "out", progress=False)
@@ -388,7 +388,10 @@ def test_settings_a_method_does_not_read_leave_its_cells_alone(tmp_path):
     for unread in ("phase2.lr_alpha=0.5", "phase2.learn_ranges=false", "phase1.steps=3"):
         changed = fingerprints(unread)
         assert changed["cle_phase2"] == base["cle_phase2"] and changed["quadapter"] != base["quadapter"], unread
-    assert fingerprints("phase2.lr_ranges=0.5")["cle_phase2"] != base["cle_phase2"]
+        assert changed["qat"] == base["qat"], unread  # QAT trains no alpha either
+    assert fingerprints("phase1.keep_start=[model.norm*]")["qat"] == base["qat"]
+    ranges = fingerprints("phase2.lr_ranges=0.5")
+    assert ranges["cle_phase2"] != base["cle_phase2"] and ranges["qat"] != base["qat"]
 
 
 def test_the_report_shows_the_phase1_check_to_the_decimal_that_decides_it():

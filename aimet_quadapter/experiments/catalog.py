@@ -35,6 +35,9 @@ class MethodInfo:
                 raise ValueError(f"method {self.label!r}: {name!r} is not a recipe section ({', '.join(SECTIONS)})")
 
 
+# the settings of the adapter itself, which a method that trains no alpha never reads
+_NO_ADAPTER = ("phase1", "quadapter", "phase2.lr_alpha", "phase2.learn_ranges")
+
 CATALOG: dict[str, MethodInfo] = {
     "fp": MethodInfo("FP32", calibrates=False, quantized=False, reads=()),
     "fp_finetuned": MethodInfo("FP fine-tuned", quantized=False, finetunes=True),
@@ -43,8 +46,9 @@ CATALOG: dict[str, MethodInfo] = {
     "seq_mse": MethodInfo("SeqMSE", reads=("baselines",)),
     "cle": MethodInfo("CLE", reads=("quadapter",)),
     "quadapter_bc": MethodInfo("Quadapter BC", reads=("phase1", "quadapter")),
-    "qat": MethodInfo("QAT", finetunes=True),
-    "qat_fixed_ranges": MethodInfo("QAT w/o LSQ+", finetunes=True),
+    # QAT starts from PTQ's sim: phase 1, the sites and the alphas' rate never enter it
+    "qat": MethodInfo("QAT", finetunes=True, unused=_NO_ADAPTER),
+    "qat_fixed_ranges": MethodInfo("QAT w/o LSQ+", finetunes=True, unused=_NO_ADAPTER),
     "quadapter_bc_qat": MethodInfo("Quadapter BC+QAT", finetunes=True, from_bc=True, matched=("qat",)),
     "quadapter_bc_qat_fixed_ranges": MethodInfo("Quadapter BC+QAT w/o LSQ+", finetunes=True, from_bc=True),
     # Quadapter's matched baseline: the same phase 2 (loss, data, steps, rates) on CLE's sim with no alpha to
