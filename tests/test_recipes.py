@@ -133,6 +133,14 @@ def test_set_overrides_values_lists_and_sections(tmp_path):
     assert recipe.phase1.steps == 500  # untouched sections keep the defaults (the paper's)
 
 
+def test_float_settings_of_every_shape_validate(tmp_path):
+    """Finite floats are checked on float fields; a tuple of floats (check points) validates as before."""
+    path = _write(tmp_path, MINIMAL)
+    recipe = load_recipe(path, ["phase1.check_points=[0.5]", "phase2.lr_alpha=0.2", "policy.percentile=99.9"])
+    assert recipe.phase1.check_points == (0.5,) and recipe.phase2.lr_alpha == 0.2
+    assert load_recipe(path, ["phase1.check_points=[]"]).phase1.check_points == ()
+
+
 @pytest.mark.parametrize(
     "override, message",
     [

@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import os
 import re
+import types
 import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
@@ -75,7 +76,11 @@ def _mirror(source: type, name: str, exclude: tuple[str, ...] = (), **narrow: An
 
 
 def _has_float(annotation: Any) -> bool:
-    return annotation is float or float in typing.get_args(annotation)
+    """A float field, or an optional one: the values pydantic's finiteness check applies to (not a tuple's)."""
+    if annotation is float:
+        return True
+    is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return is_union and float in typing.get_args(annotation)
 
 
 def parameter_sections() -> list[tuple[str, type, tuple[str, ...]]]:
