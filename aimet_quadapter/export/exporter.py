@@ -47,7 +47,7 @@ from aimet_quadapter.export.formats import (
     QDQ_OPSET,
     SEQ_LEN,
 )
-from aimet_quadapter.export.kv import KVGraphs, export_kv_graphs, verify_kv_graphs
+from aimet_quadapter.export.kv import KVGraphs, check_windows_fit, export_kv_graphs, verify_kv_graphs
 from aimet_quadapter.export.lean import inline_weights, lean_aimet_export, opset_imports
 from aimet_quadapter.export.onnx_eval import (
     ENCODINGS,
@@ -482,6 +482,13 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _file_table(folder: Path) -> dict[str, dict]:
+    """Size and sha256 of every file directly in ``folder``, by name: the manifest's record of what was written."""
+    return {
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(folder.iterdir()) if p.is_file()
+    }
+
+
 def _opset(path: Path) -> int:
     return next(version for domain, version in opset_imports(path) if domain in ("", "ai.onnx"))
 
@@ -525,8 +532,8 @@ def export_quantized(
     too_long = [len(w.ids) for w in windows if len(w.ids) > seq_len]
     if too_long:
         raise QuadapterError(f"verification windows of {max(too_long)} tokens exceed the export length {seq_len}")
-    if kv is not None and max(len(w.ids) for w in windows) > kv.context - 1:
-        raise QuadapterError(f"verification windows of {seq_len} tokens do not fit a KV context of {kv.context}")
+    if kv is not None:
+        check_windows_fit(kv, windows)
     if dynamic_length:
         # prove the dynamic axis too: the same text at another length
         windows.append(Window(windows[0].ids[: max(2, len(windows[0].ids) // 2)], 1))
@@ -596,15 +603,9 @@ def export_quantized(
                 sim, tmp / KV_FOLDER, kv, windows, tmp / QDQ_ONNX, report.ppl_bound, report.logit_bound
             )
             kv_entry["verification"] = asdict(agreement)
-            kv_entry["files"] = {
-                p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-                for p in sorted((tmp / KV_FOLDER).iterdir())
-                if p.is_file()
-            }
+            kv_entry["files"] = _file_table(tmp / KV_FOLDER)
         policy = sim_policy(sim).to_dict()
-        files = {
-            p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir()) if p.is_file()
-        }
+        files = _file_table(tmp)
         vocab = getattr(getattr(sim.model, "config", None), "vocab_size", None)
         length = "sequence" if dynamic_length else seq_len
         manifest = {

@@ -29,7 +29,7 @@ from aimet_torch.quantsim import QuantizationSimModel
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.formats import ENCODING_VERSION, QDQ_OPSET
 from aimet_quadapter.export.tracing import run_aimet_export
-from aimet_quadapter.models import PreparedLM
+from aimet_quadapter.models import PreparedLM, device_of
 from aimet_quadapter.quant.quantizers import fast_inference
 from aimet_quadapter.text import EVAL_SEQ_LEN
 from aimet_quadapter.text.data import Window
@@ -53,6 +53,13 @@ class KVGraphs:
             raise QuadapterError(
                 f"KV graph length {bad[0]} must be between 1 and the context {self.context} (excluded)"
             )
+
+
+def check_windows_fit(graphs: KVGraphs, windows: Sequence[Window]) -> None:
+    """The verification feeds whole windows through the graphs: each must fit the context with a token to spare."""
+    longest = max(len(w.ids) for w in windows)
+    if longest > graphs.context - 1:
+        raise QuadapterError(f"verification windows of {longest} tokens do not fit a KV context of {graphs.context}")
 
 
 def graph_file(n: int, qdq: bool = False) -> str:
@@ -275,19 +282,17 @@ def verify_kv_graphs(
     from aimet_quadapter.export.onnx_eval import OnnxLM
 
     model = sim.model
-    longest = max(len(w.ids) for w in windows)
-    if longest > graphs.context - 1:
-        raise QuadapterError(f"verification windows of {longest} tokens do not fit a KV context of {graphs.context}")
+    check_windows_fit(graphs, windows)
     runner = KVGraphRunner(folder, graphs, model.kv_shape())
     full = OnnxLM(full_graph, low_memory=True)
     sim_nll, graphs_nll = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    tokens, max_diff, full_diff, same, total, greedy_same, greedy_total = 0, 0.0, 0.0, 0, 0, 0, 0
+    tokens, max_diff, full_diff, same, greedy_same, greedy_total = 0, 0.0, 0.0, 0, 0, 0
     prefixes: list[int] = []
     with torch.no_grad(), fast_inference(model):
         for index, window in enumerate(windows):
             ids = window.ids
             prefill = max(1, len(ids) // 2)
-            reference = model(ids[None].to(next(model.parameters()).device)).float().cpu()
+            reference = model(ids[None].to(device_of(model))).float().cpu()
             ours = torch.from_numpy(runner.logits(ids.tolist(), prefill))[None]
             graph = full(ids[None])
             sim_nll += window_nll(reference, window)
@@ -296,7 +301,6 @@ def verify_kv_graphs(
             max_diff = max(max_diff, float((reference[0, scored] - ours[0, scored]).abs().max()))
             full_diff = max(full_diff, float((graph[0, scored] - ours[0, scored]).abs().max()))
             same += int((reference[0, scored].argmax(-1) == ours[0, scored].argmax(-1)).sum())
-            total += window.n_targets
             tokens += window.n_targets
             if index >= greedy_prompts:
                 continue
@@ -314,7 +318,7 @@ def verify_kv_graphs(
         graphs_ppl=graphs_ppl,
         ppl_rel_diff=abs(graphs_ppl - sim_ppl) / sim_ppl,
         max_abs_logit_diff=max_diff,
-        top1_agreement=same / max(total, 1),
+        top1_agreement=same / max(tokens, 1),
         vs_full_graph_max_abs_logit_diff=full_diff,
         greedy_tokens=greedy_total,
         greedy_agreement=greedy_same / max(greedy_total, 1),

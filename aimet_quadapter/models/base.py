@@ -137,11 +137,9 @@ class PreparedLM(nn.Module):
         check_length(self.max_positions, length, what)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        length = input_ids.shape[-1]
         # A precomputed additive causal mask keeps transformers' mask builder (and its aten::diff, which
-        # ONNX cannot export) out of the graph. A finite minimum keeps fully-masked rows free of NaN.
-        mask = torch.full((length, length), torch.finfo(torch.float32).min, device=input_ids.device)
-        mask = torch.triu(mask, diagonal=1)[None, None]
+        # ONNX cannot export) out of the graph.
+        mask = _causal_mask(input_ids.shape[-1], 0, input_ids.device)
         return self.lm(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
 
     def step(self, input_ids: torch.Tensor, cache: Any = None) -> tuple[torch.Tensor, Any]:
@@ -153,9 +151,7 @@ class PreparedLM(nn.Module):
             from transformers import DynamicCache
 
             cache = DynamicCache(config=self.config)
-        past, length = cache.get_seq_length(), input_ids.shape[-1]
-        mask = torch.full((length, past + length), torch.finfo(torch.float32).min, device=input_ids.device)
-        mask = torch.triu(mask, diagonal=past + 1)[None, None]  # token i sees the past and new tokens 0..i
+        mask = _causal_mask(input_ids.shape[-1], cache.get_seq_length(), input_ids.device)
         out = self.lm(input_ids=input_ids, attention_mask=mask, past_key_values=cache, use_cache=True)
         return out.logits, out.past_key_values
 
@@ -212,6 +208,13 @@ class PreparedLM(nn.Module):
                 out.append(_resolve(spec, block, expand))
         out.append(_resolve(self.arch.head_site, "lm", None))
         return out
+
+
+def _causal_mask(length: int, past: int, device: torch.device) -> torch.Tensor:
+    """The additive mask (1, 1, length, past + length) under which new token i sees the ``past`` cached tokens
+    and new tokens 0..i; a finite minimum keeps fully-masked rows free of NaN."""
+    mask = torch.full((length, past + length), torch.finfo(torch.float32).min, device=device)
+    return torch.triu(mask, diagonal=past + 1)[None, None]
 
 
 def extra_groups(arch: Architecture, extra: bool | Iterable[str] | None) -> frozenset[str]:
