@@ -12,27 +12,33 @@ import onnx
 import pytest
 import torch
 from onnx import helper, numpy_helper
-from onnx.external_data_helper import uses_external_data
+from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from aimet_quadapter.cli import main
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export import exporter as export_module
+from aimet_quadapter.export import lean
 from aimet_quadapter.export.exporter import (
     Tolerance,
+    check_quantizer_coverage,
     export_quantized,
     verify_export,
 )
-from aimet_quadapter.export.lean import inline_weights, opset_imports
-from aimet_quadapter.export.onnx_eval import ENCODINGS, QDQ_ONNX, OnnxLM
-from aimet_quadapter.models import quiet_libraries
+from aimet_quadapter.export.formats import ENCODINGS, QDQ_ONNX
+from aimet_quadapter.export.hf import HFCheckpoint, load_hf_export
+from aimet_quadapter.export.lean import gather_external_data, opset_imports
+from aimet_quadapter.export.onnx_eval import OnnxLM, graph_tensor_names, read_encodings
+from aimet_quadapter.models import prepare_model, quiet_libraries
 from aimet_quadapter.quadapter.api import QuadapterParameters, apply_quadapter
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters
 from aimet_quadapter.quadapter.phase2 import Phase2Parameters
 from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
 from aimet_quadapter.quant.aimet_adapter import wrapped_aimet_onnx_export
+from aimet_quadapter.quant.config import QuantPolicy
 from aimet_quadapter.quant.policy import build_sim, calibrate
 from aimet_quadapter.quant.quantizers import quantizers, shared_activation_groups
 from aimet_quadapter.testing import sample_corpus, toy_model
+from aimet_quadapter.text.data import Window
 from aimet_quadapter.text.perplexity import perplexity
 
 quiet_libraries()
@@ -85,12 +91,15 @@ def test_export_after_ptq_matches_the_sim(toy, version, tmp_path):
     assert manifest == json.loads(json.dumps(result.manifest))
     assert manifest["method"] == "ptq" and manifest["encodings_version"] == version and manifest["seq_len"] == SEQ
     assert manifest["opset"]["model_qdq.onnx"] == 21
-    assert set(manifest["files"]) == {"model.onnx", "model.encodings", "model_qdq.onnx"}
-    # AIMET's passes ran with the weights in external files: the kept graphs hold them again, nothing else is left
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "model.encodings", "model.onnx", "model_qdq.onnx"]
-    for name in ("model.onnx", "model_qdq.onnx"):
-        graph = onnx.load(str(out / name), load_external_data=False)
-        assert not any(uses_external_data(t) for t in graph.graph.initializer)
+    kept = {"model.onnx", "model.data", "model.encodings", "model_qdq.onnx", "model_qdq.data"}
+    assert set(manifest["files"]) == kept
+    # AIMET's passes left a weight file per tensor: each graph now has its weights in one data file, nothing is left
+    assert sorted(p.name for p in out.iterdir()) == sorted([*kept, "manifest.json"])
+    for name in ("model", "model_qdq"):
+        graph = onnx.load(str(out / f"{name}.onnx"), load_external_data=False)
+        moved = [t for t in graph.graph.initializer if uses_external_data(t)]
+        assert moved and {ExternalDataInfo(t).location for t in moved} == {f"{name}.data"}
+        assert all(int(ExternalDataInfo(t).offset) % 4096 == 0 for t in moved)  # page-aligned, for mapping
     for name, info in manifest["files"].items():
         data = (out / name).read_bytes()
         assert info["bytes"] == len(data) and info["sha256"] == hashlib.sha256(data).hexdigest()
@@ -130,13 +139,34 @@ def test_export_after_quadapter(toy, tmp_path):
     else:
         assert not shared  # GPT-2's fused c_attn: every activation quantizer has a tensor of its own
     out = tmp_path / "export"
-    exported = export_quantized(rebuilt, out, SEQ, verify_windows=toy["verify"], method="quadapter")
+    exported = export_quantized(
+        rebuilt, out, SEQ, verify_windows=toy["verify"], method="quadapter", formats=[HFCheckpoint()]
+    )
     assert exported.manifest["method"] == "quadapter"
     assert exported.manifest["shared_ranges_merged"] == []
     assert _exported_equals_sim(rebuilt, out, toy["held_out"]) < 1e-5
     assert _exported_equals_sim(sim, out, toy["held_out"]) < 1e-5  # the trained sim itself
     # the exported weights are the folded ones: an FP graph of the unfolded model would differ
     assert result.state.alphas and any((a - 1).abs().max() > 1e-3 for a in result.state.alphas.values())
+
+    # the way back, as a user takes it with nothing of this package: transformers' loader, a fresh AIMET sim
+    # under the saved policy, AIMET's own encodings loader; it reproduces the state's perplexity
+    from aimet_torch.quantsim import load_encodings_to_sim
+    from transformers import AutoModelForCausalLM
+
+    hf = out / "hf"
+    plain = AutoModelForCausalLM.from_pretrained(str(hf))
+    head, embedding = plain.get_output_embeddings().weight, plain.get_input_embeddings().weight
+    assert not torch.equal(head, embedding)  # lm_head untied: the head site's alpha is folded into it alone
+    fresh = build_sim(prepare_model(plain), QuantPolicy(**json.loads((hf / "quantization.json").read_text())))
+    with pytest.warns(DeprecationWarning):  # AIMET's JSON loader, deprecated for its state dicts, works
+        load_encodings_to_sim(fresh, str(hf / "model_torch.encodings"))
+    windows = [Window(ids.reshape(-1), 1) for ids in toy["verify"]]
+    state_ppl = perplexity(rebuilt.model, windows, progress=False).ppl
+    assert perplexity(fresh.model, windows, progress=False).ppl == pytest.approx(state_ppl, rel=1e-6)
+    exact, from_json = exported.manifest["hf"]["verification"]
+    assert exact["ranges_from"] == "quantizer_state.pt" and exact["max_abs_logit_diff"] == 0.0
+    assert from_json["ranges_from"] == "model_torch.encodings" and from_json["ppl_rel_diff"] < 1e-6
 
 
 def _straightforward_aimet_export(model, folder):
@@ -151,25 +181,34 @@ def _straightforward_aimet_export(model, folder):
     return wrapped_aimet_onnx_export(export)
 
 
-def _inline_in_memory(source: Path, target: Path) -> None:
-    onnx.save(onnx.load(str(source)), str(target))
+def _save_in_memory(source: Path, target: Path) -> None:
+    onnx.save(onnx.load(str(source)), str(target), save_as_external_data=True, location=f"{target.stem}.data")
+
+
+def _loaded(path: Path) -> bytes:
+    """The model with every weight read back in: what a runtime sees, whichever way its files are laid out."""
+    model = onnx.load(str(path))
+    for tensor in model.graph.initializer:
+        tensor.ClearField("data_location")  # set (to DEFAULT) on the tensors that were read from a data file
+    return model.SerializeToString()
 
 
 def test_lean_export_writes_what_the_straightforward_one_writes(toy, tmp_path, monkeypatch):
-    """Parking the sim's weights, torch's weights going straight to a data file and the streamed inlining
-    change how much memory an export holds, not one byte of what it writes."""
+    """Parking the sim's weights, torch's weights going straight to a data file and the streamed gathering
+    change how much memory an export holds, not what the files hold."""
     sim = toy["state"].build_sim(toy["model"])
     export_quantized(sim, tmp_path / "lean", SEQ, verify_windows=toy["verify"][:1])
-    monkeypatch.setattr(export_module, "lean_aimet_export", _straightforward_aimet_export)
-    monkeypatch.setattr(export_module, "inline_weights", _inline_in_memory)
+    monkeypatch.setattr(lean, "lean_aimet_export", _straightforward_aimet_export)
+    monkeypatch.setattr(lean, "gather_external_data", _save_in_memory)
     export_quantized(sim, tmp_path / "plain", SEQ, verify_windows=toy["verify"][:1])
-    for name in ("model.onnx", "model_qdq.onnx", ENCODINGS):
-        assert (tmp_path / "lean" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
+    for name in ("model.onnx", "model_qdq.onnx"):
+        assert _loaded(tmp_path / "lean" / name) == _loaded(tmp_path / "plain" / name), name
+    assert (tmp_path / "lean" / ENCODINGS).read_bytes() == (tmp_path / "plain" / ENCODINGS).read_bytes()
 
 
-def test_inline_weights_writes_what_onnx_save_writes(tmp_path):
-    """Streamed field by field, the self-contained file is byte for byte ``onnx.save(onnx.load(source))``:
-    weights of every size, small tensors kept inline, a Constant node, graph and model metadata."""
+def test_gather_external_data_keeps_every_tensor(tmp_path):
+    """From a weight file per tensor (as AIMET's passes leave them) to one data file: the same model once
+    loaded, small tensors kept inline, a Constant node's value left where it is, opsets readable."""
     rng = np.random.default_rng(0)
     sizes = [10, 300, 5000, 17, 200_000, 3]
     weights = [numpy_helper.from_array(rng.random(n).astype(np.float32), f"w{i}") for i, n in enumerate(sizes)]
@@ -179,14 +218,21 @@ def test_inline_weights_writes_what_onnx_save_writes(tmp_path):
     graph = helper.make_graph(nodes, "g", io[:1], io[1:], initializer=weights, doc_string="doc")
     model = helper.make_model(graph, producer_name="test")
     model.metadata_props.add(key="k", value="v")
-    source = tmp_path / "external" / "model.onnx"
+    source = tmp_path / "many" / "model.onnx"
     source.parent.mkdir()
-    onnx.save(model, str(source), save_as_external_data=True, location="model.onnx.data")
-    assert any(uses_external_data(t) for t in onnx.load(str(source), load_external_data=False).graph.initializer)
-    inline_weights(source, tmp_path / "streamed.onnx")
-    onnx.save(onnx.load(str(source)), str(tmp_path / "saved.onnx"))
-    assert (tmp_path / "streamed.onnx").read_bytes() == (tmp_path / "saved.onnx").read_bytes()
-    assert opset_imports(tmp_path / "streamed.onnx") == [(o.domain, o.version) for o in model.opset_import]
+    onnx.save(model, str(source), save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=5000)
+    assert len(list(source.parent.iterdir())) > 2
+    target = tmp_path / "one" / "model.onnx"
+    target.parent.mkdir()
+    gather_external_data(source, target)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model.data", "model.onnx"]
+    assert _loaded(target) == _loaded(source)
+    loaded = onnx.load(str(target)).graph.initializer
+    assert all(np.array_equal(numpy_helper.to_array(t), numpy_helper.to_array(w)) for t, w in zip(loaded, weights))
+    kept = onnx.load(str(target), load_external_data=False).graph.initializer
+    # w1 (1.2 kB) was inline in the source: a weight of 1 kB or more moves too
+    assert [uses_external_data(t) for t in kept] == [False, True, True, False, True, False]
+    assert opset_imports(target) == [(o.domain, o.version) for o in model.opset_import]
 
 
 def test_a_state_of_separate_shared_ranges_is_refused_or_merged(tmp_path):
@@ -375,7 +421,7 @@ def test_cli_export_then_eval(tiny_gpt2_dir, corpus_dir, tmp_path, capsys):
     assert "--kv-prefill 128 must be below --kv-context 16" in capsys.readouterr().err
     assert main([*argv, "--kv-graphs", "--kv-context", "16", "--kv-prefill", "8"]) == 2
     assert "must fit --kv-context 16" in capsys.readouterr().err
-    kv = ["--kv-graphs", "--kv-context", "64", "--kv-prefill", "8"]
+    kv = ["--kv-graphs", "--kv-context", "64", "--kv-prefill", "8", "--hf-checkpoint"]
     code = main([*argv, *kv, "--verify-dataset", str(corpus_dir), "--verify-windows", "2"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -384,6 +430,15 @@ def test_cli_export_then_eval(tiny_gpt2_dir, corpus_dir, tmp_path, capsys):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["model"] == str(folder.resolve()) and manifest["method"] == "ptq"
     assert manifest["state"]["path"] == str(state_file.resolve())
+    assert "Hugging Face checkpoint (hf/)" in captured.out and manifest["hf"]["tokenizer"]
+    with pytest.raises(QuadapterError, match="not an export.s Hugging Face folder: it has no config.json"):
+        load_hf_export(out / "kv")
+    reloaded, hf_tokenizer = load_hf_export(out)  # the export folder, or its hf/ itself
+    assert hf_tokenizer.encode("the cat") == tokenizer.encode("the cat")
+    some = eval_windows_for(tokenizer, str(corpus_dir), "test", SEQ, None, 96)
+    assert perplexity(reloaded.model, some, progress=False).ppl == pytest.approx(
+        perplexity(sim.model, some, progress=False).ppl, rel=1e-6
+    )
 
     # a second export to the same folder is refused, with a one-line error
     assert main([*argv, "--verify-dataset", str(corpus_dir)]) == 2
@@ -420,17 +475,27 @@ def test_kv_graphs_prefill_then_decode_compute_what_the_sim_computes(toy, tmp_pa
     from aimet_quadapter.export.kv import KVGraphs
 
     sim = toy["state"].build_sim(toy["model"])
-    kv = KVGraphs(context=48, lengths=(8, 1))
-    result = export_quantized(sim, tmp_path / "e", SEQ, verify_windows=toy["verify"], model_name="toy", kv=kv)
+    ids = "int32" if toy["family"] == "llama" else "int64"  # both id types, one per family
+    kv = KVGraphs(context=48, lengths=(8, 1), ids_dtype=ids)
+    result = export_quantized(sim, tmp_path / "e", SEQ, verify_windows=toy["verify"], model_name="toy", formats=[kv])
     entry = result.manifest["kv"]
     folder = result.out_dir / "kv"
-    assert set(entry["files"]) == {f"ar{n}{suffix}" for n in (8, 1) for suffix in (".onnx", ".encodings", "_qdq.onnx")}
+    suffixes = (".onnx", ".data", "_qdq.onnx", "_qdq.data")
+    assert set(entry["files"]) == {f"ar{n}{suffix}" for n in (8, 1) for suffix in suffixes} | {ENCODINGS}
+    # one encodings file for both graphs: each entry names a tensor of one of them, and every tensor of
+    # either graph that AIMET encoded is in it
+    names = set().union(*(graph_tensor_names(onnx.load(str(folder / f"ar{n}.onnx"))) for n in (8, 1)))
+    entries = read_encodings(json.loads((folder / ENCODINGS).read_text()))
+    assert entries and {e.name for e in entries} <= names
+    check_quantizer_coverage(sim, entries)
     layers, kv_heads, head_dim = toy["model"].kv_shape()
     if toy["family"] == "llama":
         assert kv_heads < toy["model"].config.num_attention_heads  # grouped-query attention kept, not repeated
     for n in (8, 1):
         graph = onnx.load(str(folder / f"ar{n}_qdq.onnx"))
         shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.graph.input}
+        types = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type) for i in graph.graph.input}
+        assert types["input_ids"] == types["position_ids"] == np.dtype(ids)
         assert shapes["input_ids"] == [1, n] and shapes["attention_mask"] == [1, 1, n, 48]
         assert shapes[f"past_key_{layers - 1}"] == [1, kv_heads, 48 - n, head_dim]  # static shapes throughout
     agreement = entry["verification"]
@@ -440,6 +505,7 @@ def test_kv_graphs_prefill_then_decode_compute_what_the_sim_computes(toy, tmp_pa
     steps = min(32, 48 - 1 - SEQ // 2)  # from each window's first half, as far as the context goes
     assert agreement["greedy_tokens"] == steps * min(3, len(toy["verify"]))
     assert agreement["greedy_common_prefix"] == steps
+    assert agreement["greedy_floor_agreement"] == 1.0  # one-ulp noise flips no argmax of a tiny model either
     assert entry["shared_encodings_checked"] > 0  # the two graphs' common tensors, one encoding each
 
 
@@ -467,6 +533,6 @@ def test_kv_graphs_with_a_wrong_mask_fail_and_leave_nothing(tmp_path, monkeypatc
             tmp_path / "e",
             SEQ,
             verify_windows=list(corpus[2:4]),
-            kv=kv_module.KVGraphs(context=48, lengths=(8, 1)),
+            formats=[kv_module.KVGraphs(context=48, lengths=(8, 1))],
         )
     assert not (tmp_path / "e").exists()

@@ -12,7 +12,8 @@ import torch
 from aimet_quadapter.cli import main
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.exporter import export_quantized
-from aimet_quadapter.export.onnx_eval import ENCODINGS, QDQ_ONNX, qdq_graph_encodings, read_encodings
+from aimet_quadapter.export.formats import ENCODINGS, QDQ_ONNX
+from aimet_quadapter.export.onnx_eval import qdq_graph_encodings, read_encodings
 from aimet_quadapter.quadapter.phase2 import lm_loss
 from aimet_quadapter.quadapter.state import QuadapterState
 from aimet_quadapter.quant.config import QuantPolicy

@@ -11,7 +11,8 @@ import torch
 from aimet_quadapter.cli import main
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.exporter import export_quantized
-from aimet_quadapter.export.onnx_eval import ENCODINGS, read_encodings
+from aimet_quadapter.export.formats import ENCODINGS
+from aimet_quadapter.export.onnx_eval import read_encodings
 from aimet_quadapter.models.attention import set_mask_fill
 from aimet_quadapter.quadapter.api import QuadapterParameters, apply_cle, apply_quadapter
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters

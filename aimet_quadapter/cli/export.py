@@ -82,6 +82,17 @@ def add_export_command(subparsers) -> None:
         default=SEQ_LEN,
         help=f"tokens the prefill graph takes at once (default {SEQ_LEN}); the decode graph takes one",
     )
+    p.add_argument(
+        "--kv-int32-ids",
+        action="store_true",
+        help="int32 input_ids and position_ids in the KV graphs (default int64), for targets that want them",
+    )
+    p.add_argument(
+        "--hf-checkpoint",
+        action="store_true",
+        help="also the folded FP model as a Hugging Face checkpoint with AIMET's torch encodings (in OUT/hf/), "
+        "for from_pretrained and AIMET's load_encodings_to_sim",
+    )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
@@ -103,7 +114,7 @@ def _cmd_export(args) -> int:
 
         if args.kv_prefill >= args.kv_context:
             raise QuadapterError(f"--kv-prefill {args.kv_prefill} must be below --kv-context {args.kv_context}")
-        kv = KVGraphs(args.kv_context, (args.kv_prefill, 1))
+        kv = KVGraphs(args.kv_context, (args.kv_prefill, 1), "int32" if args.kv_int32_ids else "int64")
         if args.seq_len > kv.context - 1:
             raise QuadapterError(
                 f"--seq-len {args.seq_len}: the verification windows must fit --kv-context {kv.context}"
@@ -122,6 +133,7 @@ def _cmd_export(args) -> int:
         check_length(max_positions(args.model), kv.context, "--kv-context")
 
     from aimet_quadapter.export.exporter import export_quantized, sha256_file
+    from aimet_quadapter.export.formats import ExtraFormat
     from aimet_quadapter.models import load_model
     from aimet_quadapter.text.perplexity import eval_windows_for
 
@@ -136,6 +148,11 @@ def _cmd_export(args) -> int:
     windows = [w for w in windows if len(w.ids) == args.seq_len][: args.verify_windows]
     if not windows:
         raise QuadapterError(f"--verify-dataset {args.verify_dataset} has fewer than {args.seq_len} tokens")
+    formats: list[ExtraFormat] = [kv] if kv is not None else []
+    if args.hf_checkpoint:
+        from aimet_quadapter.export.hf import HFCheckpoint
+
+        formats.append(HFCheckpoint(tokenizer))
     local = Path(args.model).expanduser()
     model_name = str(local.resolve()) if local.exists() else args.model
     result = export_quantized(
@@ -155,7 +172,7 @@ def _cmd_export(args) -> int:
             "verify_dataset": {"name": args.verify_dataset, "split": args.verify_split},
         },
         progress=not args.no_progress,
-        kv=kv,
+        formats=formats,
     )
     m, v = result.manifest, result.verification
     print(f"exported {m['method'] or 'state'} of {args.model} to {result.out_dir}:")
@@ -196,7 +213,15 @@ def _cmd_export(args) -> int:
             f"{a['ppl_rel_diff']:.1e}), max |logit diff| {a['max_abs_logit_diff']:.3g} (against the full-sequence "
             f"graph {a['vs_full_graph_max_abs_logit_diff']:.3g}), same top-1 {a['top1_agreement']:.4f}; greedy "
             f"generation: {a['greedy_agreement']:.1%} of {a['greedy_tokens']} tokens as the sim's, the first "
-            f"{a['greedy_common_prefix']:.1f} of each prompt's alike on average"
+            f"{a['greedy_common_prefix']:.1f} of each prompt's alike on average (the sim against itself with "
+            f"one-ulp inputs: {a['greedy_floor_agreement']:.1%}, the first {a['greedy_floor_common_prefix']:.1f})"
         )
+    if "hf" in m:
+        print("Hugging Face checkpoint (hf/), loaded again with from_pretrained into a fresh sim, ranges from")
+        for a in m["hf"]["verification"]:
+            print(
+                f"  {a['ranges_from']:<22} perplexity {a['reloaded_ppl']:.4f} vs sim {a['sim_ppl']:.4f} (rel. diff "
+                f"{a['ppl_rel_diff']:.1e}), max |logit diff| {a['max_abs_logit_diff']:.3g}"
+            )
     print(f"export time {m['export_time_s']:.1f} s (total {time.time() - start:.1f} s)")
     return 0

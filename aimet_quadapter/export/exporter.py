@@ -11,7 +11,10 @@ writes, into ``export/``:
   takes as the model and its quantization overrides;
 - ``model_qdq.onnx``: ``aimet_torch.onnx.export``: one graph with QuantizeLinear/DequantizeLinear nodes;
 - ``manifest.json``: model, method, policy, encodings version, sequence length, opsets, the verification
-  numbers, tool versions, and the size and sha256 of every file.
+  numbers, tool versions, and the size and sha256 of every file;
+- each further format asked for (:class:`~aimet_quadapter.export.formats.ExtraFormat`: the KV-cache graphs of
+  :mod:`~aimet_quadapter.export.kv`, the Hugging Face checkpoint of :mod:`~aimet_quadapter.export.hf`) in its
+  own subfolder, verified against the sim too.
 
 Nothing is kept unless every check passes (:func:`verify_export`): the files are written into a temporary
 folder beside the target and renamed into place at the end; on any failure the temporary folder is removed.
@@ -41,19 +44,18 @@ from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.formats import (
     ENCODING_VERSION,
     ENCODING_VERSIONS,
-    INPUT_NAME,
-    KV_FOLDER,
-    OUTPUT_NAME,
-    QDQ_OPSET,
-    SEQ_LEN,
-)
-from aimet_quadapter.export.kv import KVGraphs, check_windows_fit, export_kv_graphs, verify_kv_graphs
-from aimet_quadapter.export.lean import inline_weights, lean_aimet_export, opset_imports
-from aimet_quadapter.export.onnx_eval import (
     ENCODINGS,
     FP_ONNX,
+    INPUT_NAME,
     MANIFEST,
+    OUTPUT_NAME,
     QDQ_ONNX,
+    SEQ_LEN,
+    ExtraFormat,
+    data_file,
+)
+from aimet_quadapter.export.lean import export_sim_graphs, opset_imports
+from aimet_quadapter.export.onnx_eval import (
     Encoding,
     OnnxLM,
     apply_encodings,
@@ -61,7 +63,6 @@ from aimet_quadapter.export.onnx_eval import (
     qdq_graph_encodings,
     read_encodings,
 )
-from aimet_quadapter.export.tracing import run_aimet_export
 from aimet_quadapter.memory import release_freed_memory
 from aimet_quadapter.models import device_of
 from aimet_quadapter.quant.policy import sim_policy
@@ -266,15 +267,6 @@ def _as_windows(windows: Sequence[Window | torch.Tensor]) -> list[Window]:
     return out
 
 
-def _check_protobuf_size(folder: Path) -> None:
-    """``folder``: the emulated graph and its data file. Their sizes, since ``ByteSize()`` would serialize
-    the graph (weights included) to count them."""
-    import onnx
-
-    if sum(p.stat().st_size for p in folder.iterdir()) >= onnx.checker.MAXIMUM_PROTOBUF:
-        raise QuadapterError("the FP graph is over 2 GB: the fp+encodings check needs it in one protobuf")
-
-
 class _Comparison:
     """Running sums over windows: the NLL of one model and its largest logit difference from another."""
 
@@ -305,7 +297,7 @@ SIM_NOISE_DRAWS = 8
 
 
 @contextmanager
-def _one_ulp_inputs(model: torch.nn.Module, seed: int) -> Iterator[None]:
+def one_ulp_inputs(model: torch.nn.Module, seed: int) -> Iterator[None]:
     """Every tensor an activation quantizer of ``model`` reads moved by one float32 ulp, up or down (a fixed
     random draw per ``seed``): what another runtime's summation order does to each op's output. A run as
     valid as the unmoved one, which differs from it only where float32 rounding decides."""
@@ -356,7 +348,7 @@ def verify_export(
     start = time.time()
     folder = Path(folder)
     windows = _as_windows(windows)
-    fp_model = onnx.load(str(folder / FP_ONNX))
+    fp_model = onnx.load(str(folder / FP_ONNX), load_external_data=False)
     entries = read_encodings(json.loads((folder / ENCODINGS).read_text()))
     check_encoding_names(fp_model, entries)
     n_quantizers = check_quantizer_coverage(sim, entries)
@@ -384,7 +376,7 @@ def verify_export(
             bar.update()
         sim_noise = [_Comparison() for _ in range(SIM_NOISE_DRAWS)]
         for seed, comparison in enumerate(sim_noise):
-            with _one_ulp_inputs(sim.model, seed):
+            with one_ulp_inputs(sim.model, seed):
                 for window, keep, reference in zip(windows, scored, references):
                     logits = sim.model(window.ids.reshape(1, -1).to(device)).float().cpu()
                     comparison.add(logits, reference, window, keep)
@@ -394,17 +386,16 @@ def verify_export(
     floor, encodings_vs_qdq, unoptimized_logits, applied = _Comparison(), _Comparison(), [], 0
     for name, source, optimize in FORMS:
         if source == "fp+encodings":
-            emulated, applied = apply_encodings(onnx.load(str(folder / FP_ONNX)), entries, copy=False)
-            scratch = Path(tempfile.mkdtemp(prefix=".emulated-", dir=folder))
-            # weights in a data file beside it: serializing them inline would hold them several times over
-            onnx.save(emulated, str(scratch / FP_ONNX), save_as_external_data=True, location=f"{FP_ONNX}.data")
-            del emulated
-            release_freed_memory()
+            # the graph alone: its weights stay in the data file, which the emulated graph beside it names too
+            graph = onnx.load(str(folder / FP_ONNX), load_external_data=False)
+            emulated, applied = apply_encodings(graph, entries, copy=False)
+            path = folder / f".emulated-{FP_ONNX}"
+            onnx.save(emulated, str(path))
+            del graph, emulated
             try:
-                _check_protobuf_size(scratch)
-                lm = OnnxLM(scratch / FP_ONNX, optimize=optimize, low_memory=True)
+                lm = OnnxLM(path, optimize=optimize, low_memory=True)
             finally:
-                shutil.rmtree(scratch)  # onnxruntime has read it
+                path.unlink()  # onnxruntime has read it
         else:
             lm = OnnxLM(folder / source, optimize=optimize, low_memory=True)
         for i, (window, keep) in enumerate(zip(windows, scored)):
@@ -509,7 +500,7 @@ def export_quantized(
     merge_shared_ranges: bool = False,
     extra_manifest: dict | None = None,
     progress: bool = False,
-    kv: KVGraphs | None = None,
+    formats: Sequence[ExtraFormat] = (),
 ) -> ExportResult:
     """Export ``sim`` (a calibrated or trained sim of a PreparedLM) to ``out_dir``, verified; see the module doc.
 
@@ -518,8 +509,9 @@ def export_quantized(
     is opset 21. ``verify_windows`` are held-out token windows (at most ``seq_len`` tokens each; shorter
     ones are padded at the end for a fixed-length graph) on which the export must match the sim.
     ``model_name`` is what ``eval`` loads the tokenizer from. ``merge_shared_ranges``: see
-    :func:`reconcile_shared_ranges` (changes ``sim``). ``kv``: also the prefill and decode graphs with a KV
-    cache, in ``kv/`` (:mod:`aimet_quadapter.export.kv`), verified on the same windows.
+    :func:`reconcile_shared_ranges` (changes ``sim``). ``formats``: further forms of the model, each in its
+    subfolder and verified on the same windows (e.g. ``KVGraphs()``: prefill and decode graphs with a KV cache;
+    ``HFCheckpoint()``: a Hugging Face checkpoint with AIMET's torch encodings).
     """
     start = time.time()
     if encoding_version not in ENCODING_VERSIONS:
@@ -532,8 +524,11 @@ def export_quantized(
     too_long = [len(w.ids) for w in windows if len(w.ids) > seq_len]
     if too_long:
         raise QuadapterError(f"verification windows of {max(too_long)} tokens exceed the export length {seq_len}")
-    if kv is not None:
-        check_windows_fit(kv, windows)
+    keys = [f.key for f in formats]
+    if len(set(keys)) != len(keys):
+        raise QuadapterError(f"each export format once: got {', '.join(keys)}")
+    for extra in formats:
+        extra.check(windows)
     if dynamic_length:
         # prove the dynamic axis too: the same text at another length
         windows.append(Window(windows[0].ids[: max(2, len(windows[0].ids) // 2)], 1))
@@ -556,54 +551,19 @@ def export_quantized(
     sim.model.to("cpu")
     try:
         dummy = torch.zeros((1, seq_len), dtype=torch.long)
-        common = {"input_names": [INPUT_NAME], "output_names": [OUTPUT_NAME], "dynamo": False}
+        common: dict[str, Any] = {"input_names": [INPUT_NAME], "output_names": [OUTPUT_NAME], "dynamo": False}
         if dynamic_length:
             common["dynamic_axes"] = {INPUT_NAME: {1: "sequence"}, OUTPUT_NAME: {1: "sequence"}}
-        fp_kwargs = dict(common, **({"opset_version": opset} if opset else {}))
         sim.model.eval()
-        scratch = tmp / ".scratch"  # each graph with its weights in external data files, until inlined
-        for part in ("fp", "qdq"):
-            (scratch / part).mkdir(parents=True)
-        parked = scratch / "parked"  # the sim's weights while AIMET traces their quantize-dequantized copies
-        with lean_aimet_export(sim.model, parked):
-            run_aimet_export(
-                "AIMET's FP ONNX + encodings export (sim.onnx.export)",
-                sim.onnx.export,
-                (dummy,),
-                str(scratch / "fp" / FP_ONNX),
-                encoding_version=encoding_version,
-                **fp_kwargs,
-            )
-        import aimet_torch.onnx
-
-        # a second context: the parked weights must be back before this export makes its copies of them
-        with lean_aimet_export(sim.model, parked):
-            run_aimet_export(
-                "AIMET's QDQ ONNX export (aimet_torch.onnx.export)",
-                aimet_torch.onnx.export,
-                sim.model,
-                (dummy,),
-                str(scratch / "qdq" / QDQ_ONNX),
-                opset_version=QDQ_OPSET,
-                export_int32_bias=False,  # the sim leaves biases in float: so does the graph that must equal it
-                **common,
-            )
-        if (scratch / "fp" / ENCODINGS).is_file():
-            (scratch / "fp" / ENCODINGS).rename(tmp / ENCODINGS)
-        inline_weights(scratch / "fp" / FP_ONNX, tmp / FP_ONNX)
-        inline_weights(scratch / "qdq" / QDQ_ONNX, tmp / QDQ_ONNX)
-        shutil.rmtree(scratch)
-        if not (tmp / ENCODINGS).is_file():
-            raise QuadapterError(f"AIMET's export wrote no {ENCODINGS} file")
+        export_sim_graphs(sim, (dummy,), tmp, Path(FP_ONNX).stem, encoding_version, "the model", opset, **common)
         report = verify_export(sim, tmp, windows, tolerance, progress=progress)
-        kv_entry = None
-        if kv is not None:
-            kv_entry = export_kv_graphs(sim, tmp / KV_FOLDER, kv, encoding_version)
-            agreement = verify_kv_graphs(
-                sim, tmp / KV_FOLDER, kv, windows, tmp / QDQ_ONNX, report.ppl_bound, report.logit_bound
-            )
-            kv_entry["verification"] = asdict(agreement)
-            kv_entry["files"] = _file_table(tmp / KV_FOLDER)
+        extras = {}
+        for extra in formats:
+            entry = extra.write(sim, tmp / extra.key, encoding_version)
+            entry.update(extra.verify(sim, tmp / extra.key, windows, report, tmp))
+            entry["files"] = _file_table(tmp / extra.key)
+            extras[extra.key] = entry
+            release_freed_memory()
         policy = sim_policy(sim).to_dict()
         files = _file_table(tmp)
         vocab = getattr(getattr(sim.model, "config", None), "vocab_size", None)
@@ -626,14 +586,16 @@ def export_quantized(
             # runtime need not fuse: aimet issue 4105); the device route is the FP graph plus the encodings
             "files_use": {
                 FP_ONNX: "device: the FP graph for a converter (with model.encodings as quantization overrides)",
+                data_file(FP_ONNX): f"the weights of {FP_ONNX} (ONNX external data: keep it beside the graph)",
                 ENCODINGS: "device: the encodings of every quantized tensor",
                 QDQ_ONNX: "onnxruntime only: the quantized model as float QDQ, for `eval` and the verification",
+                data_file(QDQ_ONNX): f"the weights of {QDQ_ONNX}",
             },
             "files": files,
             "quantizers": n_quantizers,
             "shared_ranges_merged": merged,
             "verification": report.to_dict(),
-            **({"kv": kv_entry} if kv_entry is not None else {}),
+            **extras,
             "tools": library_versions(),
             "export_time_s": round(time.time() - start, 3),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

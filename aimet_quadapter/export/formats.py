@@ -1,11 +1,55 @@
 """What the exported files look like, declared once: light to import, so that the command line offers the same
-choices and defaults as the exporter without loading it."""
+choices and defaults as the exporter without loading it.
+
+The full-sequence graphs (``model.onnx`` + ``model.encodings``, ``model_qdq.onnx``) are always written; every
+further format is an :class:`ExtraFormat` in a subfolder of its own, written from the same sim and verified
+against it after the full-sequence graphs are (a format is one class; the exporter does not change for it).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from aimet_quadapter.export.exporter import Verification
+    from aimet_quadapter.text.data import Window
 
 ENCODING_VERSIONS = ("1.0.0", "2.0.0")  # AIMET encodings JSON formats a converter takes
 ENCODING_VERSION = ENCODING_VERSIONS[0]
 SEQ_LEN = 128  # the graph's fixed input length: device graphs are static
 QDQ_OPSET = 21  # QuantizeLinear/DequantizeLinear with per-axis and 4/16-bit types; what AIMET recommends
 INPUT_NAME, OUTPUT_NAME = "input_ids", "logits"
+MANIFEST = "manifest.json"
+FP_ONNX = "model.onnx"
+ENCODINGS = "model.encodings"  # AIMET names it after the ONNX file: <stem>.encodings
+QDQ_ONNX = "model_qdq.onnx"
+
+
+def data_file(graph: str) -> str:
+    """The external data file of an ONNX graph file: its weights, which the graph names by this file name."""
+    return f"{Path(graph).stem}.data"
+
+
 KV_FOLDER = "kv"  # the prefill and decode graphs with a KV cache, beside the full-sequence ones
+HF_FOLDER = "hf"  # the folded FP model as a Hugging Face checkpoint, with AIMET's torch encodings
+
+
+class ExtraFormat(Protocol):
+    """One more form of the exported model, in the subfolder ``key`` of the export; ``key`` also names its
+    manifest entry: what :meth:`write` returns, updated with what :meth:`verify` returns."""
+
+    key: ClassVar[str]
+
+    def check(self, windows: Sequence[Window]) -> None:
+        """Refuse settings that cannot work with these verification windows, before anything is exported."""
+
+    def write(self, sim: Any, folder: Path, encoding_version: str) -> dict:
+        """Write the files of this format from ``sim`` into ``folder``."""
+        ...
+
+    def verify(self, sim: Any, folder: Path, windows: Sequence[Window], report: Verification, export: Path) -> dict:
+        """Raise where the files compute something else than ``sim``; ``report``: the full-sequence graphs'
+        verification (its tolerances, its float32 floor), ``export``: the export folder holding them."""
+        ...

@@ -6,7 +6,8 @@ and values of the tokens before, ``past_key_<layer>`` / ``past_value_<layer>`` o
 head_dim) with the most recent at the end and unused slots masked, the additive ``attention_mask`` (1, 1, N,
 C) and ``position_ids`` (1, N), and returns ``logits`` and the new keys and values of its N tokens
 (``new_key_<layer>`` / ``new_value_<layer>``), which the host appends to its cache. Both graphs are exported
-from one sim: one set of quantizers, so the encodings of every tensor they share agree (checked).
+from one sim: one set of quantizers, so the encodings of every tensor they share agree (checked), and one
+encodings file, ``model.encodings``, serves both graphs.
 
 :class:`KVGraphRunner` is such a host in onnxruntime; :func:`verify_kv_graphs` holds the graphs' perplexity
 and greedy generation against the sim's.
@@ -19,40 +20,64 @@ import json
 import math
 import types
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 from aimet_torch.quantsim import QuantizationSimModel
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.export.formats import ENCODING_VERSION, QDQ_OPSET
-from aimet_quadapter.export.tracing import run_aimet_export
+from aimet_quadapter.export.formats import ENCODING_VERSION, ENCODINGS, KV_FOLDER, QDQ_ONNX, data_file
+from aimet_quadapter.export.lean import export_sim_graphs
 from aimet_quadapter.models import PreparedLM, device_of
 from aimet_quadapter.quant.quantizers import fast_inference
 from aimet_quadapter.text import EVAL_SEQ_LEN
 from aimet_quadapter.text.data import Window
 from aimet_quadapter.text.perplexity import window_nll
 
+if TYPE_CHECKING:
+    from aimet_quadapter.export.exporter import Verification
+
+ID_DTYPES = ("int64", "int32")
 MASKED = float(np.finfo(np.float32).min)  # what the sim's attention takes as a masked score
 
 
 @dataclass(frozen=True)
 class KVGraphs:
-    """The graphs to export: a context of ``context`` tokens, one graph per AR length in ``lengths`` (1: decode)."""
+    """The graphs to export: a context of ``context`` tokens, one graph per AR length in ``lengths`` (1: decode).
+    An :class:`~aimet_quadapter.export.formats.ExtraFormat` of the export."""
 
+    key: ClassVar[str] = KV_FOLDER
     context: int = EVAL_SEQ_LEN
     lengths: tuple[int, ...] = (128, 1)
+    ids_dtype: str = "int64"  # of input_ids and position_ids: int32 where a target wants it
 
     def __post_init__(self) -> None:
         if 1 not in self.lengths:
             raise QuadapterError(f"KV graphs {list(self.lengths)}: a decode graph (length 1) is needed")
+        if self.ids_dtype not in ID_DTYPES:
+            raise QuadapterError(f"KV graph ids dtype must be one of {', '.join(ID_DTYPES)}, got {self.ids_dtype!r}")
         bad = [n for n in self.lengths if not 1 <= n < self.context]
         if bad:
             raise QuadapterError(
                 f"KV graph length {bad[0]} must be between 1 and the context {self.context} (excluded)"
             )
+
+    def check(self, windows: Sequence[Window]) -> None:
+        check_windows_fit(self, windows)
+
+    def write(self, sim: QuantizationSimModel, folder: Path, encoding_version: str) -> dict:
+        return export_kv_graphs(sim, folder, self, encoding_version)
+
+    def verify(
+        self, sim: QuantizationSimModel, folder: Path, windows: Sequence[Window], report: Verification, export: Path
+    ) -> dict:
+        agreement = verify_kv_graphs(
+            sim, folder, self, windows, export / QDQ_ONNX, report.ppl_bound, report.logit_bound
+        )
+        return {"verification": asdict(agreement)}
 
 
 def check_windows_fit(graphs: KVGraphs, windows: Sequence[Window]) -> None:
@@ -97,10 +122,9 @@ def _cached_forward(model: PreparedLM) -> Iterator[None]:
 def export_kv_graphs(
     sim: QuantizationSimModel, folder: Path, graphs: KVGraphs, encoding_version: str = ENCODING_VERSION
 ) -> dict:
-    """Write, for each AR length N of ``graphs``, ``arN.onnx`` + ``arN.encodings`` (the FP graph and its encodings,
-    for a converter) and ``arN_qdq.onnx`` (for onnxruntime) into ``folder``; returns their manifest entry."""
-    import aimet_torch.onnx
-
+    """Write, for each AR length N of ``graphs``, ``arN.onnx`` (the FP graph, for a converter) and ``arN_qdq.onnx``
+    (for onnxruntime), each with its ``.data`` file, and one ``model.encodings`` for all of them, into ``folder``;
+    returns their manifest entry."""
     model = sim.model
     layers, kv_heads, head_dim = model.kv_shape()
     inputs, outputs = io_names(layers)
@@ -108,60 +132,66 @@ def export_kv_graphs(
     entries = {}
     for n in graphs.lengths:
         past = graphs.context - n
+        ids = getattr(torch, graphs.ids_dtype)
         args = (
-            torch.zeros((1, n), dtype=torch.long),
+            torch.zeros((1, n), dtype=ids),
             torch.from_numpy(attention_mask(n, graphs.context, past)),
-            torch.arange(past, graphs.context)[None],
+            torch.arange(past, graphs.context, dtype=ids)[None],
             *[torch.zeros((1, kv_heads, past, head_dim)) for _ in range(2 * layers)],
         )
-        common = {"input_names": inputs, "output_names": outputs, "dynamo": False}
+        common: dict[str, Any] = {"input_names": inputs, "output_names": outputs, "dynamo": False}
         with torch.no_grad(), _cached_forward(model):
-            run_aimet_export(
-                f"AIMET's QDQ ONNX export of the AR-{n} graph (aimet_torch.onnx.export)",
-                aimet_torch.onnx.export, model, args, str(folder / graph_file(n, qdq=True)),
-                opset_version=QDQ_OPSET, export_int32_bias=False, **common,
-            )  # fmt: skip
-            run_aimet_export(
-                f"AIMET's FP ONNX + encodings export of the AR-{n} graph (sim.onnx.export)",
-                sim.onnx.export, args, str(folder / graph_file(n)), encoding_version=encoding_version, **common,
-            )  # fmt: skip
+            export_sim_graphs(sim, args, folder, f"ar{n}", encoding_version, f"the AR-{n} graph", **common)
         entries[f"ar{n}"] = {
             "tokens": n,
             "past": past,
-            "files": [graph_file(n), f"ar{n}.encodings", graph_file(n, qdq=True)],
+            "files": [graph_file(n), data_file(graph_file(n)), graph_file(n, qdq=True), data_file(graph_file(n, True))],
         }
-    shared = _check_shared_encodings(folder, graphs)
+    shared = _merge_encodings(folder, graphs)
     return {
         "context": graphs.context,
+        "ids_dtype": graphs.ids_dtype,
         "layers": layers,
         "kv_heads": kv_heads,
         "head_dim": head_dim,
         "inputs": inputs,
         "outputs": outputs,
         "graphs": entries,
+        "encodings": ENCODINGS,
         "shared_encodings_checked": shared,
     }
 
 
-def _check_shared_encodings(folder: Path, graphs: KVGraphs) -> int:
-    """The encodings of a tensor both graphs hold must be one: a device keeps one encoding per tensor."""
+def _merge_encodings(folder: Path, graphs: KVGraphs) -> int:
+    """AIMET writes one encodings file per graph: merge them into ``model.encodings`` (the union of their entries;
+    a tensor both graphs hold must have one encoding in both, checked) and remove them. Returns how many shared
+    tensors were checked."""
     from aimet_quadapter.export.onnx_eval import read_encodings
 
-    by_graph = []
-    for n in graphs.lengths:
-        entries = read_encodings(json.loads((folder / f"ar{n}.encodings").read_text()))
-        by_graph.append({e.name: e for e in entries})
-    first, checked = by_graph[0], 0
-    for other in by_graph[1:]:
-        for name in first.keys() & other.keys():
-            a, b = first[name], other[name]
+    files = [folder / f"ar{n}.encodings" for n in graphs.lengths]
+    merged = json.loads(files[0].read_text())
+    seen = {e.name: e for e in read_encodings(merged)}
+    checked = 0
+    for path in files[1:]:
+        other = json.loads(path.read_text())
+        for entry in read_encodings(other):
+            mine = seen.get(entry.name)
+            if mine is None:
+                continue
             if not (
-                a.bitwidth == b.bitwidth
-                and np.array_equal(a.scale, b.scale)
-                and np.array_equal(a.zero_point, b.zero_point)
+                mine.bitwidth == entry.bitwidth
+                and np.array_equal(mine.scale, entry.scale)
+                and np.array_equal(mine.zero_point, entry.zero_point)
             ):
-                raise QuadapterError(f"KV graphs: tensor {name} has two encodings: {first[name]} and {other[name]}")
+                raise QuadapterError(f"KV graphs: tensor {entry.name} has two encodings: {mine} and {entry}")
             checked += 1
+        for key, value in other.items():  # the entry lists of either format: activation/param_encodings, encodings
+            if isinstance(value, list) and all(isinstance(e, dict) and "name" in e for e in value):
+                merged.setdefault(key, []).extend(e for e in value if e["name"] not in seen)
+        seen.update({e.name: e for e in read_encodings(other)})
+    (folder / ENCODINGS).write_text(json.dumps(merged, indent=2))
+    for path in files:
+        path.unlink()
     return checked
 
 
@@ -194,9 +224,9 @@ class KVGraphRunner:
                 f"the KV cache holds {filled} tokens: the AR-{n} graph takes at most {past} before its own"
             )
         feed: dict[str, np.ndarray] = {
-            "input_ids": ids.reshape(1, n).astype(np.int64),
+            "input_ids": ids.reshape(1, n).astype(self.graphs.ids_dtype),
             "attention_mask": attention_mask(n, self.graphs.context, filled),
-            "position_ids": np.arange(filled, filled + n, dtype=np.int64)[None],
+            "position_ids": np.arange(filled, filled + n, dtype=self.graphs.ids_dtype)[None],
         }
         for i, cached in enumerate(self.cache):  # right-aligned: the most recent token in the last slot
             slots = np.zeros((1, self.kv_heads, past, self.head_dim), dtype=np.float32)
@@ -250,9 +280,18 @@ class KVAgreement:
     greedy_tokens: int  # tokens generated greedily from each window's first half, by the sim and by the graphs
     greedy_agreement: float  # share of those the graphs generate as the sim does
     greedy_common_prefix: float  # tokens the two agree on before their first difference, mean over the prompts
+    # the same for the sim against itself with one-ulp quantizer inputs (the export's float32 noise): how far
+    # greedy generation can agree at all where float32 rounding decides argmaxes
+    greedy_floor_agreement: float
+    greedy_floor_common_prefix: float
 
 
-def _sim_greedy(model: PreparedLM, prompt: torch.Tensor, steps: int) -> list[int]:
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def sim_greedy(model: PreparedLM, prompt: torch.Tensor, steps: int) -> list[int]:
+    """``steps`` greedy tokens after ``prompt`` from ``model`` (a sim's or the FP model) with its own KV cache."""
     logits, cache = model.step(prompt[None])
     out = []
     for _ in range(steps):
@@ -286,8 +325,11 @@ def verify_kv_graphs(
     runner = KVGraphRunner(folder, graphs, model.kv_shape())
     full = OnnxLM(full_graph, low_memory=True)
     sim_nll, graphs_nll = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    tokens, max_diff, full_diff, same, greedy_same, greedy_total = 0, 0.0, 0.0, 0, 0, 0
+    from aimet_quadapter.export.exporter import one_ulp_inputs
+
+    tokens, max_diff, full_diff, same, greedy_same, greedy_total, floor_same = 0, 0.0, 0.0, 0, 0, 0, 0
     prefixes: list[int] = []
+    floor_prefixes: list[int] = []
     with torch.no_grad(), fast_inference(model):
         for index, window in enumerate(windows):
             ids = window.ids
@@ -305,11 +347,15 @@ def verify_kv_graphs(
             if index >= greedy_prompts:
                 continue
             steps = min(greedy_steps, graphs.context - 1 - prefill)
-            want = _sim_greedy(model, ids[:prefill], steps)
+            want = sim_greedy(model, ids[:prefill], steps)
             got = runner.generate(ids[:prefill].tolist(), steps)
+            with one_ulp_inputs(model, index):
+                noisy = sim_greedy(model, ids[:prefill], steps)
             greedy_same += sum(a == b for a, b in zip(want, got))
+            floor_same += sum(a == b for a, b in zip(want, noisy))
             greedy_total += steps
-            prefixes.append(next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), steps))
+            prefixes.append(_common_prefix(want, got))
+            floor_prefixes.append(_common_prefix(want, noisy))
     sim_ppl, graphs_ppl = math.exp(sim_nll.item() / tokens), math.exp(graphs_nll.item() / tokens)
     agreement = KVAgreement(
         windows=len(windows),
@@ -323,6 +369,8 @@ def verify_kv_graphs(
         greedy_tokens=greedy_total,
         greedy_agreement=greedy_same / max(greedy_total, 1),
         greedy_common_prefix=sum(prefixes) / max(len(prefixes), 1),
+        greedy_floor_agreement=floor_same / max(greedy_total, 1),
+        greedy_floor_common_prefix=sum(floor_prefixes) / max(len(floor_prefixes), 1),
     )
     if agreement.ppl_rel_diff > ppl_bound or max_diff > logit_bound or full_diff > logit_bound:
         raise QuadapterError(

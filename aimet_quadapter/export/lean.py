@@ -9,21 +9,16 @@ that holds the weights when the weights can travel by file instead.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from aimet_quadapter.memory import release_freed_memory
 from aimet_quadapter.quant.aimet_adapter import wrapped_aimet_onnx_export
-
-RAW_DATA = 9  # TensorProto.raw_data
-INITIALIZER = 5  # GraphProto.initializer
-GRAPH = 7  # ModelProto.graph
-OPSET_IMPORT = 8  # ModelProto.opset_import
-_LENGTH_DELIMITED = 2
-
 
 # --- the sim's own weights, parked on disk while AIMET exports their quantize-dequantized copies ----------
 
@@ -79,7 +74,7 @@ def lean_aimet_export(model: torch.nn.Module, folder: Path) -> Iterator[None]:
       (:class:`ParkedWeights`);
     - torch's exporter writes the graph with its weights in one external data file beside it
       (``<name>.data``) instead of inline: AIMET's passes that follow read the graph back and rewrite it
-      several times, and they support external data. :func:`inline_weights` reads them back in at the end.
+      several times, and they support external data. :func:`gather_external_data` makes one data file of them.
     """
     parked = ParkedWeights(model, folder)
 
@@ -150,176 +145,107 @@ def _torch_writes_weights_outside(path: str) -> Iterator[bool]:
         onnx_proto_utils._add_onnxscript_fn = original
 
 
-# --- one self-contained ONNX file from a graph whose weights are in external data files -------------------
+def export_sim_graphs(
+    sim: Any, args: tuple, folder: Path, stem: str, encoding_version: str, what: str, opset: int | None = None, **common
+) -> None:
+    """AIMET's two exports of ``sim.model`` traced on ``args`` into ``folder``: ``<stem>.onnx`` + ``<stem>.data``
+    + ``<stem>.encodings`` (``sim.onnx.export``: the FP graph and its encodings, for a converter) and
+    ``<stem>_qdq.onnx`` + ``<stem>_qdq.data`` (``aimet_torch.onnx.export``: QDQ nodes, for onnxruntime), each
+    with the sim's weights parked while it traces and its weights gathered into one data file. ``what`` names
+    the graph in errors; ``opset``: the FP graph's (default: torch's; the QDQ graph's is ``QDQ_OPSET``);
+    ``common``: torch.onnx.export's arguments for both (input and output names, dynamic axes)."""
+    import aimet_torch.onnx
+
+    from aimet_quadapter.export.formats import QDQ_OPSET
+    from aimet_quadapter.export.tracing import run_aimet_export
+
+    scratch = folder / f".scratch-{stem}"
+    parked = scratch / "parked"  # the sim's weights while AIMET traces their quantize-dequantized copies
+    fp, qdq = scratch / "fp" / f"{stem}.onnx", scratch / "qdq" / f"{stem}_qdq.onnx"
+    fp.parent.mkdir(parents=True)
+    qdq.parent.mkdir(parents=True)
+    try:
+        with lean_aimet_export(sim.model, parked):
+            run_aimet_export(
+                f"AIMET's FP ONNX + encodings export of {what} (sim.onnx.export)",
+                sim.onnx.export, args, str(fp), encoding_version=encoding_version,
+                **common, **({"opset_version": opset} if opset else {}),
+            )  # fmt: skip
+        # a second context: the parked weights must be back before this export makes its copies of them
+        with lean_aimet_export(sim.model, parked):
+            run_aimet_export(
+                f"AIMET's QDQ ONNX export of {what} (aimet_torch.onnx.export)",
+                aimet_torch.onnx.export,
+                sim.model,
+                args,
+                str(qdq),
+                opset_version=QDQ_OPSET,
+                export_int32_bias=False,
+                **common,
+            )  # fmt: skip  (the sim leaves biases in float: so does the graph that must equal it)
+        encodings = fp.with_suffix(".encodings")
+        if not encodings.is_file():
+            from aimet_quadapter.errors import QuadapterError
+
+            raise QuadapterError(f"AIMET's export of {what} wrote no {encodings.name} file")
+        encodings.rename(folder / encodings.name)
+        gather_external_data(fp, folder / fp.name)
+        gather_external_data(qdq, folder / qdq.name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _varint(buf, pos: int) -> tuple[int, int]:
-    value, shift = 0, 0
-    while True:
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
+# --- the kept files: one graph and one external data file beside it ---------------------------------------
+
+_ALIGN = 4096  # each tensor starts on a page in the data file, so that a runtime can map it in place
 
 
-def _encode_varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _fields(buf, start: int = 0, end: int | None = None) -> Iterator[tuple[int, int, int, int]]:
-    """``(field number, start of its tag, start of its value or payload, end)`` of each field of a message."""
-    pos, end = start, len(buf) if end is None else end
-    while pos < end:
-        tag, value = _varint(buf, pos)
-        wire = tag & 7
-        if wire == 0:
-            _, stop = _varint(buf, value)
-        elif wire == 1:
-            stop = value + 8
-        elif wire == _LENGTH_DELIMITED:
-            length, value = _varint(buf, value)
-            stop = value + length
-        elif wire == 5:
-            stop = value + 4
-        else:
-            raise ValueError(f"protobuf wire type {wire} is not used by ONNX")
-        yield tag >> 3, pos, value, stop
-        pos = stop
-
-
-def _external_tensors_outside_initializers(graph, top: bool = True) -> int:
-    from onnx.external_data_helper import uses_external_data
-
-    count = 0 if top else sum(uses_external_data(t) for t in graph.initializer)
-    for node in graph.node:
-        for attr in node.attribute:
-            count += sum(uses_external_data(t) for t in [attr.t, *attr.tensors] if t is not None)
-            for sub in [attr.g, *attr.graphs]:
-                count += _external_tensors_outside_initializers(sub, top=False)
-    return count
-
-
-def inline_weights(source: Path, target: Path) -> None:
-    """``source`` (weights in external data files beside it) written to ``target`` as one file, the form a
-    device converter or onnxruntime takes as it is; byte for byte what ``onnx.save(onnx.load(source))``
-    writes. A graph over protobuf's 2 GB limit keeps one data file, ``<target>.data``.
-
-    ``onnx.load`` + ``onnx.save`` would hold the weights three or four times over (the message, the
-    serializer's buffer, the ``bytes``). Here the message is loaded without them, serialized with an empty
-    ``raw_data`` where each external weight goes, and written out field by field with each weight read
-    from its file into its place, one at a time.
-    """
+def gather_external_data(source: Path, target: Path) -> None:
+    """``source`` (its weights in the external data files AIMET's passes left beside it, one or many) written
+    as ``target`` (the graph, weights out) and ``<target stem>.data`` (every weight, one after another): ONNX
+    external data, the form onnxruntime, QAIRT and AI Hub take as it is, and the only one for graphs over
+    protobuf's 2 GB. Streamed one tensor at a time through onnx's own external-data helpers: only the graph
+    without its weights is ever parsed or serialized."""
     import onnx
-    from onnx import TensorProto
-    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+    from onnx.external_data_helper import ExternalDataInfo, set_external_data, uses_external_data
+
+    from aimet_quadapter.export.formats import data_file
 
     model = onnx.load(str(source), load_external_data=False)
-    if _external_tensors_outside_initializers(model.graph):
-        _inline_weights_in_memory(source, target)
-        return
-    base = source.parent
-    pieces: dict[int, tuple[Path, int, int]] = {}  # initializer index -> (file, offset, length)
-    for i, tensor in enumerate(model.graph.initializer):
-        if not uses_external_data(tensor):
-            continue
-        info = ExternalDataInfo(tensor)
-        path = base / info.location
-        offset = info.offset or 0
-        length = info.length if info.length is not None else path.stat().st_size - offset
-        pieces[i] = (path, offset, length)
-        # what onnx.load leaves in a tensor it read from external data
-        tensor.raw_data = b""
-        tensor.data_location = TensorProto.DEFAULT
-        del tensor.external_data[:]
-    skeleton = model.SerializeToString()
+    location = data_file(target.name)
+    with open(target.parent / location, "wb") as out:
+        for tensor in _all_tensors(model.graph):
+            if uses_external_data(tensor):
+                info = ExternalDataInfo(tensor)
+                with open(source.parent / info.location, "rb") as data:
+                    data.seek(info.offset or 0)
+                    payload = data.read(info.length) if info.length is not None else data.read()
+            elif tensor.HasField("raw_data") and len(tensor.raw_data) >= 1024:  # torch's threshold, and onnx's
+                payload = tensor.raw_data
+            else:
+                continue
+            offset = -out.tell() % _ALIGN + out.tell()
+            out.seek(offset)
+            out.write(payload)
+            tensor.raw_data = b""  # the helper asks for the field it then moves out
+            set_external_data(tensor, location, offset, len(payload))
+            tensor.ClearField("raw_data")
+    onnx.save(model, str(target))
     del model
-
-    graphs = [f for f in _fields(skeleton) if f[0] == GRAPH]
-    if len(graphs) != 1:
-        raise ValueError(f"{source}: expected one graph in the model, found {len(graphs)}")
-    _, graph_tag, graph_start, graph_end = graphs[0]
-    # each external initializer: its field's tag, payload and end, its empty raw_data's span, its data
-    spliced: list[tuple[int, int, int, int, int, int, tuple[Path, int, int]]] = []
-    index, growth = 0, 0
-    for number, tag, start, end in _fields(skeleton, graph_start, graph_end):
-        if number != INITIALIZER:
-            continue
-        if index in pieces:
-            empty = [(t, e) for n, t, _, e in _fields(skeleton, start, end) if n == RAW_DATA]
-            if len(empty) != 1 or empty[0][1] - empty[0][0] != 2:  # tag and a zero length
-                raise ValueError(f"{source}: initializer {index} did not serialize as expected")
-            length = pieces[index][2]
-            payload = (end - start) - 2 + _field_size(RAW_DATA, length)
-            growth += _field_size(INITIALIZER, payload) - (end - tag)
-            spliced.append((tag, start, end, empty[0][0], empty[0][1], payload, pieces[index]))
-        index += 1
-    graph_payload = graph_end - graph_start + growth
-    total = len(skeleton) - (graph_end - graph_tag) + _field_size(GRAPH, graph_payload)
-    if total >= onnx.checker.MAXIMUM_PROTOBUF:
-        _inline_weights_in_memory(source, target)
-        return
-
-    with open(target, "wb") as out:
-        out.write(skeleton[:graph_tag])
-        out.write(_header(GRAPH, graph_payload))
-        pos = graph_start
-        for tag, start, end, raw_tag, raw_end, payload, (path, offset, length) in spliced:
-            out.write(skeleton[pos:tag])
-            out.write(_header(INITIALIZER, payload))
-            out.write(skeleton[start:raw_tag])
-            out.write(_header(RAW_DATA, length))
-            with open(path, "rb") as data:
-                data.seek(offset)
-                copied = 0
-                while copied < length:
-                    chunk = data.read(min(1 << 24, length - copied))
-                    if not chunk:
-                        raise ValueError(f"{path} ends before the {length} bytes of an initializer of {source}")
-                    out.write(chunk)
-                    copied += len(chunk)
-            out.write(skeleton[raw_end:end])
-            pos = end
-        out.write(skeleton[pos:])
-    if target.stat().st_size != total:
-        raise ValueError(f"{target}: wrote {target.stat().st_size} bytes, expected {total}")
-
-
-def _header(number: int, length: int) -> bytes:
-    """Tag and length of a length-delimited field."""
-    return _encode_varint((number << 3) | _LENGTH_DELIMITED) + _encode_varint(length)
-
-
-def _field_size(number: int, length: int) -> int:
-    return len(_header(number, length)) + length
-
-
-def _inline_weights_in_memory(source: Path, target: Path) -> None:
-    import onnx
-
-    graph = onnx.load(str(source))
-    large = graph.ByteSize() >= onnx.checker.MAXIMUM_PROTOBUF
-    onnx.save(graph, str(target), save_as_external_data=large, location=f"{target.name}.data")
-    del graph
     release_freed_memory()
 
 
+def _all_tensors(graph) -> Iterator:
+    """The initializers of ``graph`` and of the graphs its nodes hold (If, Loop, Scan)."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in [attribute.g, *attribute.graphs] if attribute.HasField("g") else attribute.graphs:
+                yield from _all_tensors(sub)
+
+
 def opset_imports(path: Path) -> list[tuple[str, int]]:
-    """``(domain, version)`` of each opset an ONNX file imports, read without reading its graph."""
-    import mmap
+    """``(domain, version)`` of each opset an ONNX file imports (its weights left where they are)."""
+    import onnx
 
-    from onnx import OperatorSetIdProto
-
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        out = []
-        for number, _, start, end in _fields(buf):
-            if number == OPSET_IMPORT:
-                opset = OperatorSetIdProto.FromString(buf[start:end])
-                out.append((opset.domain, opset.version))
-        return out
+    return [(o.domain, o.version) for o in onnx.load(str(path), load_external_data=False).opset_import]

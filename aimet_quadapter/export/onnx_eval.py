@@ -23,13 +23,10 @@ import numpy as np
 import torch
 
 from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.export.formats import MANIFEST
 from aimet_quadapter.text import EVAL_SEQ_LEN
 from aimet_quadapter.text.data import Window
 
-MANIFEST = "manifest.json"
-FP_ONNX = "model.onnx"
-ENCODINGS = "model.encodings"  # AIMET names it after the ONNX file: <stem>.encodings
-QDQ_ONNX = "model_qdq.onnx"
 PAD_ID = 0  # fills a short last window up to a fixed-length graph's input; causal: never seen by scored tokens
 
 

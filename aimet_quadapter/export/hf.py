@@ -1,0 +1,210 @@
+"""The way back: the sim's model as a plain Hugging Face checkpoint, and its encodings in AIMET's own form.
+
+``hf/`` holds what ``AutoModelForCausalLM.from_pretrained`` reads (the folded FP weights, Quadapter's alphas
+inside them, ``lm_head`` untied; nothing custom to load), the tokenizer when the export has one,
+``quantization.json`` (the policy that places the quantizers) and the quantizers' ranges twice, in AIMET's
+two forms: ``quantizer_state.pt`` (``sim.quantizer_state_dict()``, for ``sim.model.load_state_dict``: exact)
+and ``model_torch.encodings`` (the JSON keyed by module names that ``load_encodings_to_sim`` reads, for other
+AIMET versions and tools; AIMET writes each range as its grid's ends and recomputes the scale from them in
+float32, which can move a scale by one ulp). With these a user rebuilds the sim in their own AIMET session
+(:func:`load_hf_export` is the whole recipe), and the export checks both ways back against the exported sim.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from aimet_torch.quantsim import QuantizationSimModel
+
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.export.formats import HF_FOLDER
+from aimet_quadapter.memory import release_freed_memory
+from aimet_quadapter.models import device_of
+from aimet_quadapter.quant.quantizers import fast_inference
+from aimet_quadapter.text.data import Window
+from aimet_quadapter.text.perplexity import window_nll
+
+if TYPE_CHECKING:
+    from aimet_quadapter.export.exporter import Verification
+
+TORCH_ENCODINGS = "model_torch.encodings"  # AIMET's suffix for encodings keyed by module names
+QUANTIZER_STATE = "quantizer_state.pt"
+POLICY_FILE = "quantization.json"
+
+
+def hf_state_dict(sim_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of a sim's Hugging Face model under the checkpoint's own names and layouts: the quantizers'
+    parameters left out, and every weight the preparation re-laid out (GPT-2's Conv1D became a Linear, its
+    weight transposed) laid out as the model's class keeps it. The class itself is the reference, built on
+    the meta device (no memory), so no family needs a list of its own."""
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    lm: Any = sim_model.get_submodule("lm")
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(lm.config)
+    wanted = reference.state_dict()
+    state = {k: v.detach() for k, v in lm.state_dict().items() if k in wanted}
+    for name, module in reference.named_modules():
+        if isinstance(module, Conv1D):
+            state[f"{name}.weight"] = state[f"{name}.weight"].t()
+    missing = sorted(set(wanted) - set(state))
+    wrong = [k for k in state if state[k].shape != wanted[k].shape]
+    if missing or wrong:
+        raise QuadapterError(
+            f"the sim's model does not fit its own class's checkpoint: missing {missing[:3]}, other shapes {wrong[:3]}"
+        )
+    return {k: v.contiguous() for k, v in state.items()}
+
+
+def save_hf_checkpoint(sim: QuantizationSimModel, folder: Path, tokenizer: Any = None) -> dict:
+    """Write ``sim``'s model as a Hugging Face checkpoint with its encodings and policy into ``folder``."""
+    from transformers import AutoModelForCausalLM
+
+    from aimet_quadapter.quant.policy import sim_policy
+
+    lm: Any = sim.model.get_submodule("lm")
+    plain = AutoModelForCausalLM.from_config(lm.config, dtype=torch.float32)
+    plain.load_state_dict(hf_state_dict(sim.model))
+    folder.mkdir(parents=True, exist_ok=True)
+    plain.save_pretrained(str(folder))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():  # the weights come from a private temporary file: ordinary ones, as the rest
+        path.chmod(0o666 & ~umask)
+    activations, params = sim.get_activation_param_encodings()
+    encodings = {"version": "0.6.1", "activation_encodings": activations, "param_encodings": params}
+    (folder / TORCH_ENCODINGS).write_text(json.dumps(encodings, indent=1))
+    torch.save(sim.quantizer_state_dict(), folder / QUANTIZER_STATE)
+    (folder / POLICY_FILE).write_text(json.dumps(sim_policy(sim).to_dict(), indent=2))
+    return {
+        "quantizer_state": QUANTIZER_STATE,
+        "encodings": TORCH_ENCODINGS,
+        "policy": POLICY_FILE,
+        "tokenizer": tokenizer is not None,
+    }
+
+
+def load_hf_export(
+    folder: str | Path, device: str | torch.device = "cpu", from_json: bool = False
+) -> tuple[QuantizationSimModel, Any]:
+    """A fresh sim of an export's ``hf/`` folder (or of the export folder holding it) and the tokenizer (None
+    where the export saved none). The ranges come from the quantizer state (exact), or with ``from_json`` from
+    the JSON encodings through AIMET's ``load_encodings_to_sim``."""
+    from aimet_torch.quantsim import load_encodings_to_sim
+
+    from aimet_quadapter.models import load_model
+    from aimet_quadapter.quant.config import QuantPolicy
+    from aimet_quadapter.quant.policy import build_sim
+
+    folder = Path(folder)
+    if (folder / HF_FOLDER / POLICY_FILE).is_file():
+        folder = folder / HF_FOLDER
+    for name in ("config.json", TORCH_ENCODINGS if from_json else QUANTIZER_STATE, POLICY_FILE):
+        if not (folder / name).is_file():
+            raise QuadapterError(f"{folder} is not an export's Hugging Face folder: it has no {name}")
+    policy = QuantPolicy(**json.loads((folder / POLICY_FILE).read_text()))
+    if (folder / "tokenizer_config.json").is_file():
+        model, tokenizer = load_model(str(folder), quiet=True, device=device)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        from aimet_quadapter.models import prepare_model
+
+        model, tokenizer = prepare_model(AutoModelForCausalLM.from_pretrained(str(folder))).to(device), None
+    sim = build_sim(model, policy, in_place=True)
+    if from_json:
+        with warnings.catch_warnings():
+            # AIMET steers new code to its quantizer_state_dict; the JSON is what other tools and versions read
+            warnings.simplefilter("ignore", DeprecationWarning)
+            load_encodings_to_sim(sim, str(folder / TORCH_ENCODINGS))
+        return sim, tokenizer
+    state = torch.load(folder / QUANTIZER_STATE, map_location=device, weights_only=True)
+    result = sim.model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if "quantizers." in k]
+    if result.unexpected_keys or missing:
+        raise QuadapterError(
+            f"{folder / QUANTIZER_STATE} does not fit the sim its policy builds: "
+            f"{(result.unexpected_keys or missing)[0]} is {'unexpected' if result.unexpected_keys else 'missing'}"
+        )
+    return sim, tokenizer
+
+
+@dataclass(frozen=True)
+class HFRoundTrip:
+    """A sim rebuilt from ``hf/`` against the exported one on the verification windows."""
+
+    ranges_from: str  # the quantizer state, or the JSON encodings
+    sim_ppl: float
+    reloaded_ppl: float
+    ppl_rel_diff: float
+    max_abs_logit_diff: float
+
+
+def _round_trip(sim: QuantizationSimModel, folder: Path, windows: Sequence[Window], from_json: bool) -> HFRoundTrip:
+    reloaded, _ = load_hf_export(folder, device_of(sim.model), from_json=from_json)
+    nll = [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)]
+    tokens, diff = 0, 0.0
+    with torch.no_grad(), fast_inference(sim.model), fast_inference(reloaded.model):
+        for window in windows:
+            ids = window.ids.reshape(1, -1).to(device_of(sim.model))
+            ours, theirs = sim.model(ids).float().cpu(), reloaded.model(ids).float().cpu()
+            nll[0] += window_nll(ours, window)
+            nll[1] += window_nll(theirs, window)
+            scored = slice(window.first_target - 1, len(window.ids) - 1)
+            diff = max(diff, float((ours[0, scored] - theirs[0, scored]).abs().max()))
+            tokens += window.n_targets
+    del reloaded
+    sim_ppl, reloaded_ppl = (math.exp(x.item() / tokens) for x in nll)
+    source = TORCH_ENCODINGS if from_json else QUANTIZER_STATE
+    return HFRoundTrip(source, sim_ppl, reloaded_ppl, abs(reloaded_ppl - sim_ppl) / sim_ppl, diff)
+
+
+@dataclass(frozen=True)
+class HFCheckpoint:
+    """The export's Hugging Face format (an :class:`~aimet_quadapter.export.formats.ExtraFormat`)."""
+
+    key: ClassVar[str] = HF_FOLDER
+    tokenizer: Any = field(default=None, compare=False)
+
+    def check(self, windows: Sequence[Window]) -> None:
+        pass
+
+    def write(self, sim: QuantizationSimModel, folder: Path, encoding_version: str) -> dict:
+        return save_hf_checkpoint(sim, folder, self.tokenizer)
+
+    def verify(
+        self, sim: QuantizationSimModel, folder: Path, windows: Sequence[Window], report: Verification, export: Path
+    ) -> dict:
+        """The round trips a user makes (``from_pretrained``, a fresh sim under the saved policy, the ranges loaded
+        with AIMET's API) against the exported sim. From the quantizer state: the same ops on the same weights and
+        ranges, so within the export's fixed tolerances. From the JSON: a scale can move by one float32 ulp, as
+        another runtime's rounding moves a value, so within the bounds the export measured from that noise."""
+        tolerance = report.tolerance
+        exact_logits = tolerance.logit_rtol * report.max_abs_sim_logit
+        checks = (
+            (False, tolerance.ppl_rtol, exact_logits),
+            (True, max(tolerance.ppl_rtol, report.ppl_bound), max(exact_logits, report.logit_bound)),
+        )
+        rows = []
+        for from_json, ppl_bound, logit_bound in checks:
+            row = _round_trip(sim, folder, windows, from_json)
+            release_freed_memory()
+            if row.ppl_rel_diff > ppl_bound or row.max_abs_logit_diff > logit_bound:
+                raise QuadapterError(
+                    f"the Hugging Face checkpoint with its {row.ranges_from}, loaded again, does not compute what the "
+                    f"sim computes: perplexity {row.reloaded_ppl:.4f} vs {row.sim_ppl:.4f} (allowed rel. diff "
+                    f"{ppl_bound:.2e}), max |logit diff| {row.max_abs_logit_diff:.3g} (allowed {logit_bound:.3g})"
+                )
+            rows.append(asdict(row))
+        return {"verification": rows}

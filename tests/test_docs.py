@@ -1,0 +1,63 @@
+"""The command lines of the docs are ones the CLI takes, and the run folders they name are ones the runner writes."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from aimet_quadapter.cli.app import build_parser
+from aimet_quadapter.experiments.recipes import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _commands(page: Path) -> list[str]:
+    """Every ``aimet-quadapter`` line of the page's bash blocks, continuation lines joined, comments dropped."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["aimet-quadapter"]:
+                out.append(line)
+            # a pipeline of two commands (`run ... && report ...`)
+            for i, word in enumerate(words):
+                if word == "&&" and words[i + 1 : i + 2] == ["aimet-quadapter"]:
+                    out.append(shlex.join(words[i:][1:]))
+    return out
+
+
+COMMANDS = [(page, line) for page in PAGES for line in _commands(page)]
+
+
+def test_the_docs_hold_commands():
+    assert {page.name for page, _ in COMMANDS} >= {"README.md", "export.md", "usage.md"}
+
+
+@pytest.mark.parametrize(("page", "line"), COMMANDS, ids=[f"{p.name}:{i}" for i, (p, _) in enumerate(COMMANDS)])
+def test_each_command_is_one_the_cli_takes(page, line):
+    words = shlex.split(line, comments=True)
+    words = words[: words.index("&&")] if "&&" in words else words
+    try:
+        args = build_parser().parse_args(words[1:])
+    except SystemExit:
+        pytest.fail(f"{page.name}: the CLI refuses `{line}`")
+    state = getattr(args, "state", None)
+    if args.command == "export" and state and state.startswith("runs/"):
+        _check_run_path(Path(state))
+
+
+def _check_run_path(path: Path) -> None:
+    """``runs/<recipe>/<data>/<method>/<method>.safetensors``: what a recipe's run writes (``Cell.folder``)."""
+    parts = path.parts
+    assert len(parts) == 5 and parts[3] + ".safetensors" == parts[4], f"{path}: not a state the runner writes"
+    recipe = ROOT / "recipes" / f"{parts[1]}.yaml"
+    assert recipe.is_file(), f"{path}: no recipe writes runs/{parts[1]}"
+    loaded = load_recipe(recipe)
+    assert Path(loaded.out) == Path(*parts[:2]), f"{path}: recipe {recipe.name} writes to {loaded.out}"
+    assert parts[3] in loaded.methods, f"{path}: recipe {recipe.name} runs no {parts[3]}"
+    groups = {"+".join(group) for group in loaded.fid}
+    assert parts[2] in groups, f"{path}: recipe {recipe.name} fine-tunes on {sorted(groups)}, not {parts[2]}"
