@@ -31,6 +31,7 @@ from aimet_torch.quantsim import QuantizationSimModel
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.formats import ENCODING_VERSION, ENCODINGS, KV_FOLDER, QDQ_ONNX, data_file
 from aimet_quadapter.export.lean import export_sim_graphs
+from aimet_quadapter.memory import release_freed_memory
 from aimet_quadapter.models import PreparedLM, device_of
 from aimet_quadapter.quant.quantizers import fast_inference
 from aimet_quadapter.text import EVAL_SEQ_LEN
@@ -318,15 +319,19 @@ def verify_kv_graphs(
     windows by the graphs and by the sim.
     Raises where the graphs differ from the sim by more than the bounds (the full-sequence export's, set by
     the float32 floor it measured) or from the full-sequence graph by more than float rounding."""
+    from aimet_quadapter.export.exporter import one_ulp_inputs
     from aimet_quadapter.export.onnx_eval import OnnxLM
 
     model = sim.model
     check_windows_fit(graphs, windows)
-    runner = KVGraphRunner(folder, graphs, model.kv_shape())
+    # the full-sequence graph's logits first, its session closed before the KV graphs' two open: one copy of
+    # the weights fewer in memory at once
     full = OnnxLM(full_graph, low_memory=True)
+    full_logits = [full(window.ids[None]) for window in windows]
+    del full
+    release_freed_memory()
+    runner = KVGraphRunner(folder, graphs, model.kv_shape())
     sim_nll, graphs_nll = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    from aimet_quadapter.export.exporter import one_ulp_inputs
-
     tokens, max_diff, full_diff, same, greedy_same, greedy_total, floor_same = 0, 0.0, 0.0, 0, 0, 0, 0
     prefixes: list[int] = []
     floor_prefixes: list[int] = []
@@ -336,7 +341,7 @@ def verify_kv_graphs(
             prefill = max(1, len(ids) // 2)
             reference = model(ids[None].to(device_of(model))).float().cpu()
             ours = torch.from_numpy(runner.logits(ids.tolist(), prefill))[None]
-            graph = full(ids[None])
+            graph = full_logits[index]
             sim_nll += window_nll(reference, window)
             graphs_nll += window_nll(ours, window)
             scored = slice(window.first_target - 1, len(ids) - 1)
