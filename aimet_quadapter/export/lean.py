@@ -180,9 +180,9 @@ def export_sim_graphs(
                 args,
                 str(qdq),
                 opset_version=QDQ_OPSET,
-                export_int32_bias=False,
+                export_int32_bias=False,  # the sim leaves biases in float: so does the graph that must equal it
                 **common,
-            )  # fmt: skip  (the sim leaves biases in float: so does the graph that must equal it)
+            )
         encodings = fp.with_suffix(".encodings")
         if not encodings.is_file():
             from aimet_quadapter.errors import QuadapterError
