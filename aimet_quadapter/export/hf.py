@@ -103,7 +103,8 @@ def load_hf_export(
     the JSON encodings through AIMET's ``load_encodings_to_sim``."""
     from aimet_torch.quantsim import load_encodings_to_sim
 
-    from aimet_quadapter.models import load_model
+    from aimet_quadapter.models import prepare_model, resolve_device
+    from aimet_quadapter.models.loading import load_hf_model, load_tokenizer
     from aimet_quadapter.quant.config import QuantPolicy
     from aimet_quadapter.quant.policy import build_sim
 
@@ -114,14 +115,9 @@ def load_hf_export(
         if not (folder / name).is_file():
             raise QuadapterError(f"{folder} is not an export's Hugging Face folder: it has no {name}")
     policy = QuantPolicy(**json.loads((folder / POLICY_FILE).read_text()))
-    if (folder / "tokenizer_config.json").is_file():
-        model, tokenizer = load_model(str(folder), quiet=True, device=device)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        from aimet_quadapter.models import prepare_model
-
-        model, tokenizer = prepare_model(AutoModelForCausalLM.from_pretrained(str(folder))).to(device), None
+    target = device if isinstance(device, torch.device) else resolve_device(device)
+    model = prepare_model(load_hf_model(str(folder))).to(target)
+    tokenizer = load_tokenizer(str(folder)) if (folder / "tokenizer_config.json").is_file() else None
     sim = build_sim(model, policy, in_place=True)
     if from_json:
         with warnings.catch_warnings():

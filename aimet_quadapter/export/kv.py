@@ -175,7 +175,8 @@ def _merge_encodings(folder: Path, graphs: KVGraphs) -> int:
     checked = 0
     for path in files[1:]:
         other = json.loads(path.read_text())
-        for entry in read_encodings(other):
+        entries = read_encodings(other)
+        for entry in entries:
             mine = seen.get(entry.name)
             if mine is None:
                 continue
@@ -189,7 +190,7 @@ def _merge_encodings(folder: Path, graphs: KVGraphs) -> int:
         for key, value in other.items():  # the entry lists of either format: activation/param_encodings, encodings
             if isinstance(value, list) and all(isinstance(e, dict) and "name" in e for e in value):
                 merged.setdefault(key, []).extend(e for e in value if e["name"] not in seen)
-        seen.update({e.name: e for e in read_encodings(other)})
+        seen.update({e.name: e for e in entries})
     (folder / ENCODINGS).write_text(json.dumps(merged, indent=2))
     for path in files:
         path.unlink()
