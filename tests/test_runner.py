@@ -506,3 +506,31 @@ def test_messages_go_to_stderr_at_the_level_asked_and_always_to_the_run_log(base
     lines = (run / "run.log").read_text().splitlines()
     assert sum("cells already in" in line for line in lines) >= 3  # appended by every run, quiet ones too
     assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (DEBUG|INFO) ", lines[-1])
+
+
+def test_seeds_run_in_two_folders_merge_into_one(world, tmp_path, capsys):
+    for out, seeds in (("a", "[0]"), ("b", "[1]")):
+        argv = ["run", str(world / "r.yaml"), "--out", str(tmp_path / out), "--no-progress"]
+        assert main([*argv, "--set", "methods=[fp,ptq]", "--set", f"seeds={seeds}"]) == 0
+    other = Path(shutil.copytree(tmp_path / "b", tmp_path / "other"))
+    results = _results(other)
+    next(iter(results["recipes"].values()))["settings"]["calibration"]["length"] = 32
+    (other / "results.json").write_text(json.dumps(results))
+    capsys.readouterr()
+
+    assert main(["merge", str(tmp_path / "a"), str(other)]) == 2
+    assert "field calibration.length is 32 there and 64 in the destination" in capsys.readouterr().err
+    assert main(["merge", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert f"added to {tmp_path / 'a'}: calib:a/ptq#seed1\n" in capsys.readouterr().out
+    a, b = _results(tmp_path / "a"), _results(tmp_path / "b")
+    assert a["seeds"] == [0, 1] and a["cells"]["calib:a/ptq#seed1"] == b["cells"]["calib:a/ptq#seed1"]
+    ptq = [a["cells"][f"calib:a/ptq#seed{s}"]["ppl"]["a"] for s in (0, 1)]
+    assert a["summary"]["calib:a/ptq"]["ppl"]["a"] == {
+        "mean": pytest.approx(sum(ptq) / 2),
+        "min": min(ptq),
+        "max": max(ptq),
+    }
+    assert (tmp_path / "a" / "seed-1" / "calib-a" / "ptq").is_dir()
+    # merging again adds nothing: seed 1 is the destination's now
+    assert main(["merge", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert "added to" in capsys.readouterr().out.split(": nothing")[0]

@@ -389,6 +389,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="markdown tables and figures of a run folder (writes RUN_DIR/report.md)")
     p.add_argument("run_dir", help="a folder written by `run`")
     p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser(
+        "merge",
+        help="add to a run folder the seeds other run folders of the same recipe computed (e.g. on other machines)",
+    )
+    p.add_argument("run_dir", help="the run folder that receives the seeds")
+    p.add_argument("others", nargs="+", metavar="other_run_dir", help="run folders of the same recipe and settings")
+    p.set_defaults(func=_cmd_merge)
     add_export_command(sub)
     for command in sub.choices.values():
         talk = command.add_mutually_exclusive_group()
@@ -430,6 +438,17 @@ def _cmd_report(args: argparse.Namespace) -> int:
     path, text = write_report(args.run_dir)
     print(text)
     print(f"written to {path}")
+    return 0
+
+
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from aimet_quadapter.experiments.merge import merge_runs
+    from aimet_quadapter.experiments.report import results_table
+    from aimet_quadapter.experiments.results_file import load_results
+
+    added = merge_runs(args.run_dir, args.others)
+    print(results_table(load_results(args.run_dir)))
+    print(f"added to {args.run_dir}: {', '.join(added) or 'nothing (it has every seed of the others)'}")
     return 0
 
 

@@ -35,6 +35,8 @@ class ParkedWeights:
     def __init__(self, model: torch.nn.Module, folder: Path):
         self.model, self.folder = model, folder
         params = list({id(p): p for p in model.parameters()}.values())
+        self.own = {id(p) for p in params}
+        self.own_storage = {p.untyped_storage().data_ptr() for p in params if p.numel()}
         storages: dict[int, int] = {}
         for p in params:
             key = p.untyped_storage().data_ptr()
@@ -59,6 +61,14 @@ class ParkedWeights:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         release_freed_memory()
 
+    def drop_stand_ins(self) -> None:
+        """Empty the copies AIMET swapped in, once torch has written them: AIMET's passes after torch's export
+        read the file, and AIMET puts the sim's own Parameters back when it returns."""
+        for p in self.model.parameters():
+            if id(p) not in self.own and p.numel() and p.untyped_storage().data_ptr() not in self.own_storage:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        release_freed_memory()
+
     def restore(self) -> None:
         while self.parked:
             p, path = self.parked.pop()
@@ -73,14 +83,16 @@ def lean_aimet_export(model: torch.nn.Module, folder: Path) -> Iterator[None]:
     - the Parameters AIMET swaps for their quantize-dequantized copies wait in ``folder`` until it returns
       (:class:`ParkedWeights`);
     - torch's exporter writes the graph with its weights in one external data file beside it
-      (``<name>.data``) instead of inline: AIMET's passes that follow read the graph back and rewrite it
-      several times, and they support external data. :func:`gather_external_data` makes one data file of them.
+      (``<name>.data``) instead of inline, one weight at a time (:func:`_torch_writes_weights_outside`):
+      AIMET's passes that follow read the graph back and rewrite it several times, and they support external
+      data. :func:`gather_external_data` makes one data file of them;
+    - once torch has written them, AIMET's copies are emptied too (:meth:`ParkedWeights.drop_stand_ins`).
     """
     parked = ParkedWeights(model, folder)
 
     def export(original, module, args, f, **kwargs):
         parked.park_displaced()  # AIMET has swapped its copies in by now: the trace starts next
-        with _torch_writes_weights_outside(str(f)) as patched:
+        with _torch_writes_weights_outside(str(f), kwargs) as patched:
             result = original(module, args, f, **kwargs)
         if not patched:  # another torch: the same, from the file it wrote
             import onnx
@@ -89,7 +101,7 @@ def lean_aimet_export(model: torch.nn.Module, folder: Path) -> Iterator[None]:
             location = f"{os.path.basename(str(f))}.data"
             onnx.save(graph, str(f), save_as_external_data=True, all_tensors_to_one_file=True, location=location)
             del graph
-        release_freed_memory()
+        parked.drop_stand_ins()
         return result
 
     try:
@@ -101,29 +113,43 @@ def lean_aimet_export(model: torch.nn.Module, folder: Path) -> Iterator[None]:
 
 
 @contextmanager
-def _torch_writes_weights_outside(path: str) -> Iterator[bool]:
-    """torch's TorchScript exporter, made to hand its protobuf over with the weights moved to ``<path>.data``.
+def _torch_writes_weights_outside(path: str, kwargs: dict) -> Iterator[bool]:
+    """torch's TorchScript exporter, made to write the graph's weights into ``<path>.data`` one at a time.
 
-    It serializes the graph once in C++, then parses those bytes in Python to add onnxscript functions
-    and serializes the result again (``_add_onnxscript_fn``), beside the bytes it parsed. Here the parsed
-    message gives its weights to the data file first, exactly as ``onnx.save(...,
-    save_as_external_data=True)`` would, and only the small rest is serialized and written by torch.
-    Yields whether the hook was found (torch >= 2.9).
+    Left alone, it encodes the graph and every weight into one C++ protobuf, serializes that and hands the
+    bytes to Python: three copies of the weights at once. Asked for
+    ``export_params=False`` (set in ``kwargs``), it encodes the graph alone, the weights as inputs. The weights
+    it would have written, after its constant folding and deduplication, are taken from its deduplication
+    pass and added back here as initializers, in its encoder's order and form, each one moved to the data
+    file as soon as it is made, as ``onnx.save(..., save_as_external_data=True)`` would move it. Yields whether
+    the hooks were found (torch >= 2.9); the caller then does the same from the file torch wrote.
     """
     try:
+        from torch import _C
         from torch.onnx._internal.torchscript_exporter import onnx_proto_utils
     except ImportError:
         yield False
         return
-    original = getattr(onnx_proto_utils, "_add_onnxscript_fn", None)
+    add_functions = getattr(onnx_proto_utils, "_add_onnxscript_fn", None)
     find = getattr(onnx_proto_utils, "_find_onnxscript_op", None)
-    if original is None or find is None:
+    deduplicate = getattr(_C, "_jit_pass_onnx_deduplicate_initializers", None)
+    # without the deduplication pass (initializers kept as inputs) torch never says which weights it writes
+    asked_otherwise = kwargs.get("export_params") is False or kwargs.get("keep_initializers_as_inputs")
+    if add_functions is None or find is None or deduplicate is None or asked_otherwise:
         yield False
         return
+    weights: dict[str, torch.Tensor] = {}
 
-    def add_functions_then_move_weights(model_bytes: bytes, custom_opsets) -> bytes:
+    def deduplicate_and_keep(graph, params, *rest):
+        params = deduplicate(graph, params, *rest)
+        weights.clear()
+        weights.update(params)
+        return params
+
+    def add_functions_then_weights(model_bytes: bytes, custom_opsets) -> bytes:
         import onnx
-        from onnx.external_data_helper import convert_model_to_external_data, write_external_data_tensors
+        from onnx import numpy_helper
+        from onnx.external_data_helper import set_external_data
 
         model = onnx.load_model_from_string(model_bytes)
         functions: list = []
@@ -131,18 +157,31 @@ def _torch_writes_weights_outside(path: str) -> Iterator[bool]:
         if functions:
             model.functions.extend(functions)
         location = f"{os.path.basename(path)}.data"
-        # onnx.save's defaults with save_as_external_data=True: which tensors move decides the final bytes
-        convert_model_to_external_data(
-            model, all_tensors_to_one_file=True, location=location, size_threshold=1024, convert_attribute=False
-        )
-        write_external_data_tensors(model, os.path.dirname(path) or ".")
+        inputs = [i for i in model.graph.input if i.name not in weights]
+        order = [i.name for i in model.graph.input if i.name in weights]  # torch's encoder's order
+        if len(order) != len(weights):
+            raise RuntimeError(f"torch's graph has no input for the weights {sorted(set(weights) - set(order))[:3]}")
+        with open(os.path.join(os.path.dirname(path) or ".", location), "wb") as data:
+            for name in order:
+                tensor = numpy_helper.from_array(weights.pop(name).detach().cpu().numpy(), name)
+                if len(tensor.raw_data) >= 1024:  # onnx.save's size_threshold
+                    set_external_data(tensor, location, data.tell(), len(tensor.raw_data))
+                    data.write(tensor.raw_data)
+                    tensor.ClearField("raw_data")
+                model.graph.initializer.append(tensor)
+        del model.graph.input[:]
+        model.graph.input.extend(inputs)
         return model.SerializeToString()
 
-    onnx_proto_utils._add_onnxscript_fn = add_functions_then_move_weights
+    kwargs["export_params"] = False
+    onnx_proto_utils._add_onnxscript_fn = add_functions_then_weights
+    _C._jit_pass_onnx_deduplicate_initializers = deduplicate_and_keep
     try:
         yield True
     finally:
-        onnx_proto_utils._add_onnxscript_fn = original
+        onnx_proto_utils._add_onnxscript_fn = add_functions
+        _C._jit_pass_onnx_deduplicate_initializers = deduplicate
+        weights.clear()
 
 
 def export_sim_graphs(
