@@ -444,10 +444,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_merge(args: argparse.Namespace) -> int:
     from aimet_quadapter.experiments.merge import merge_runs
     from aimet_quadapter.experiments.report import results_table
-    from aimet_quadapter.experiments.results_file import load_results
 
-    added = merge_runs(args.run_dir, args.others)
-    print(results_table(load_results(args.run_dir)))
+    results, added = merge_runs(args.run_dir, args.others)
+    print(results_table(results))
     print(f"added to {args.run_dir}: {', '.join(added) or 'nothing (it has every seed of the others)'}")
     return 0
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.experiments.lock import RunLock
-from aimet_quadapter.experiments.results_file import RESULTS, load_results, summary, write_json_atomic
+from aimet_quadapter.experiments.results_file import load_results, write_results
 
 _PER_FOLDER = {"seeds", "out"}  # what two runs of one recipe may differ in
 
@@ -47,8 +47,9 @@ def _check_same_recipe(dest: dict, src: dict, src_dir: Path) -> None:
             raise QuadapterError(f"{src_dir}: other {field} than the destination's")
 
 
-def merge_runs(dest_dir: str | Path, sources: Sequence[str | Path]) -> list[str]:
-    """Add to ``dest_dir`` the seeds that each run folder of ``sources`` has and it lacks; the keys added."""
+def merge_runs(dest_dir: str | Path, sources: Sequence[str | Path]) -> tuple[dict, list[str]]:
+    """Add to ``dest_dir`` the seeds that each run folder of ``sources`` has and it lacks; its results as written
+    and the keys added."""
     dest_dir = Path(dest_dir)
     with ExitStack() as locks:
         folders = [dest_dir, *map(Path, sources)]
@@ -88,8 +89,5 @@ def merge_runs(dest_dir: str | Path, sources: Sequence[str | Path]) -> list[str]
                     (dest_dir / "generated").mkdir(exist_ok=True)
                     shutil.copy2(path, dest_dir / "generated" / path.name)
             dest["seeds"] = sorted({*dest.get("seeds", []), *new_seeds})
-        seeded = summary(dest)
-        if seeded:
-            dest["summary"] = seeded
-        write_json_atomic(dest_dir / RESULTS, dest)
-    return added
+        write_results(dest_dir, dest)
+    return dest, added

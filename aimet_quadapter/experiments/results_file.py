@@ -76,3 +76,11 @@ def summary(results: dict) -> dict[str, dict]:
         for key, row in merge_seeds(results.get("cells", {})).items()
         if "seeds" in row
     }
+
+
+def write_results(run_dir: str | Path, results: dict) -> None:
+    """``results`` as the run folder's results.json, atomically, its ``summary`` over the seeds brought up to date."""
+    seeded = summary(results)
+    if seeded:
+        results["summary"] = seeded
+    write_json_atomic(Path(run_dir) / RESULTS, results)

@@ -44,7 +44,7 @@ from aimet_quadapter.errors import QuadapterError, TrainingDiverged
 from aimet_quadapter.experiments.catalog import BC, CATALOG
 from aimet_quadapter.experiments.lock import RunLock
 from aimet_quadapter.experiments.recipes import Recipe, parameter_sections
-from aimet_quadapter.experiments.results_file import FORMAT, RESULTS, load_results, summary, write_json_atomic
+from aimet_quadapter.experiments.results_file import FORMAT, RESULTS, load_results, write_results
 from aimet_quadapter.logs import log, log_file
 from aimet_quadapter.settings import result_view
 from aimet_quadapter.versions import library_versions
@@ -686,10 +686,7 @@ class RecipeRun:
 
     def _write(self, results: dict) -> None:
         if self.main:
-            seeded = summary(results)
-            if seeded:
-                results["summary"] = seeded
-            write_json_atomic(self.out_dir / RESULTS, results)
+            write_results(self.out_dir, results)
 
     def run(self) -> dict:
         try:
