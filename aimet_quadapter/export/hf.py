@@ -147,14 +147,22 @@ class HFRoundTrip:
     max_abs_logit_diff: float
 
 
-def _round_trip(sim: QuantizationSimModel, folder: Path, windows: Sequence[Window], from_json: bool) -> HFRoundTrip:
-    reloaded, _ = load_hf_export(folder, device_of(sim.model), from_json=from_json)
+def _sim_logits(sim: QuantizationSimModel, windows: Sequence[Window]) -> list[torch.Tensor]:
+    with torch.no_grad(), fast_inference(sim.model):
+        return [sim.model(w.ids.reshape(1, -1).to(device_of(sim.model))).float().cpu() for w in windows]
+
+
+def _round_trip(
+    reference: Sequence[torch.Tensor], folder: Path, windows: Sequence[Window], from_json: bool, device: torch.device
+) -> HFRoundTrip:
+    # the exported sim's logits come in computed: two sims side by side, each with its fast-inference weight
+    # copies, were the export's peak memory
+    reloaded, _ = load_hf_export(folder, device, from_json=from_json)
     nll = [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)]
     tokens, diff = 0, 0.0
-    with torch.no_grad(), fast_inference(sim.model), fast_inference(reloaded.model):
-        for window in windows:
-            ids = window.ids.reshape(1, -1).to(device_of(sim.model))
-            ours, theirs = sim.model(ids).float().cpu(), reloaded.model(ids).float().cpu()
+    with torch.no_grad(), fast_inference(reloaded.model):
+        for window, ours in zip(windows, reference, strict=True):
+            theirs = reloaded.model(window.ids.reshape(1, -1).to(device)).float().cpu()
             nll[0] += window_nll(ours, window)
             nll[1] += window_nll(theirs, window)
             scored = slice(window.first_target - 1, len(window.ids) - 1)
@@ -193,8 +201,10 @@ class HFCheckpoint:
             (True, max(tolerance.ppl_rtol, report.ppl_bound), max(exact_logits, report.logit_bound)),
         )
         rows = []
+        reference = _sim_logits(sim, windows)
+        release_freed_memory()
         for from_json, ppl_bound, logit_bound in checks:
-            row = _round_trip(sim, folder, windows, from_json)
+            row = _round_trip(reference, folder, windows, from_json, device_of(sim.model))
             release_freed_memory()
             if row.ppl_rel_diff > ppl_bound or row.max_abs_logit_diff > logit_bound:
                 raise QuadapterError(
