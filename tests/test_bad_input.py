@@ -64,6 +64,15 @@ EVAL_CASES = {
     "bad weight bits": (["--dataset", "{corpus}", "--policy-weight-bits", "1"], "weight_bits"),
     "unknown method": (["--dataset", "{corpus}", "--methods", "fp,foo"], "foo"),
     "negative calibration crops": (["--dataset", "{corpus}", "--calib-samples", "-1"], "calibration.samples"),
+    # 10^8 crops of 64 token ids would take 100 GB: refused by the estimate, not by the kernel's OOM killer
+    "calibration crops beyond the free memory": (
+        ["--dataset", "{corpus}", "--calib-samples", "100000000"],
+        "calibration.samples: 100,000,000 crops of 64 tokens take",
+    ),
+    "more calibration crops than the text holds": (
+        ["--dataset", "{corpus}", "--calib-samples", "1000"],
+        "calibration.samples: 1,000 crops of 64 tokens need 64,000 tokens, the text holds",
+    ),
     "bad device": (["--dataset", "{corpus}", "--device", "gpu"], "device"),
     "unwritable run folder": (["--dataset", "{corpus}", "--out", "{blocked_out}"], "a-file"),
     "window beyond the model's positions": (["--dataset", "{corpus}", "--seq-len", "100000"], "100000"),
@@ -118,6 +127,11 @@ OTHER_CASES = {
     "run into a folder that cannot be made": (["run", "{recipe}", "--out", "{blocked_out}"], "a-file"),
     "run with a --set typo": (["run", "{recipe}", "--set", "phase1.stpes=3"], "stpes"),
     "run with a negative count": (["run", "{recipe}", "--set", "phase2.steps=-1"], "phase2.steps"),
+    "run with calibration crops beyond the free memory": (
+        ["run", "{recipe}", "--set", "methods=[fp, ptq]", "--set", "calibration.dataset={corpus}"]
+        + ["--set", "calibration.length=64", "--set", "calibration.samples=100000000"],
+        "calibration.samples: 100,000,000 crops of 64 tokens take",
+    ),
     "run of a recipe that is not YAML": (["run", "{not_yaml}"], "not valid YAML"),
     "run of a recipe with a misspelt field": (["run", "{misspelt}"], "field evall: unknown field; did you mean eval?"),
     "eval of a missing model folder": (["eval", "--model", "{tmp}/no-model", "--dataset", "{corpus}"], "model folder"),

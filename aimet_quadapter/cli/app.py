@@ -235,20 +235,24 @@ def _cmd_describe(args: argparse.Namespace) -> int:
     from aimet_quadapter.models import load_model
     from aimet_quadapter.quant.config import QuantPolicy
     from aimet_quadapter.quant.policy import build_sim, calibrate, describe, format_description
-    from aimet_quadapter.text.data import calibration_batches
+    from aimet_quadapter.text.data import calibration_batches, check_crop_count
 
     given = {k.split(".", 1)[1]: v for k, v in _section_overrides(args).items() if k.startswith("policy.")}
     policy = QuantPolicy(**given)
-    model, tokenizer = load_model(args.model, quiet=True, device=args.device)
     defaults = _calibration_defaults()
     samples = defaults["samples"] if args.calib_samples is None else args.calib_samples
     length = defaults["length"] if args.calib_len is None else args.calib_len
     seed = defaults["seed"] if args.seed is None else args.seed
     if args.calib_dataset:
+        check_crop_count(samples, length, "--calib-samples")
+    model, tokenizer = load_model(args.model, quiet=True, device=args.device)
+    if args.calib_dataset:
         model.check_length(length, "--calib-len")
     sim = build_sim(model, policy, in_place=True)  # the FP model is not used again
     if args.calib_dataset:
-        calibrate(sim, calibration_batches(tokenizer, args.calib_dataset, samples, length, seed))
+        calibrate(
+            sim, calibration_batches(tokenizer, args.calib_dataset, samples, length, seed, setting="--calib-samples")
+        )
     print(format_description(describe(sim.model)))
     sites = model.sites(extra=not args.no_extra_sites)
     print(f"\n{len(sites)} Quadapter sites:")
@@ -266,7 +270,7 @@ def _cmd_sensitivity(args: argparse.Namespace) -> int:
     from aimet_quadapter.quant.config import QuantPolicy
     from aimet_quadapter.quant.mixed_precision import bit_sensitivity, quantizer_kinds
     from aimet_quadapter.quant.policy import build_sim, calibrate
-    from aimet_quadapter.text.data import batches, holdout_seed, load_text, random_crops, tokenize
+    from aimet_quadapter.text.data import batches, check_crop_count, holdout_seed, load_text, random_crops, tokenize
 
     given = {k.split(".", 1)[1]: v for k, v in _section_overrides(args).items() if k.startswith("policy.")}
     policy = QuantPolicy(**given)
@@ -278,12 +282,14 @@ def _cmd_sensitivity(args: argparse.Namespace) -> int:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise QuadapterError(f"{name} must be a positive integer, got {value!r}")
     check_length(max_positions(args.model), length, "--calib-len")
+    check_crop_count(samples, length, "--calib-samples")
+    check_crop_count(args.held_out, length, "--held-out")
     text = load_text(args.calib_dataset, "train")  # a bad dataset is refused before the model loads
     model, tokenizer = load_model(args.model, quiet=True, device=args.device)
     model.check_length(length, "--calib-len")  # a hub model's limit is known only now
     ids = tokenize(tokenizer, text)
-    calib = batches(random_crops(ids, samples, length, seed), 1)
-    held_out = batches(random_crops(ids, args.held_out, length, holdout_seed(seed)), 1)
+    calib = batches(random_crops(ids, samples, length, seed, "--calib-samples", distinct=True), 1)
+    held_out = batches(random_crops(ids, args.held_out, length, holdout_seed(seed), "--held-out"), 1)
     fp_loss = mean_lm_loss(model, held_out)
     sim = build_sim(model, policy, in_place=True)  # the FP model is not used again
     calibrate(sim, calib)

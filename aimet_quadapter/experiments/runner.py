@@ -376,6 +376,7 @@ class RecipeRun:
         from aimet_quadapter.models.loading import max_positions
 
         self._check_lengths(max_positions(self.model_name))
+        self._check_counts(cells)
         self.eval_windows()
         self.dev_windows()
         self.check_roles()
@@ -392,6 +393,25 @@ class RecipeRun:
                     self.validation_batches(cell.calibration)
             if cell.fid is not None:
                 self.finetune_batches(cell.fid, cell.size)
+
+    def _check_counts(self, cells: list[Cell]) -> None:
+        # the crop counts against the free memory, before any text is read (the texts can say more, later)
+        from aimet_quadapter.text.data import check_crop_count
+
+        c, p2 = self.recipe.calibration, self.recipe.phase2
+        if any(cell.calibration is not None and self.catalog[cell.method].calibrates for cell in cells):
+            check_crop_count(c.samples, c.length, "calibration.samples")
+            check_crop_count(self.recipe.quadapter.holdout, c.length, "quadapter.holdout")
+        if any(cell.fid is not None for cell in cells):
+            check_crop_count(self._finetune_pool_size(), p2.seq_len, self._finetune_setting())
+
+    def _finetune_pool_size(self) -> int:
+        # one pool of the largest size: every smaller sweep size is a prefix of it, so the sizes are nested
+        p2 = self.recipe.phase2
+        return max(self.recipe.finetune_sizes or [max(p2.steps, 1) * p2.batch_size])
+
+    def _finetune_setting(self) -> str:
+        return "finetune_sizes" if self.recipe.finetune_sizes else "phase2.steps x phase2.batch_size"
 
     def _check_sites(self, model: PreparedLM) -> None:
         if not self.recipe.phase1.keep_start:
@@ -448,8 +468,11 @@ class RecipeRun:
         except QuadapterError as exc:
             raise QuadapterError(f"{self.recipe.where()}: train split of {_named(ref)}: {exc}") from None
 
-    def _crops(self, refs: list[DatasetRef], num: int, length: int, seed: int) -> torch.Tensor:
-        """``num`` crops of the train split(s), shared out evenly over the datasets of an expanded F-ID."""
+    def _crops(
+        self, refs: list[DatasetRef], num: int, length: int, seed: int, setting: str, distinct: bool = False
+    ) -> torch.Tensor:
+        """``num`` crops of the train split(s), shared out evenly over the datasets of an expanded F-ID; with
+        ``distinct``, no more than a text holds without overlap (refused naming ``setting``)."""
         from aimet_quadapter.experiments.generated import GENERATED, sample_crops
         from aimet_quadapter.text.data import random_crops
 
@@ -460,7 +483,8 @@ class RecipeRun:
                 parts.append(sample_crops(self.generated_samples(), n, length, seed))
             elif n:
                 with self._about(ref):
-                    parts.append(random_crops(self._tokens(ref.source, "train"), n, length, seed))
+                    ids = self._tokens(ref.source, "train")
+                    parts.append(random_crops(ids, n, length, seed, setting, distinct))
         crops = torch.cat(parts)
         if len(refs) > 1:  # mix the datasets within every batch
             crops = crops[torch.randperm(len(crops), generator=torch.Generator().manual_seed(seed))]
@@ -490,7 +514,8 @@ class RecipeRun:
         from aimet_quadapter.text.data import batches
 
         c = self.recipe.calibration
-        return batches(self._crops(self.calibration_sets[cal], c.samples, c.length, c.seed), 1)
+        crops = self._crops(self.calibration_sets[cal], c.samples, c.length, c.seed, "calibration.samples", True)
+        return batches(crops, 1)
 
     @cache  # noqa: B019
     def validation_batches(self, cal: str) -> list[torch.Tensor]:
@@ -498,14 +523,16 @@ class RecipeRun:
         from aimet_quadapter.text.data import batches, holdout_seed
 
         c, n = self.recipe.calibration, self.recipe.quadapter.holdout
-        return batches(self._crops(self.calibration_sets[cal], n, c.length, holdout_seed(c.seed)), 1) if n else []
+        if not n:
+            return []
+        return batches(
+            self._crops(self.calibration_sets[cal], n, c.length, holdout_seed(c.seed), "quadapter.holdout"), 1
+        )
 
     @cache  # noqa: B019
     def _finetune_pool(self, fid: str) -> torch.Tensor:
-        p2 = self.recipe.phase2
-        sizes = self.recipe.finetune_sizes or [max(p2.steps, 1) * p2.batch_size]
-        # One pool of the largest size: every smaller sweep size is a prefix of it, so the sizes are nested.
-        return self._crops(self.fids[fid], max(sizes), p2.seq_len, self.recipe.calibration.seed + 1)
+        size, seed = self._finetune_pool_size(), self.recipe.calibration.seed + 1
+        return self._crops(self.fids[fid], size, self.recipe.phase2.seq_len, seed, self._finetune_setting())
 
     def finetune_batches(self, fid: str, size: int | None) -> list[torch.Tensor]:
         from aimet_quadapter.text.data import batches

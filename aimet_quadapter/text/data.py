@@ -216,10 +216,35 @@ def eval_windows(
     return windows
 
 
-def random_crops(ids: torch.Tensor, num: int, length: int, seed: int = 0) -> torch.Tensor:
-    """``num`` random fixed-length crops of a token stream, shape (num, length), reproducible by ``seed``."""
+def check_crop_count(num: int, length: int, setting: str, text_tokens: int | None = None) -> None:
+    """Refuse ``num`` crops of ``length`` tokens before they are cut: more than ``text_tokens`` can hold without
+    overlapping (where given: calibration sees each text once), or more token ids than the memory free now
+    holds twice over (the crops, then their batches)."""
+    import psutil
+
+    if text_tokens is not None and num * length > text_tokens:
+        raise QuadapterError(
+            f"{setting}: {num:,} crops of {length} tokens need {num * length:,} tokens, the text holds "
+            f"{text_tokens:,} (at most {text_tokens // length:,} crops)"
+        )
+    need = 2 * num * length * torch.empty((), dtype=torch.long).element_size()
+    free = psutil.virtual_memory().available
+    if need > free:
+        raise QuadapterError(
+            f"{setting}: {num:,} crops of {length} tokens take {need / 1e9:.1f} GB, "
+            f"{free / 1e9:.1f} GB of memory is free"
+        )
+
+
+def random_crops(
+    ids: torch.Tensor, num: int, length: int, seed: int = 0, setting: str = "crops", distinct: bool = False
+) -> torch.Tensor:
+    """``num`` random fixed-length crops of a token stream, shape (num, length), reproducible by ``seed``.
+    ``distinct``: no more crops than the text holds without overlap (see :func:`check_crop_count`, which names
+    ``setting`` in its refusal)."""
     if len(ids) < length:
         raise QuadapterError(f"the text has {len(ids)} tokens, fewer than one crop of {length}")
+    check_crop_count(num, length, setting, len(ids) if distinct else None)
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(ids) - length + 1, (num,), generator=generator)
     return torch.stack([ids[s : s + length] for s in starts.tolist()])
@@ -231,8 +256,14 @@ def batches(crops: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
 
 
 def calibration_batches(
-    tokenizer, dataset: str, num: int = 10, length: int = 512, seed: int = 0, batch_size: int = 1
+    tokenizer,
+    dataset: str,
+    num: int = 10,
+    length: int = 512,
+    seed: int = 0,
+    batch_size: int = 1,
+    setting: str = "calibration samples",
 ) -> list[torch.Tensor]:
     """Random crops of the train split (the paper: 10 x 512 tokens), as a list of batches."""
     ids = tokenize(tokenizer, load_text(dataset, "train"))
-    return batches(random_crops(ids, num, length, seed), batch_size)
+    return batches(random_crops(ids, num, length, seed, setting, distinct=True), batch_size)
