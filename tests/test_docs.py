@@ -16,13 +16,16 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def _commands(page: Path) -> list[str]:
-    """Every ``aimet-quadapter`` line of the page's bash blocks, continuation lines joined, comments dropped."""
+    """Every ``aimet-quadapter`` line of the page's bash blocks, continuation lines joined, comments and
+    environment settings before the command dropped."""
     out = []
     for block in re.findall(r"```bash\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
+            while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # an environment setting before the command
+                words = words[1:]
             if words[:1] == ["aimet-quadapter"]:
-                out.append(line)
+                out.append(shlex.join(words))
             # a pipeline of two commands (`run ... && report ...`)
             for i, word in enumerate(words):
                 if word == "&&" and words[i + 1 : i + 2] == ["aimet-quadapter"]:

@@ -310,7 +310,7 @@ def _cmd_sensitivity(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="aimet-quadapter",
-        description="Quadapter quantization of GPT-2 and Llama-family language models on AIMET",
+        description="Quadapter quantization of GPT-2, Llama, Mistral, Qwen, Phi-3 and Gemma language models on AIMET",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

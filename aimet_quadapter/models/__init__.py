@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from .base import Architecture, PreparedLM, Site, SiteSpec, device_of, is_tied, tensor_of, untie_lm_head
 from .devices import resolve_device
+from .gemma import GEMMA, GEMMA2, GEMMA3
 from .gpt2 import GPT2
-from .llama import LLAMA
+from .llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from .loading import load_model, load_tokenizer, quiet_libraries
+from .phi3 import PHI3
 
-ARCHITECTURES: tuple[Architecture, ...] = (GPT2, LLAMA)
+ARCHITECTURES: tuple[Architecture, ...] = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GEMMA2, GEMMA3)
 # Every beyond-paper site group any family has (SiteSpec.extra): what extra_sites may name.
 EXTRA_SITE_GROUPS: tuple[str, ...] = tuple(sorted({s.extra for a in ARCHITECTURES for s in a.block_sites if s.extra}))
 

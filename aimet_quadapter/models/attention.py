@@ -2,7 +2,7 @@
 
 Hugging Face calls a registered attention function with the attention module as first argument; the
 function below looks up the modules :func:`attach_attention_modules` hung on it. Its arithmetic is
-that of transformers' eager attention (GPT-2 and Llama alike), so the FP output is unchanged.
+that of transformers' eager attention (every family here), so the FP output is unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ def quantizable_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if scaling is None:
@@ -36,6 +37,8 @@ def quantizable_attention(
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     scores = module.qk_matmul(query, key.transpose(-1, -2)) * scaling
+    if softcap is not None:  # Gemma-2: scores squashed into (-softcap, softcap) before the mask
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
         mask = attention_mask[..., : key.shape[-2]]
         fill = getattr(module, "mask_fill", None)  # a finite value for masked scores: see set_mask_fill

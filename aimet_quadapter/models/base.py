@@ -56,6 +56,8 @@ class Site:
     expand: tuple[int, int] | None = None
     consumer_rows: bool = False
     rotary_head_dim: int | None = None  # head_dim when one alpha serves each rotated pair of channels
+    # A norm producer scales by (norm_offset + weight): see Architecture.norm_offset.
+    norm_offset: float = 0.0
 
     def channels(self, producer_channels: int) -> int:
         """The number of free alphas: one per producer channel, or per rotated pair."""
@@ -93,6 +95,8 @@ class Architecture:
     # The groups of extra sites that are on by default for this family (see SiteSpec.extra).
     extra_sites_default: tuple[str, ...] = ()
     tiny_config: Callable[..., object] | None = field(default=None, repr=False)
+    # Gemma's norms scale by (1 + weight), the others' by weight: a fold must scale the sum.
+    norm_offset: float = 0.0
 
 
 def device_of(module: nn.Module) -> torch.device:
@@ -126,9 +130,11 @@ class PreparedLM(nn.Module):
 
     @property
     def max_positions(self) -> int | None:
-        """The longest sequence the model takes (GPT-2's position table fails deep inside beyond it)."""
-        config = self.config
-        return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+        """The longest sequence the model takes (GPT-2's position table fails deep inside beyond it; a sliding
+        window would change the function beyond it)."""
+        from .loading import position_limit
+
+        return position_limit(self.config.to_dict())
 
     def check_length(self, length: int, what: str) -> None:
         """Refuse ``length`` tokens beyond :attr:`max_positions`, naming ``what`` asked for them."""
@@ -205,8 +211,8 @@ class PreparedLM(nn.Module):
             for spec in self.arch.block_sites:
                 if spec.extra and spec.extra not in groups:
                     continue
-                out.append(_resolve(spec, block, expand))
-        out.append(_resolve(self.arch.head_site, "lm", None))
+                out.append(_resolve(spec, block, expand, self.arch.norm_offset))
+        out.append(_resolve(self.arch.head_site, "lm", None, self.arch.norm_offset))
         return out
 
 
@@ -227,7 +233,7 @@ def extra_groups(arch: Architecture, extra: bool | Iterable[str] | None) -> froz
     return frozenset(extra) & known
 
 
-def _resolve(spec: SiteSpec, prefix: str, expand: tuple[int, int] | None) -> Site:
+def _resolve(spec: SiteSpec, prefix: str, expand: tuple[int, int] | None, norm_offset: float) -> Site:
     producer = f"{prefix}.{spec.producer}"
     consumers = tuple(f"{prefix}.{c}" for c in spec.consumers)
     short = prefix.removeprefix("lm.").removeprefix("lm")
@@ -241,6 +247,7 @@ def _resolve(spec: SiteSpec, prefix: str, expand: tuple[int, int] | None) -> Sit
         expand=expand if spec.repeat_heads and expand and expand[0] > 1 else None,
         consumer_rows=spec.consumer_rows,
         rotary_head_dim=expand[1] if spec.rotary_pairs and expand else None,
+        norm_offset=norm_offset,
     )
 
 

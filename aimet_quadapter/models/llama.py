@@ -1,23 +1,30 @@
-"""Llama family (LlamaForCausalLM: Llama, SmolLM2, ...): RMSNorm -> Linear, gated FFN, grouped-query attention."""
+"""Llama-shaped families: RMSNorm -> Linear, gated FFN, grouped-query attention with rotary embeddings.
+
+Llama (SmolLM2, ...), Mistral, Qwen2/Qwen2.5 (q/k/v biases: a row scale scales the bias too) and Qwen3 share
+module names and sites; what differs between them is data below.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import importlib
+from collections.abc import Callable
+from typing import Any
 
 from .base import Architecture, SiteSpec
 
-if TYPE_CHECKING:
-    from transformers import LlamaConfig
 
+def attention_prepare(attention: str) -> Callable[[Any], None]:
+    """A ``prepare`` hook that routes every attention module of class ``attention`` (its dotted path, imported
+    when the hook runs: the modelling code takes seconds, and the site specs must not need it) through the
+    quantizable attention. RMSNorm, Linear, SiLU and Embedding are modules AIMET knows."""
 
-def prepare(hf_model: Any) -> None:  # transformers models: config and submodules are dynamic
-    # RMSNorm, Linear, SiLU and Embedding are modules AIMET knows; only attention needs rerouting.
-    # Imported here: the modelling code and AIMET take seconds, and the site specs must not need them.
-    from transformers.models.llama.modeling_llama import LlamaAttention
+    def prepare(hf_model: Any) -> None:  # transformers models: config and submodules are dynamic
+        from .attention import use_quantizable_attention
 
-    from .attention import use_quantizable_attention
+        module, name = attention.rsplit(".", 1)
+        use_quantizable_attention(hf_model, getattr(importlib.import_module(module), name))
 
-    use_quantizable_attention(hf_model, LlamaAttention)
+    return prepare
 
 
 def head_layout(config) -> tuple[int, int, int]:
@@ -27,51 +34,84 @@ def head_layout(config) -> tuple[int, int, int]:
     return kv_heads, heads, head_dim
 
 
-def tiny_config(vocab_size: int = 512, hidden: int = 64, layers: int = 2, heads: int = 4, **kw) -> LlamaConfig:
-    kw.setdefault("num_key_value_heads", max(1, heads // 2))
-    kw.setdefault("intermediate_size", hidden * 3)
-    kw.setdefault("max_position_embeddings", 256)
-    from transformers import LlamaConfig
+def tiny_config_of(model_type: str, **fixed: Any) -> Callable[..., object]:
+    """A small config of ``model_type`` (tests, benchmarks, smoke runs); ``fixed``: what the family needs."""
 
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        tie_word_embeddings=True,
-        **kw,
+    def tiny_config(vocab_size: int = 512, hidden: int = 64, layers: int = 2, heads: int = 4, **kw) -> object:
+        from transformers import AutoConfig
+
+        kw.setdefault("num_key_value_heads", max(1, heads // 2))
+        kw.setdefault("intermediate_size", hidden * 3)
+        kw.setdefault("max_position_embeddings", 256)
+        kw.setdefault("tie_word_embeddings", True)
+        return AutoConfig.for_model(
+            model_type,
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            **{**fixed, **kw},
+        )
+
+    return tiny_config
+
+
+ATTENTION_INPUTS = SiteSpec("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
+# Q . K^T is unchanged when a K channel is scaled by alpha and the matching Q channel (of every query head in
+# the KV head's group) by 1/alpha; alpha equal on the two channels RoPE rotates together.
+QK = SiteSpec(
+    "self_attn.k_proj",
+    ("self_attn.q_proj",),
+    scope="self_attn",
+    extra="qk",
+    repeat_heads=True,
+    consumer_rows=True,
+    rotary_pairs=True,
+)
+# Attention is linear in V: a V channel scaled by alpha leaves the attention output scaled the same way, per
+# head, so o_proj's matching columns can take 1/alpha.
+VO = SiteSpec("self_attn.v_proj", ("self_attn.o_proj",), scope="self_attn", extra="linear", repeat_heads=True)
+MLP_INPUTS = SiteSpec("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))
+# silu(gate) * up is linear in up per channel.
+UP_DOWN = SiteSpec("mlp.up_proj", ("mlp.down_proj",), scope="mlp", extra="linear")
+
+
+def llama_shaped(
+    name: str,
+    model_type: str,
+    attention: str,
+    block_sites: tuple[SiteSpec, ...] = (),
+    prepare: Callable[[Any], None] | None = None,
+    norm_offset: float = 0.0,
+    **tiny: Any,
+) -> Architecture:
+    """A family whose modules are named as Llama's; ``block_sites`` default to Llama's, ``prepare`` to routing
+    the ``attention`` class; ``tiny``: what the family's tiny config needs."""
+    return Architecture(
+        name=name,
+        model_types=(model_type,),
+        blocks="model.layers",
+        embedding="model.embed_tokens",
+        lm_head="lm_head",
+        block_sites=block_sites or (ATTENTION_INPUTS, QK, VO, MLP_INPUTS, UP_DOWN),
+        head_site=SiteSpec("model.norm", ("lm_head",)),
+        prepare=prepare or attention_prepare(attention),
+        head_layout=head_layout,
+        extra_sites_default=("linear",),
+        tiny_config=tiny_config_of(model_type, **tiny),
+        norm_offset=norm_offset,
     )
 
 
-LLAMA = Architecture(
-    name="llama",
-    model_types=("llama",),
-    blocks="model.layers",
-    embedding="model.embed_tokens",
-    lm_head="lm_head",
-    block_sites=(
-        SiteSpec("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-        # Q . K^T is unchanged when a K channel is scaled by alpha and the matching Q channel (of every query
-        # head in the KV head's group) by 1/alpha; alpha equal on the two channels RoPE rotates together.
-        SiteSpec(
-            "self_attn.k_proj",
-            ("self_attn.q_proj",),
-            scope="self_attn",
-            extra="qk",
-            repeat_heads=True,
-            consumer_rows=True,
-            rotary_pairs=True,
-        ),
-        # Attention is linear in V: a V channel scaled by alpha leaves the attention output scaled the
-        # same way, per head, so o_proj's matching columns can take 1/alpha.
-        SiteSpec("self_attn.v_proj", ("self_attn.o_proj",), scope="self_attn", extra="linear", repeat_heads=True),
-        SiteSpec("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-        # silu(gate) * up is linear in up per channel.
-        SiteSpec("mlp.up_proj", ("mlp.down_proj",), scope="mlp", extra="linear"),
-    ),
-    head_site=SiteSpec("model.norm", ("lm_head",)),
-    prepare=prepare,
-    head_layout=head_layout,
-    extra_sites_default=("linear",),
-    tiny_config=tiny_config,
+LLAMA = llama_shaped("llama", "llama", "transformers.models.llama.modeling_llama.LlamaAttention")
+MISTRAL = llama_shaped("mistral", "mistral", "transformers.models.mistral.modeling_mistral.MistralAttention")
+QWEN2 = llama_shaped("qwen2", "qwen2", "transformers.models.qwen2.modeling_qwen2.Qwen2Attention")
+# Qwen3 normalises every query and key head (q_norm, k_norm) after its projection: a K channel scaled by alpha
+# is normalised away, so the Q . K^T site does not hold; the others do.
+QWEN3 = llama_shaped(
+    "qwen3",
+    "qwen3",
+    "transformers.models.qwen3.modeling_qwen3.Qwen3Attention",
+    (ATTENTION_INPUTS, VO, MLP_INPUTS, UP_DOWN),
+    head_dim=16,
 )

@@ -9,8 +9,10 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -125,8 +127,18 @@ def max_positions(name: str) -> int | None:
         values = json.loads(config.read_text())
     except (OSError, ValueError) as exc:
         raise QuadapterError(f"model config {config} cannot be read: {exc}") from None
-    limit = values.get("n_positions") or values.get("max_position_embeddings")
-    return int(limit) if limit else None
+    return position_limit(values)
+
+
+def position_limit(config: Mapping[str, Any]) -> int | None:
+    """The longest sequence a model config (its ``config.json`` values) lets this package score exactly: its
+    position table, or its sliding attention window where that is shorter. The sim's causal mask has no
+    window, and within one window a sliding-window layer computes what a full-attention layer does."""
+    limits = [config.get("n_positions") or config.get("max_position_embeddings")]
+    if config.get("use_sliding_window", True):  # Qwen2 keeps a window size it does not use
+        limits.append(config.get("sliding_window"))
+    known = [int(x) for x in limits if x]
+    return min(known) if known else None
 
 
 def check_length(limit: int | None, length: int, what: str) -> None:

@@ -29,7 +29,7 @@ def fold_site(model: nn.Module, site: Site, alpha: torch.Tensor) -> None:
     """Eq. 3: the producer's rows (or gamma) and bias times alpha, the consumers' columns (or rows) divided by it."""
     producer = model.get_submodule(site.producer)
     alpha = alpha.to(tensor_of(producer, "weight").device)  # a loaded state's alphas are on the CPU
-    _scale_rows(producer, site.producer_scale(alpha))
+    _scale_rows(producer, site.producer_scale(alpha), site.norm_offset)
     scale = site.consumer_scale(alpha)
     for path in site.consumers:
         consumer = model.get_submodule(path)
@@ -39,9 +39,16 @@ def fold_site(model: nn.Module, site: Site, alpha: torch.Tensor) -> None:
             tensor_of(consumer, "weight").div_(scale[None, :])
 
 
-def _scale_rows(module: nn.Module, scale: torch.Tensor) -> None:
+def _rows_scaled(weight: torch.Tensor, scale: torch.Tensor, norm_offset: float) -> torch.Tensor:
+    """``weight`` with its rows times ``scale``; a norm's (offset + gamma) as a whole."""
+    if weight.dim() > 1:
+        return weight * scale[:, None]
+    return (weight + norm_offset) * scale - norm_offset if norm_offset else weight * scale
+
+
+def _scale_rows(module: nn.Module, scale: torch.Tensor, norm_offset: float = 0.0) -> None:
     w = tensor_of(module, "weight")
-    w.mul_(scale if w.dim() == 1 else scale[:, None])
+    w.copy_(_rows_scaled(w, scale, norm_offset))
     if getattr(module, "bias", None) is not None:
         tensor_of(module, "bias").mul_(scale)
 
@@ -97,7 +104,9 @@ class _ModulePatch:
         bias = tensor_of(module, "bias") if getattr(module, "bias", None) is not None else None
         row: torch.Tensor | None = None
         col: torch.Tensor | None = None
+        offset = 0.0
         for q in self.rows:  # producer: rows times alpha
+            offset = q.site.norm_offset
             scale = q.site.producer_scale(q.alpha)
             row = scale if row is None else row * scale
         for q in self.cols:  # consumer: columns (or, for a product of two projections, rows) divided by alpha
@@ -111,7 +120,7 @@ class _ModulePatch:
             return out
         w = weight
         if row is not None:
-            w = w * (row if w.dim() == 1 else row[:, None])
+            w = _rows_scaled(w, row, offset)
             if bias is not None:
                 out["bias"] = bias * row
         if col is not None:

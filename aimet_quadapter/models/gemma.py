@@ -1,0 +1,106 @@
+"""Gemma families (Gemma, Gemma-2, Gemma-3 text): Llama-shaped, with norms that scale by (1 + weight).
+
+Gemma-2 and -3 norm the attention and MLP outputs too (``post_*`` norms, before the residual sum: producers
+of no linear); the MLP's inputs come from ``pre_feedforward_layernorm``. Gemma-3 normalises every query and
+key head (no Q . K^T site, as for Qwen3). AIMET knows Gemma-3's norm but not Gemma's or Gemma-2's: they are
+registered here as AIMET does its own. The scaled embedding stays unquantized, as AIMET keeps Gemma-3's.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .base import Architecture, SiteSpec
+from .llama import ATTENTION_INPUTS, MLP_INPUTS, QK, UP_DOWN, VO, attention_prepare, llama_shaped
+
+
+def register_quantized_norm(norm_cls: type[torch.nn.Module]) -> None:
+    """Give AIMET a quantized form of ``norm_cls`` (an RMSNorm AIMET has none for, e.g. Gemma's and Gemma-2's):
+    its weight quantizer applied while it runs, typed as ONNX RMSNormalization for the quantsim config's rules,
+    as AIMET does for the norms it knows. Registered once per class."""
+    from aimet_torch.nn import QuantizationMixin
+    from aimet_torch.onnx_utils import map_torch_types_to_onnx
+
+    if norm_cls in QuantizationMixin.cls_to_qcls:
+        return
+    map_torch_types_to_onnx[norm_cls] = ["RMSNormalization"]
+
+    class QuantizedNorm(QuantizationMixin, norm_cls):  # type: ignore[valid-type, misc]  # a class made at run time
+        def __quant_init__(self):
+            super().__quant_init__()
+            self.input_quantizers = torch.nn.ModuleList([None])
+            self.output_quantizers = torch.nn.ModuleList([None])
+            self.param_quantizers = torch.nn.ModuleDict({"weight": None})
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            if self.input_quantizers[0]:
+                hidden_states = self.input_quantizers[0](hidden_states)
+            with self._patch_quantized_parameters():
+                out = super().forward(hidden_states)
+            if self.output_quantizers[0]:
+                out = self.output_quantizers[0](out)
+            return out
+
+    QuantizedNorm.__name__ = QuantizedNorm.__qualname__ = f"Quantized{norm_cls.__name__}"
+    QuantizationMixin.implements(norm_cls)(QuantizedNorm)
+
+
+def leave_unquantized(module_cls: type[torch.nn.Module]) -> None:
+    """Have AIMET keep ``module_cls`` as it is (rotary tables; Gemma's scaled embedding, as AIMET does for
+    Gemma-3's)."""
+    from aimet_torch.nn import QuantizationMixin
+
+    QuantizationMixin.ignore(module_cls)
+
+
+PRE_FEEDFORWARD = SiteSpec("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"))
+
+
+def _prepare(module: str, prefix: str) -> Callable[[Any], None]:
+    route = attention_prepare(f"{module}.{prefix}Attention")
+
+    def prepare(hf_model: Any) -> None:
+        modelling = importlib.import_module(module)
+        register_quantized_norm(getattr(modelling, f"{prefix}RMSNorm"))
+        leave_unquantized(getattr(modelling, f"{prefix}RotaryEmbedding"))
+        leave_unquantized(getattr(modelling, f"{prefix}TextScaledWordEmbedding"))
+        route(hf_model)
+
+    return prepare
+
+
+def _gemma(
+    name: str, model_type: str, module: str, prefix: str, block_sites: tuple[SiteSpec, ...], aimet_knows: bool = False
+) -> Architecture:
+    # aimet_knows: AIMET has the family's norm and ignores its rotary table and embedding already
+    prepare = None if aimet_knows else _prepare(module, prefix)
+    attention = f"{module}.{prefix}Attention"
+    return llama_shaped(name, model_type, attention, block_sites, prepare=prepare, norm_offset=1.0, head_dim=16)
+
+
+GEMMA = _gemma(
+    "gemma",
+    "gemma",
+    "transformers.models.gemma.modeling_gemma",
+    "Gemma",
+    (ATTENTION_INPUTS, QK, VO, MLP_INPUTS, UP_DOWN),
+)
+GEMMA2 = _gemma(
+    "gemma2",
+    "gemma2",
+    "transformers.models.gemma2.modeling_gemma2",
+    "Gemma2",
+    (ATTENTION_INPUTS, QK, VO, PRE_FEEDFORWARD, UP_DOWN),
+)
+GEMMA3 = _gemma(
+    "gemma3",
+    "gemma3_text",
+    "transformers.models.gemma3.modeling_gemma3",
+    "Gemma3",
+    (ATTENTION_INPUTS, VO, PRE_FEEDFORWARD, UP_DOWN),
+    aimet_knows=True,
+)

@@ -1,0 +1,27 @@
+"""Phi-3 family (Phi3ForCausalLM): Llama-shaped, with q/k/v in one fused projection and gate/up in another.
+
+The paper's sites hold as they are (a norm scales the input columns of the whole fused weight). The extra
+sites would scale a slice of a fused weight's rows (v within qkv_proj, up within gate_up_proj): not offered.
+"""
+
+from __future__ import annotations
+
+from .base import Architecture, SiteSpec
+from .llama import attention_prepare, head_layout, tiny_config_of
+
+PHI3 = Architecture(
+    name="phi3",
+    model_types=("phi3",),
+    blocks="model.layers",
+    embedding="model.embed_tokens",
+    lm_head="lm_head",
+    block_sites=(
+        SiteSpec("input_layernorm", ("self_attn.qkv_proj",)),
+        SiteSpec("post_attention_layernorm", ("mlp.gate_up_proj",)),
+    ),
+    head_site=SiteSpec("model.norm", ("lm_head",)),
+    prepare=attention_prepare("transformers.models.phi3.modeling_phi3.Phi3Attention"),
+    head_layout=head_layout,
+    # Phi-3's config defaults name token ids of its 32k vocabulary; a tiny vocabulary needs its own
+    tiny_config=tiny_config_of("phi3", pad_token_id=0, bos_token_id=1, eos_token_id=2),
+)
