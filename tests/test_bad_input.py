@@ -132,6 +132,11 @@ OTHER_CASES = {
         + ["--set", "calibration.length=64", "--set", "calibration.samples=100000000"],
         "calibration.samples: 100,000,000 crops of 64 tokens take",
     ),
+    "run sampling more text than the memory holds": (
+        ["run", "{recipe}", "--set", "methods=[fp, ptq]", "--set", "calibration.dataset=generated"]
+        + ["--set", "calibration.length=64", "--set", "generated.length=64", "--set", "generated.samples=10000000000"],
+        "generated.samples: 10,000,000,000 crops of 64 tokens take",
+    ),
     "run of a recipe that is not YAML": (["run", "{not_yaml}"], "not valid YAML"),
     "run of a recipe with a misspelt field": (["run", "{misspelt}"], "field evall: unknown field; did you mean eval?"),
     "eval of a missing model folder": (["eval", "--model", "{tmp}/no-model", "--dataset", "{corpus}"], "model folder"),

@@ -404,6 +404,8 @@ class RecipeRun:
             check_crop_count(self.recipe.quadapter.holdout, c.length, "quadapter.holdout")
         if any(cell.fid is not None for cell in cells):
             check_crop_count(self._finetune_pool_size(), p2.seq_len, self._finetune_setting())
+        if self._uses_generated():
+            check_crop_count(self.recipe.generated.samples, self.recipe.generated.length, "generated.samples")
 
     def _finetune_pool_size(self) -> int:
         # one pool of the largest size: every smaller sweep size is a prefix of it, so the sizes are nested
