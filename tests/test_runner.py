@@ -508,7 +508,7 @@ def test_messages_go_to_stderr_at_the_level_asked_and_always_to_the_run_log(base
     assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (DEBUG|INFO) ", lines[-1])
 
 
-def test_seeds_run_in_two_folders_merge_into_one(world, tmp_path, capsys):
+def test_seeds_and_cells_run_in_other_folders_merge_into_one(world, tmp_path, capsys):
     for out, seeds in (("a", "[0]"), ("b", "[1]")):
         argv = ["run", str(world / "r.yaml"), "--out", str(tmp_path / out), "--no-progress"]
         assert main([*argv, "--set", "methods=[fp,ptq]", "--set", f"seeds={seeds}"]) == 0
@@ -534,3 +534,14 @@ def test_seeds_run_in_two_folders_merge_into_one(world, tmp_path, capsys):
     # merging again adds nothing: seed 1 is the destination's now
     assert main(["merge", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     assert "added to" in capsys.readouterr().out.split(": nothing")[0]
+    # a copy that ran another method of a seed the destination has: that cell and its folder join, the rest stays
+    other = Path(shutil.copytree(tmp_path / "a", tmp_path / "c"))
+    argv = ["run", str(world / "r.yaml"), "--out", str(other), "--no-progress", "--set", "seeds=[0]"]
+    assert main([*argv, "--set", "methods=[fp,cle]"]) == 0
+    capsys.readouterr()
+    assert main(["merge", str(tmp_path / "a"), str(other)]) == 0
+    assert f"added to {tmp_path / 'a'}: calib:a/cle#seed0\n" in capsys.readouterr().out
+    merged = _results(tmp_path / "a")
+    assert merged["cells"]["calib:a/cle#seed0"] == _results(other)["cells"]["calib:a/cle#seed0"]
+    assert merged["cells"]["calib:a/ptq#seed1"] == a["cells"]["calib:a/ptq#seed1"]
+    assert (tmp_path / "a" / "seed-0" / "calib-a" / "cle").is_dir()

@@ -398,9 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "merge",
-        help="add to a run folder the seeds other run folders of the same recipe computed (e.g. on other machines)",
+        help="add to a run folder the cells (seeds, methods) other run folders of the same recipe computed "
+        "(e.g. in other processes or on other machines)",
     )
-    p.add_argument("run_dir", help="the run folder that receives the seeds")
+    p.add_argument("run_dir", help="the run folder that receives the cells")
     p.add_argument("others", nargs="+", metavar="other_run_dir", help="run folders of the same recipe and settings")
     p.set_defaults(func=_cmd_merge)
     add_export_command(sub)

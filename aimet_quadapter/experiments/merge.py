@@ -1,9 +1,10 @@
-"""Seeds of one recipe computed in several run folders (one process or machine each), gathered into one.
+"""Cells of one recipe computed in several run folders (one process or machine each), gathered into one.
 
-A recipe's seeds are independent, so they can run side by side: ``run --set seeds=[0,1] --out A`` here,
-``run --set seeds=[2] --out B`` elsewhere, then ``merge A B`` adds B's seeds to A's ``results.json``, with
-their folders, as if A had run them. Only runs of the same recipe under the same settings (all but ``seeds``
-and ``out``) merge; a seed A already has any cell of is left as A has it.
+A recipe's seeds are independent, and so are its cells once what they start from is computed: they can run
+side by side (``run --set seeds=[0,1] --out A`` here, ``run --set seeds=[2] --out B`` elsewhere; or B a copy
+of A that runs other methods of the same seed), then ``merge A B`` adds B's cells to A's ``results.json``,
+with their folders, as if A had run them. Only runs of the same recipe under the same settings (all but
+``seeds``, ``out`` and ``methods``) merge; a cell A already has is left as A has it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.experiments.lock import RunLock
 from aimet_quadapter.experiments.results_file import load_results, write_results
 
-_PER_FOLDER = {"seeds", "out"}  # what two runs of one recipe may differ in
+_PER_FOLDER = {"seeds", "out", "methods"}  # what two runs of one recipe may differ in
 
 
 def _flat(settings: dict, prefix: str = "") -> Iterator[tuple[str, object]]:
@@ -47,8 +48,19 @@ def _check_same_recipe(dest: dict, src: dict, src_dir: Path) -> None:
             raise QuadapterError(f"{src_dir}: other {field} than the destination's")
 
 
+def _copy_missing(src_dir: Path, dest_dir: Path, folder: str | None) -> None:
+    # a cell's folder (its state, curves, checkpoints) and the sampled texts: the files the destination lacks
+    if folder and (src_dir / folder).is_dir():
+        shutil.copytree(
+            src_dir / folder,
+            dest_dir / folder,
+            dirs_exist_ok=True,
+            copy_function=lambda src, dst: None if Path(dst).exists() else shutil.copy2(src, dst),
+        )
+
+
 def merge_runs(dest_dir: str | Path, sources: Sequence[str | Path]) -> tuple[dict, list[str]]:
-    """Add to ``dest_dir`` the seeds that each run folder of ``sources`` has and it lacks; its results as written
+    """Add to ``dest_dir`` the cells that each run folder of ``sources`` has and it lacks; its results as written
     and the keys added."""
     dest_dir = Path(dest_dir)
     with ExitStack() as locks:
@@ -63,31 +75,17 @@ def merge_runs(dest_dir: str | Path, sources: Sequence[str | Path]) -> tuple[dic
             _check_same_recipe(dest, results[src_dir], src_dir)
         added: list[str] = []
         for src_dir in folders[1:]:
-            have = {c["seed"] for c in dest["cells"].values() if c.get("seed") is not None}
-            new_seeds: set[int] = set()
             for key, cell in results[src_dir]["cells"].items():
-                seed = cell.get("seed")
-                if seed is None:
-                    ours = dest["cells"].get(key)
-                    if ours is None:
-                        dest["cells"][key] = cell
-                        added.append(key)
-                    elif ours.get("fingerprint") != cell.get("fingerprint"):
-                        raise QuadapterError(
-                            f"{src_dir}: cell {key} was computed under other settings or code than the destination's"
-                        )
-                elif seed not in have:
+                ours = dest["cells"].get(key)
+                if ours is None:
                     dest["cells"][key] = cell
                     added.append(key)
-                    new_seeds.add(seed)
-            for seed in sorted(new_seeds):
-                if (src_dir / f"seed-{seed}").is_dir():
-                    shutil.copytree(src_dir / f"seed-{seed}", dest_dir / f"seed-{seed}", dirs_exist_ok=True)
-            generated = src_dir / "generated"
-            for path in sorted(generated.glob("*.pt")) if generated.is_dir() else []:
-                if not (dest_dir / "generated" / path.name).exists():
-                    (dest_dir / "generated").mkdir(exist_ok=True)
-                    shutil.copy2(path, dest_dir / "generated" / path.name)
-            dest["seeds"] = sorted({*dest.get("seeds", []), *new_seeds})
+                    _copy_missing(src_dir, dest_dir, cell.get("folder"))
+                elif cell.get("seed") is None and ours.get("fingerprint") != cell.get("fingerprint"):
+                    raise QuadapterError(
+                        f"{src_dir}: cell {key} was computed under other settings or code than the destination's"
+                    )
+            _copy_missing(src_dir, dest_dir, "generated")
+            dest["seeds"] = sorted({*dest.get("seeds", []), *results[src_dir].get("seeds", [])})
         write_results(dest_dir, dest)
     return dest, added
