@@ -454,7 +454,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
     results, added = merge_runs(args.run_dir, args.others)
     print(results_table(results))
-    print(f"added to {args.run_dir}: {', '.join(added) or 'nothing (it has every seed of the others)'}")
+    print(f"added to {args.run_dir}: {', '.join(added) or 'nothing (it has every cell of the others)'}")
     return 0
 
 
