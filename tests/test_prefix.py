@@ -1,5 +1,6 @@
 """A prefix held as a full-precision KV cache (PrefixQuant): the text after it computes what prefix + text does in
-one pass, its activations stay out of the static ranges, and the cache follows every change of the weights."""
+one pass, its activations stay out of the static ranges, the cache follows every change of the weights, and the
+export carries it to every form of the model."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from aimet_torch.utils import remove_all_quantizers
 
+from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import tiny_model
 from aimet_quadapter.quadapter.api import apply_cle, apply_quadapter, attach_quadapters
 from aimet_quadapter.quadapter.config import Phase1Parameters, Phase2Parameters, QuadapterParameters
@@ -109,3 +111,41 @@ def test_phase2_recomputes_the_prefix_cache_after_every_step():
     assert any(q.site.cached and q.theta.abs().max() > 0.1 for q in qset)  # keys and values moved
     with remove_all_quantizers(sim.model):  # the alphas still act through the hooks, not yet folded
         assert torch.allclose(sim.model(batches[0]), _one_pass(model, batches[0]), atol=1e-4)
+
+
+def test_a_prefixed_sim_exports_with_its_prefix_and_each_form_computes_what_the_sim_computes(tmp_path):
+    from aimet_quadapter.export.exporter import export_quantized
+    from aimet_quadapter.export.formats import PREFIX_KV
+    from aimet_quadapter.export.hf import HFCheckpoint, load_hf_export
+    from aimet_quadapter.export.kv import KVGraphRunner, KVGraphs
+
+    model = tiny_model("llama")
+    model.set_prefix(PREFIX)
+    batches = _batches(model.config.vocab_size, length=24)
+    sim = build_sim(model)
+    calibrate(sim, batches)
+    kv = KVGraphs(context=40, lengths=(8, 1))
+    windows = _batches(model.config.vocab_size, n=2, length=24, low=1)
+    # the verification reads each window after the prefix: 2 + 24 tokens must fit the context, with one to spare
+    with pytest.raises(QuadapterError, match="after the 2 prefix tokens do not fit a KV context of 26"):
+        export_quantized(sim, tmp_path / "no", 24, verify_windows=windows, formats=[KVGraphs(26, (8, 1))])
+    # every form is verified against the sim inside: the full-sequence graphs, the KV graphs, the checkpoint
+    result = export_quantized(sim, tmp_path / "e", 24, verify_windows=windows, formats=[kv, HFCheckpoint()])
+    assert result.manifest["prefix"]["ids"] == PREFIX
+    assert result.manifest["kv"]["prefix"]["tokens"] == len(PREFIX)
+
+    ids = windows[0][0]
+    with torch.no_grad():
+        expected = sim.model(ids[None])[0]
+    runner = KVGraphRunner(result.out_dir / "kv", kv, model.kv_shape())
+    assert runner.filled == len(PREFIX)  # the host starts from the prefix's keys and values
+    assert torch.allclose(torch.from_numpy(runner.logits(ids.tolist(), 8)), expected, atol=1e-4)
+    # without the file, a host reads the text from an empty cache: another function
+    (result.out_dir / "kv" / PREFIX_KV).unlink()
+    bare = KVGraphRunner(result.out_dir / "kv", kv, model.kv_shape())
+    assert not torch.allclose(torch.from_numpy(bare.logits(ids.tolist(), 8)), expected, atol=1e-2)
+
+    reloaded, _ = load_hf_export(result.out_dir)
+    assert reloaded.model.prefix_ids[0].tolist() == PREFIX
+    with torch.no_grad():
+        assert torch.allclose(reloaded.model(ids[None])[0], expected, atol=1e-4)

@@ -560,7 +560,14 @@ def test_a_prefix_precedes_every_sequence_and_is_part_of_the_fingerprint(base_ru
     state = run / "calib-a" / "cle" / "cle.safetensors"
     assert QuadapterState.load(state).metadata["prefix"] == [5]
     capsys.readouterr()
-    assert main(["export", str(state), "--model", str(world / "model"), "--out", str(tmp_path / "e")]) == 2
-    assert "prefix" in capsys.readouterr().err
+    export = ["export", str(state), "--model", str(world / "model"), "--out", str(tmp_path / "e"), "--seq-len", "32"]
+    export += ["--verify-dataset", str(world / "a"), "--verify-windows", "1", "--no-progress", "--kv-graphs"]
+    # the verification windows follow the prefix: 1 + 32 tokens do not leave the KV context of 33 a token to spare
+    assert main([*export, "--kv-context", "33", "--kv-prefill", "8"]) == 2
+    assert "windows after the state's 1 prefix tokens must fit --kv-context 33" in capsys.readouterr().err
+    assert main([*export, "--kv-context", "48", "--kv-prefill", "8"]) == 0
+    assert "the prefix's 1 tokens" in capsys.readouterr().out
+    manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    assert manifest["prefix"]["ids"] == manifest["kv"]["prefix"]["ids"] == [5]
     assert main([*args, "--set", "prefix=''"]) == 2  # an empty prefix: named before the model loads
     assert "field prefix" in capsys.readouterr().err

@@ -115,17 +115,15 @@ def _cmd_export(args) -> int:
         if args.kv_prefill >= args.kv_context:
             raise QuadapterError(f"--kv-prefill {args.kv_prefill} must be below --kv-context {args.kv_context}")
         kv = KVGraphs(args.kv_context, (args.kv_prefill, 1), "int32" if args.kv_int32_ids else "int64")
-        if args.seq_len > kv.context - 1:
-            raise QuadapterError(
-                f"--seq-len {args.seq_len}: the verification windows must fit --kv-context {kv.context}"
-            )
     device = resolve_device(args.device)
     state_path = resolve_state(args.state)
     state = QuadapterState.load(state_path)
-    if state.metadata.get("prefix"):
-        # the graphs would need the prefix's keys and values as data beside them, and their host to load it
+    # a state trained with a prefix is exported with it: every sequence, the verification's too, follows it
+    prefix = len(state.metadata.get("prefix") or [])
+    after = f" after the state's {prefix} prefix tokens" if prefix else ""
+    if kv is not None and prefix + args.seq_len > kv.context - 1:
         raise QuadapterError(
-            f"{state_path}: a state trained with a prefix (the recipe's prefix field) cannot be exported yet"
+            f"--seq-len {args.seq_len}: the verification windows{after} must fit --kv-context {kv.context}"
         )
     check_new_folder(Path(args.out).expanduser().absolute(), args.force)
     from aimet_quadapter.text import data
@@ -133,7 +131,8 @@ def _cmd_export(args) -> int:
     data.load_text(args.verify_dataset, args.verify_split)  # read again below, once the tokenizer is there
     from aimet_quadapter.models.loading import check_length, max_positions
 
-    check_length(max_positions(args.model), args.seq_len, "--seq-len")
+    length = f"--seq-len {args.seq_len} + the state's {prefix} prefix tokens =" if prefix else "--seq-len"
+    check_length(max_positions(args.model), prefix + args.seq_len, length)
     if kv is not None:
         check_length(max_positions(args.model), kv.context, "--kv-context")
 
@@ -143,7 +142,7 @@ def _cmd_export(args) -> int:
     from aimet_quadapter.text.perplexity import eval_windows_for
 
     model, tokenizer = load_model(args.model, quiet=True, device=device)
-    model.check_length(args.seq_len, "--seq-len")
+    model.check_length(prefix + args.seq_len, length)
     check_free_disk(args.out, model)  # the weights' size is known now, before the sim is built
     # in place: the FP weights are not needed again, no copy of them
     sim = state.build_sim(model, in_place=True, merge_shared_ranges=args.merge_shared_ranges)
@@ -184,6 +183,9 @@ def _cmd_export(args) -> int:
     print(f"exported {m['method'] or 'state'} of {args.model} to {result.out_dir}:")
     for name, info in m["files"].items():
         print(f"  {name:<20} {info['bytes'] / 1e6:10.2f} MB  sha256 {info['sha256'][:16]}")
+    if m["prefix"]:
+        where = "; kv/prefix.safetensors holds them for the KV graphs' host" if "kv" in m else ""
+        print(f"  the prefix's {prefix} tokens: keys and values inside the graphs, which read the text after{where}")
     if m["shared_ranges_merged"]:
         print(f"  merged the ranges of {len(m['shared_ranges_merged'])} shared tensor(s) (see manifest.json)")
     print(

@@ -16,6 +16,9 @@ writes, into ``export/``:
   :mod:`~aimet_quadapter.export.kv`, the Hugging Face checkpoint of :mod:`~aimet_quadapter.export.hf`) in its
   own subfolder, verified against the sim too.
 
+A sim with a prefix (the recipe's ``prefix``) is exported as it computes: the full-sequence graphs hold the
+prefix's keys and values as constants and take the tokens after it; the KV graphs' host gets them as a file.
+
 Nothing is kept unless every check passes (:func:`verify_export`): the files are written into a temporary
 folder beside the target and renamed into place at the end; on any failure the temporary folder is removed.
 """
@@ -533,9 +536,9 @@ def export_quantized(
     subfolder and verified on the same windows (e.g. ``KVGraphs()``: prefill and decode graphs with a KV cache;
     ``HFCheckpoint()``: a Hugging Face checkpoint with AIMET's torch encodings).
     """
+    from aimet_quadapter.export.kv import prefix_tokens
+
     start = time.time()
-    if getattr(sim.model, "prefix_ids", None) is not None:
-        raise QuadapterError("a sim with a prefix cannot be exported yet: the graphs would need its keys and values")
     check_free_disk(out_dir, sim.model)
     if encoding_version not in ENCODING_VERSIONS:
         raise QuadapterError(
@@ -547,11 +550,14 @@ def export_quantized(
     too_long = [len(w.ids) for w in windows if len(w.ids) > seq_len]
     if too_long:
         raise QuadapterError(f"verification windows of {max(too_long)} tokens exceed the export length {seq_len}")
+    prefix = prefix_tokens(sim.model)
+    if prefix and hasattr(sim.model, "check_length"):
+        sim.model.check_length(prefix + seq_len, f"the export length {seq_len} + {prefix} prefix tokens =")
     keys = [f.key for f in formats]
     if len(set(keys)) != len(keys):
         raise QuadapterError(f"each export format once: got {', '.join(keys)}")
     for extra in formats:
-        extra.check(windows)
+        extra.check(windows, prefix)
     if dynamic_length:
         # prove the dynamic axis too: the same text at another length
         windows.append(Window(windows[0].ids[: max(2, len(windows[0].ids) // 2)], 1))
@@ -600,6 +606,8 @@ def export_quantized(
             "export_int32_bias": encoding_version >= "2.0.0",  # AIMET's default for the FP export, kept
             "seq_len": seq_len,
             "dynamic_length": dynamic_length,
+            # the graphs hold the prefix's keys and values as constants: input_ids are the tokens after it
+            "prefix": {"ids": sim.model.prefix_ids[0].tolist(), "tokens": prefix} if prefix else None,
             "input": {"name": INPUT_NAME, "dtype": "int64", "shape": [1, length]},
             "output": {"name": OUTPUT_NAME, "dtype": "float32", "shape": [1, length, vocab]},
             "opset": {FP_ONNX: _opset(tmp / FP_ONNX), QDQ_ONNX: _opset(tmp / QDQ_ONNX)},

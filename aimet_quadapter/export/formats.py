@@ -34,6 +34,8 @@ def data_file(graph: str) -> str:
 
 KV_FOLDER = "kv"  # the prefill and decode graphs with a KV cache, beside the full-sequence ones
 HF_FOLDER = "hf"  # the folded FP model as a Hugging Face checkpoint, with AIMET's torch encodings
+PREFIX_KV = "prefix.safetensors"  # a prefix's keys and values, which a host puts first in its KV cache
+PREFIX_IDS = "prefix.json"  # a prefix's token ids, for a model that computes its keys and values itself
 
 
 class ExtraFormat(Protocol):
@@ -42,8 +44,9 @@ class ExtraFormat(Protocol):
 
     key: ClassVar[str]
 
-    def check(self, windows: Sequence[Window]) -> None:
-        """Refuse settings that cannot work with these verification windows, before anything is exported."""
+    def check(self, windows: Sequence[Window], prefix_tokens: int) -> None:
+        """Refuse settings that cannot work with these verification windows read after a prefix of
+        ``prefix_tokens`` tokens (0: none), before anything is exported."""
 
     def write(self, sim: Any, folder: Path, encoding_version: str) -> dict:
         """Write the files of this format from ``sim`` into ``folder``."""

@@ -8,6 +8,8 @@ and ``model_torch.encodings`` (the JSON keyed by module names that ``load_encodi
 AIMET versions and tools; AIMET writes each range as its grid's ends and recomputes the scale from them in
 float32, which can move a scale by one ulp). With these a user rebuilds the sim in their own AIMET session
 (:func:`load_hf_export` is the whole recipe), and the export checks both ways back against the exported sim.
+A model trained with a prefix has its token ids in ``prefix.json``: the prefix's keys and values come from the
+weights (:meth:`~aimet_quadapter.models.PreparedLM.set_prefix`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from aimet_torch.quantsim import QuantizationSimModel
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.export.formats import HF_FOLDER
+from aimet_quadapter.export.formats import HF_FOLDER, PREFIX_IDS
 from aimet_quadapter.memory import release_freed_memory
 from aimet_quadapter.models import device_of
 from aimet_quadapter.quant.quantizers import fast_inference
@@ -87,11 +89,15 @@ def save_hf_checkpoint(sim: QuantizationSimModel, folder: Path, tokenizer: Any =
     (folder / TORCH_ENCODINGS).write_text(json.dumps(encodings, indent=1))
     torch.save(sim.quantizer_state_dict(), folder / QUANTIZER_STATE)
     (folder / POLICY_FILE).write_text(json.dumps(sim_policy(sim).to_dict(), indent=2))
+    prefix = getattr(sim.model, "prefix_ids", None)
+    if prefix is not None:
+        (folder / PREFIX_IDS).write_text(json.dumps({"ids": prefix[0].tolist()}))
     return {
         "quantizer_state": QUANTIZER_STATE,
         "encodings": TORCH_ENCODINGS,
         "policy": POLICY_FILE,
         "tokenizer": tokenizer is not None,
+        "prefix": None if prefix is None else PREFIX_IDS,
     }
 
 
@@ -117,6 +123,8 @@ def load_hf_export(
     policy = QuantPolicy(**json.loads((folder / POLICY_FILE).read_text()))
     target = device if isinstance(device, torch.device) else resolve_device(device)
     model = prepare_model(load_hf_model(str(folder))).to(target)
+    if (folder / PREFIX_IDS).is_file():
+        model.set_prefix(json.loads((folder / PREFIX_IDS).read_text())["ids"])
     tokenizer = load_tokenizer(str(folder)) if (folder / "tokenizer_config.json").is_file() else None
     sim = build_sim(model, policy, in_place=True)
     if from_json:
@@ -181,7 +189,7 @@ class HFCheckpoint:
     key: ClassVar[str] = HF_FOLDER
     tokenizer: Any = field(default=None, compare=False)
 
-    def check(self, windows: Sequence[Window]) -> None:
+    def check(self, windows: Sequence[Window], prefix_tokens: int) -> None:
         pass
 
     def write(self, sim: QuantizationSimModel, folder: Path, encoding_version: str) -> dict:

@@ -9,6 +9,11 @@ C) and ``position_ids`` (1, N), and returns ``logits`` and the new keys and valu
 from one sim: one set of quantizers, so the encodings of every tensor they share agree (checked), and one
 encodings file, ``model.encodings``, serves both graphs.
 
+A model trained with a prefix (PrefixQuant: tokens every sequence follows, held as keys and values in full
+precision) ships them as ``prefix.safetensors`` (``past_key_<layer>`` / ``past_value_<layer>``, each (1, kv_heads,
+P, head_dim)): the host's cache starts with them, so the first token of a prompt sits at position P. The graphs
+are the same with or without one.
+
 :class:`KVGraphRunner` is such a host in onnxruntime; :func:`verify_kv_graphs` holds the graphs' perplexity
 and greedy generation against the sim's.
 """
@@ -29,7 +34,7 @@ import torch
 from aimet_torch.quantsim import QuantizationSimModel
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.export.formats import ENCODING_VERSION, ENCODINGS, KV_FOLDER, QDQ_ONNX, data_file
+from aimet_quadapter.export.formats import ENCODING_VERSION, ENCODINGS, KV_FOLDER, PREFIX_KV, QDQ_ONNX, data_file
 from aimet_quadapter.export.lean import export_sim_graphs
 from aimet_quadapter.memory import release_freed_memory
 from aimet_quadapter.models import PreparedLM, device_of
@@ -66,8 +71,8 @@ class KVGraphs:
                 f"KV graph length {bad[0]} must be between 1 and the context {self.context} (excluded)"
             )
 
-    def check(self, windows: Sequence[Window]) -> None:
-        check_windows_fit(self, windows)
+    def check(self, windows: Sequence[Window], prefix_tokens: int) -> None:
+        check_windows_fit(self, windows, prefix_tokens)
 
     def write(self, sim: QuantizationSimModel, folder: Path, encoding_version: str) -> dict:
         return export_kv_graphs(sim, folder, self, encoding_version)
@@ -81,11 +86,53 @@ class KVGraphs:
         return {"verification": asdict(agreement)}
 
 
-def check_windows_fit(graphs: KVGraphs, windows: Sequence[Window]) -> None:
-    """The verification feeds whole windows through the graphs: each must fit the context with a token to spare."""
+def check_windows_fit(graphs: KVGraphs, windows: Sequence[Window], prefix_tokens: int = 0) -> None:
+    """The verification feeds whole windows through the graphs after the prefix, if any: each must fit the
+    context with a token to spare."""
     longest = max(len(w.ids) for w in windows)
-    if longest > graphs.context - 1:
-        raise QuadapterError(f"verification windows of {longest} tokens do not fit a KV context of {graphs.context}")
+    if prefix_tokens + longest > graphs.context - 1:
+        after = f" after the {prefix_tokens} prefix tokens" if prefix_tokens else ""
+        raise QuadapterError(
+            f"verification windows of {longest} tokens{after} do not fit a KV context of {graphs.context}"
+        )
+
+
+def prefix_tokens(model: PreparedLM) -> int:
+    ids = getattr(model, "prefix_ids", None)
+    return 0 if ids is None else int(ids.shape[-1])
+
+
+def save_prefix_kv(model: PreparedLM, folder: Path) -> dict | None:
+    """The model's prefix keys and values as ``folder/prefix.safetensors`` in the graphs' input names; its
+    manifest entry (None without a prefix)."""
+    from safetensors.torch import save_file
+
+    if model.prefix_ids is None or model.prefix_kv is None:
+        return None
+    tensors = {}
+    for layer, (k, v) in enumerate(model.prefix_kv):
+        tensors[f"past_key_{layer}"] = k.detach().float().cpu().contiguous()
+        tensors[f"past_value_{layer}"] = v.detach().float().cpu().contiguous()
+    ids = model.prefix_ids[0].tolist()
+    save_file(tensors, str(folder / PREFIX_KV), metadata={"ids": json.dumps(ids)})
+    return {
+        "file": PREFIX_KV,
+        "ids": ids,
+        "tokens": len(ids),
+        "use": f"the first {len(ids)} tokens of the host's KV cache, at positions 0..{len(ids) - 1}, before any "
+        "prompt; float32, quantized by the graphs as every cached token is",
+    }
+
+
+def load_prefix_kv(folder: Path) -> list[np.ndarray] | None:
+    """What :func:`save_prefix_kv` wrote, in the order of the graphs' past inputs (None where there is none)."""
+    from safetensors.numpy import load_file
+
+    path = folder / PREFIX_KV
+    if not path.is_file():
+        return None
+    tensors = load_file(str(path))
+    return [tensors[f"past_{kind}_{layer}"] for layer in range(len(tensors) // 2) for kind in ("key", "value")]
 
 
 def graph_file(n: int, qdq: bool = False) -> str:
@@ -150,6 +197,7 @@ def export_kv_graphs(
         }
     shared = _merge_encodings(folder, graphs)
     return {
+        "prefix": save_prefix_kv(model, folder),
         "context": graphs.context,
         "ids_dtype": graphs.ids_dtype,
         "layers": layers,
@@ -201,7 +249,7 @@ class KVGraphRunner:
     """A host for the QDQ graphs of a folder, in onnxruntime: :meth:`prefill` feeds a prompt in chunks through
     the longest graph (the last chunk padded at its end, only its real tokens kept), :meth:`decode` one token
     through the AR-1 graph; each returns the logits of the tokens it fed and appends their keys and values to
-    the cache. :meth:`reset` empties the cache."""
+    the cache. :meth:`reset` empties the cache, or fills it with the folder's prefix where it has one."""
 
     def __init__(self, folder: Path, graphs: KVGraphs, kv_shape: tuple[int, int, int]):
         from aimet_quadapter.export.onnx_eval import ort_session
@@ -210,9 +258,13 @@ class KVGraphRunner:
         self.layers, self.kv_heads, self.head_dim = kv_shape
         self.sessions = {n: ort_session(str(folder / graph_file(n, qdq=True)), True, True) for n in graphs.lengths}
         self.prefill_n = max(graphs.lengths)
+        self.prefix = load_prefix_kv(folder)
         self.reset()
 
     def reset(self) -> None:
+        if self.prefix is not None:
+            self.cache = [p.astype(np.float32) for p in self.prefix]
+            return
         self.cache = [np.zeros((1, self.kv_heads, 0, self.head_dim), dtype=np.float32) for _ in range(2 * self.layers)]
 
     @property
@@ -253,14 +305,14 @@ class KVGraphRunner:
         return self._run(1, np.asarray([token], dtype=np.int64), 1)[0]
 
     def logits(self, ids: Sequence[int], prefill: int) -> np.ndarray:
-        """(T, vocab) logits of ``ids`` from an empty cache: the first ``prefill`` as a prompt, the rest decoded."""
+        """(T, vocab) logits of ``ids`` from a fresh cache: the first ``prefill`` as a prompt, the rest decoded."""
         self.reset()
         parts = [self.prefill(ids[:prefill])]
         parts += [self.decode(int(t))[None] for t in ids[prefill:]]
         return np.concatenate(parts)
 
     def generate(self, prompt: Sequence[int], steps: int) -> list[int]:
-        """``steps`` greedy tokens after ``prompt``, from an empty cache."""
+        """``steps`` greedy tokens after ``prompt``, from a fresh cache."""
         self.reset()
         out = [int(self.prefill(prompt)[-1].argmax())]
         while len(out) < steps:
@@ -324,7 +376,7 @@ def verify_kv_graphs(
     from aimet_quadapter.export.onnx_eval import OnnxLM
 
     model = sim.model
-    check_windows_fit(graphs, windows)
+    check_windows_fit(graphs, windows, prefix_tokens(model))
     # the full-sequence graph's logits first, its session closed before the KV graphs' two open: one copy of
     # the weights fewer in memory at once
     full = OnnxLM(full_graph, low_memory=True)
@@ -352,7 +404,7 @@ def verify_kv_graphs(
             tokens += window.n_targets
             if index >= greedy_prompts:
                 continue
-            steps = min(greedy_steps, graphs.context - 1 - prefill)
+            steps = min(greedy_steps, graphs.context - 1 - prefix_tokens(model) - prefill)
             want = sim_greedy(model, ids[:prefill], steps)
             got = runner.generate(ids[:prefill].tolist(), steps)
             with one_ulp_inputs(model, index):
