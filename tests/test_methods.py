@@ -56,6 +56,27 @@ def test_registry_has_the_papers_rows():
     assert REGISTRY.keys() == CATALOG.keys(), "every catalog entry has its function, and no function lacks one"
 
 
+def test_every_method_leaves_the_fp_weights_and_starts_on_their_storage(toy):
+    """The sims share the FP model's storage until they change a weight, which they do with new data: one copy
+    of the weights serves the FP model and every sim, and no method writes into the FP model's."""
+    from aimet_quadapter.models import shares_storage
+
+    model = toy[0]
+    before = _fp_weights(model)
+    baselines = BaselineParameters(adaround_iterations=2, seq_mse_candidates=3, qat_lr_weights=1e-3)
+    # held-out text: phase 1 scores its start, then trains from the FP weights again (their storage, shared)
+    ctx = _ctx(toy, baselines=baselines, validation=[toy[2][0]])
+    for name in REGISTRY:
+        out = run_method(name, ctx)
+        assert _unchanged(model, before), f"{name} wrote into the FP model's weights"
+        if name == "ptq":  # nothing changed: every weight is the FP model's own storage
+            assert all(shares_storage(p) for n, p in out.model.named_parameters() if n in before)
+        if name in ("cle", "quadapter"):  # the folded sites' weights are new; the embedding is the FP model's
+            weights = dict(out.model.named_parameters())
+            assert shares_storage(weights["lm.transformer.wte.weight"])
+            assert not shares_storage(weights[f"{model.sites()[0].producer}.weight"])
+
+
 def test_adaround_batches_limits_the_batches_aimet_reruns_the_model_on(toy):
     """``adaround_batches`` reaches AIMET: with one of the two calibration batches, fewer forwards of the model."""
     model = toy[0]

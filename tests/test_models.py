@@ -273,3 +273,27 @@ def test_the_hub_check_asks_huggingface_hub_at_its_endpoint(monkeypatch):
         assert not hub_reachable(), "HF_HUB_OFFLINE is honoured before any request"
     finally:
         hub_reachable.cache_clear()
+
+
+def test_a_weight_sharing_copy_holds_the_original_storage_until_it_owns_a_weight():
+    from aimet_quadapter.models import own_storage, reset_to, shares_storage, weight_sharing_copy
+
+    model = tiny_model("llama")
+    name = "lm.model.layers.0.mlp.down_proj.weight"
+    original = dict(model.named_parameters())[name]
+    before = original.detach().clone()
+    twin = weight_sharing_copy(model)
+    p = dict(twin.named_parameters())[name]
+    assert p is not original and shares_storage(p) and p.data_ptr() == original.data_ptr()
+    p.data = p * 2  # new data: the copy's own, the original unchanged
+    assert not shares_storage(p) and torch.equal(original, before)
+    reset_to(p, original)  # back to the original's values, on its storage again
+    assert shares_storage(p) and p.data_ptr() == original.data_ptr()
+    own_storage([p])  # before a write in place
+    with torch.no_grad():
+        p.add_(1.0)
+    assert torch.equal(original, before) and not shares_storage(p)
+    # a plain deep copy owns its weights, and a reset keeps it so
+    plain = dict(copy.deepcopy(model).named_parameters())[name]
+    reset_to(plain, original)
+    assert plain.data_ptr() != original.data_ptr() and torch.equal(plain, original)

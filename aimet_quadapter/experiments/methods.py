@@ -4,6 +4,9 @@ Every method gets the same calibration data (the paper: 10 x 512 tokens); the fi
 get the fine-tuning batches (the F-ID train split). Methods that continue from Quadapter BC (phase 2,
 BC+QAT) start from ``ctx.bc_state`` when it is set, so one phase 1 serves all of them; otherwise they
 run phase 1 first.
+
+Every sim starts on the FP model's storage (``share_weights``): a method changes a sim's weights by giving
+them new data, never in place, so that one copy of the weights serves the FP model and every sim.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 from aimet_torch.quantsim import QuantizationSimModel
@@ -25,8 +29,8 @@ from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.experiments.catalog import CATALOG, MethodInfo
 from aimet_quadapter.experiments.plots import plot_channel_ranges, plot_phase1_curves
-from aimet_quadapter.models import PreparedLM
-from aimet_quadapter.quadapter.adapter import QuadapterSet
+from aimet_quadapter.models import PreparedLM, weight_sharing_copy
+from aimet_quadapter.quadapter.adapter import QuadapterSet, fold_alphas
 from aimet_quadapter.quadapter.api import (
     QuadapterResult,
     apply_cle,
@@ -93,14 +97,14 @@ def _fp(ctx: MethodContext) -> PreparedLM:
 
 @method("ptq")
 def _ptq(ctx: MethodContext) -> QuantizationSimModel:
-    sim = build_sim(ctx.model, ctx.policy)
+    sim = build_sim(ctx.model, ctx.policy, share_weights=True)
     calibrate(sim, ctx.calibration)
     return sim
 
 
 @method("adaround")
 def _adaround(ctx: MethodContext) -> QuantizationSimModel:
-    sim = build_sim(ctx.model, ctx.policy)
+    sim = build_sim(ctx.model, ctx.policy, share_weights=True)
     info = apply_adaround(sim, ctx.model, ctx.calibration, ctx.baselines, ctx.out_dir)
     ctx.info["adaround"] = info
     return sim
@@ -108,7 +112,7 @@ def _adaround(ctx: MethodContext) -> QuantizationSimModel:
 
 @method("seq_mse")
 def _seq_mse(ctx: MethodContext) -> QuantizationSimModel:
-    sim = build_sim(ctx.model, ctx.policy)
+    sim = build_sim(ctx.model, ctx.policy, share_weights=True)
     info = apply_seq_mse(sim, ctx.model, ctx.calibration, ctx.baselines)
     ctx.info["seq_mse"] = info
     return sim
@@ -116,7 +120,7 @@ def _seq_mse(ctx: MethodContext) -> QuantizationSimModel:
 
 @method("cle")
 def _cle(ctx: MethodContext) -> QuantizationSimModel:
-    sim = build_sim(ctx.model, ctx.policy)
+    sim = build_sim(ctx.model, ctx.policy, share_weights=True)
     qset = apply_cle(sim, ctx.model, ctx.calibration, ctx.params.extra_sites)
     _save(ctx, "cle", QuadapterState.from_sim(sim, qset.total_alpha(), method="cle"))
     return sim
@@ -124,7 +128,7 @@ def _cle(ctx: MethodContext) -> QuantizationSimModel:
 
 @method("quadapter_bc")
 def _quadapter_bc(ctx: MethodContext) -> QuantizationSimModel:
-    sim = build_sim(ctx.model, ctx.policy)
+    sim = build_sim(ctx.model, ctx.policy, share_weights=True)
     params = ctx.params
     checkpoints = ctx.out_dir / "checkpoints" / "phase1" if ctx.out_dir is not None else None
     if checkpoints is not None and params.phase1.checkpoint_dir is None:  # a killed phase 1 resumes by site
@@ -168,7 +172,7 @@ def quadapter_bc_start(ctx: MethodContext) -> tuple[QuantizationSimModel, Quadap
         return sim, result
     state = ctx.bc_state
     assert state is not None  # set by _quadapter_bc above, or by the runner from a saved run
-    sim = state.build_sim(ctx.model)
+    sim = state.build_sim(ctx.model, share_weights=True)
     sites = [s for s in ctx.model.sites(extra=True) if s.name in state.alphas]
     qset = QuadapterSet(sim.model, sites)
     with torch.no_grad():
@@ -237,7 +241,7 @@ def _cle_phase2(ctx: MethodContext) -> QuantizationSimModel:
     """Quadapter's matched baseline: CLE's sim, then the recipe's phase 2 with the ranges trained, alphas fixed."""
     name = "cle_phase2"
     _phase2(ctx, name)  # fail before calibrating when there is no fine-tuning data
-    sim = build_sim(ctx.model, ctx.policy)
+    sim = build_sim(ctx.model, ctx.policy, share_weights=True)
     qset = apply_cle(sim, ctx.model, ctx.calibration, ctx.params.extra_sites)
     _train_sim(ctx, sim, name, learn_ranges=True)
     _save(ctx, name, QuadapterState.from_sim(sim, qset.total_alpha(), method=name))
@@ -313,9 +317,13 @@ def _write_losses(ctx: MethodContext, name: str, losses: list[float]) -> None:
 
 
 def _plot_head_site(ctx: MethodContext, state: QuadapterState, path: Path) -> None:
-    """Fig. 4: the last site's activation per channel, FP model before and after folding the alphas."""
+    """Fig. 4: the last site's activation per channel, FP model before and after folding its alpha (the other
+    sites' folds leave the FP function, and so this site's input, as it is: the model is not copied for them)."""
     site = ctx.model.sites(extra=ctx.params.extra_sites)[-1]
     batches = ctx.calibration[:2]
     before = channel_min_max(ctx.model, site, batches)
-    after = channel_min_max(state.folded_model(ctx.model), site, batches)
+    folded = cast(PreparedLM, weight_sharing_copy(ctx.model))
+    if site.name in state.alphas:
+        fold_alphas(folded, [site], state.alphas)
+    after = channel_min_max(folded, site, batches)
     plot_channel_ranges(before, after, path, site.name)

@@ -10,8 +10,12 @@ from .base import (
     SiteSpec,
     device_of,
     is_tied,
+    own_storage,
+    reset_to,
+    shares_storage,
     tensor_of,
     untie_lm_head,
+    weight_sharing_copy,
 )
 from .devices import resolve_device
 from .gemma import GEMMA, GEMMA2, GEMMA3
@@ -43,6 +47,10 @@ __all__ = [
     "tiny_model",
     "tensor_of",
     "untie_lm_head",
+    "own_storage",
+    "reset_to",
+    "shares_storage",
+    "weight_sharing_copy",
 ]
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.models import PreparedLM, Site, tensor_of
+from aimet_quadapter.models import PreparedLM, Site, reset_to, tensor_of
 
 
 @torch.no_grad()
@@ -36,7 +36,8 @@ def fold_site(model: nn.Module, site: Site, alpha: torch.Tensor) -> None:
         if site.consumer_rows:
             _scale_rows(consumer, 1 / scale)
         else:
-            tensor_of(consumer, "weight").div_(scale[None, :])
+            w = tensor_of(consumer, "weight")
+            w.data = w / scale[None, :]
 
 
 def _rows_scaled(weight: torch.Tensor, scale: torch.Tensor, norm_offset: float) -> torch.Tensor:
@@ -47,17 +48,21 @@ def _rows_scaled(weight: torch.Tensor, scale: torch.Tensor, norm_offset: float) 
 
 
 def _scale_rows(module: nn.Module, scale: torch.Tensor, norm_offset: float = 0.0) -> None:
+    # new data, not a write in place: a sim's weights can be the FP model's storage (weight_sharing_copy)
     w = tensor_of(module, "weight")
-    w.copy_(_rows_scaled(w, scale, norm_offset))
+    w.data = _rows_scaled(w, scale, norm_offset)
     if getattr(module, "bias", None) is not None:
-        tensor_of(module, "bias").mul_(scale)
+        b = tensor_of(module, "bias")
+        b.data = b * scale
 
 
 def fold_alphas(model: nn.Module, sites: Iterable[Site], alphas: dict[str, torch.Tensor]) -> None:
-    """Fold ``alphas`` (site name -> alpha) into ``model``, site by site in the order of ``sites``."""
+    """Fold ``alphas`` (site name -> alpha) into ``model``, site by site in the order of ``sites``. An alpha of
+    ones changes nothing and is not folded: the weights stay as they are, the FP model's storage included."""
     for site in sites:
-        if site.name in alphas:
-            fold_site(model, site, alphas[site.name])
+        alpha = alphas.get(site.name)
+        if alpha is not None and not bool((alpha == 1).all()):
+            fold_site(model, site, alpha)
 
 
 def _key(site_name: str) -> str:
@@ -205,9 +210,9 @@ class QuadapterSet(nn.Module):
             for q in self:
                 for path in (q.site.producer, *q.site.consumers):
                     target, source = model.get_submodule(path), reference.get_submodule(path)
-                    tensor_of(target, "weight").copy_(tensor_of(source, "weight"))
+                    reset_to(tensor_of(target, "weight"), tensor_of(source, "weight"))
                     if getattr(target, "bias", None) is not None:
-                        tensor_of(target, "bias").copy_(tensor_of(source, "bias"))
+                        reset_to(tensor_of(target, "bias"), tensor_of(source, "bias"))
         alphas = {q.site.name: (q.folded * q.alpha if reference is not None else q.alpha) for q in self}
         fold_alphas(model, self.sites, alphas)
         for q in self:

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from aimet_quadapter import distributed
 from aimet_quadapter.atomic import write_atomic
 from aimet_quadapter.errors import QuadapterError, TrainingDiverged
-from aimet_quadapter.models import device_of
+from aimet_quadapter.models import device_of, own_storage
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quadapter.config import Phase2Parameters
 from aimet_quadapter.quant.quantizers import (
@@ -107,6 +107,8 @@ def run_phase2(
     ranges = [p for p, _ in widths]
     range_ids = {id(p) for p in ranges}
     weights = [p for p in sim_model.parameters() if id(p) not in range_ids]
+    if params.lr_weights > 0:
+        own_storage(weights)  # the optimizer writes in place; the FP model's weights must stay
     for p in weights:
         p.requires_grad_(params.lr_weights > 0)
     for p in ranges:

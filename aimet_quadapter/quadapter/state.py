@@ -13,14 +13,14 @@ import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from aimet_quadapter.atomic import write_atomic
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.models import PreparedLM, tensor_of
+from aimet_quadapter.models import PreparedLM, tensor_of, weight_sharing_copy
 from aimet_quadapter.quadapter.adapter import fold_alphas
 from aimet_quadapter.quant.config import QuantPolicy
 
@@ -89,10 +89,16 @@ class QuadapterState:
             raise QuadapterError(f"{path} is not a Quadapter state file (corrupt or truncated?): {reason}") from None
         return cls(alphas, ranges, policy, metadata, source=path)
 
-    def folded_model(self, fp_model: PreparedLM, in_place: bool = False) -> PreparedLM:
-        """A copy of ``fp_model`` (``in_place``: the model itself) with every alpha folded into its weights (Eq. 3)."""
+    def folded_model(self, fp_model: PreparedLM, in_place: bool = False, share_weights: bool = False) -> PreparedLM:
+        """A copy of ``fp_model`` (``in_place``: the model itself) with every alpha folded into its weights (Eq. 3);
+        ``share_weights``: a copy on ``fp_model``'s storage but for the folded weights (see ``build_sim``)."""
         self.check_fits(fp_model)
-        model = fp_model if in_place else copy.deepcopy(fp_model)
+        if in_place and share_weights:
+            raise ValueError("folded_model: share_weights makes a copy; in_place uses the model itself")
+        if in_place:
+            model = fp_model
+        else:
+            model = cast(PreparedLM, weight_sharing_copy(fp_model) if share_weights else copy.deepcopy(fp_model))
         sites = model.sites(extra=True)
         for site in sites:
             alpha = self.alphas.get(site.name)
@@ -122,17 +128,24 @@ class QuadapterState:
         return f"state {self.source}" if self.source else "the state"
 
     def build_sim(
-        self, fp_model: PreparedLM, in_place: bool = False, merge_shared_ranges: bool = False
+        self,
+        fp_model: PreparedLM,
+        in_place: bool = False,
+        merge_shared_ranges: bool = False,
+        share_weights: bool = False,
     ) -> QuantizationSimModel:
         """A fresh sim of the folded FP model with this state's ranges: the deployable result.
 
         ``in_place``: fold into ``fp_model`` and make it the sim's model (it is no longer the FP model then);
-        for a caller that needs the FP model no more, one copy of the weights fewer. ``merge_shared_ranges``:
-        see :func:`load_ranges`; the merged tensors are kept as ``sim.quadapter_merged_ranges``.
+        for a caller that needs the FP model no more, one copy of the weights fewer. ``share_weights``: the
+        sim's weights that no alpha changes are ``fp_model``'s storage (see ``quant.policy.build_sim``).
+        ``merge_shared_ranges``: see :func:`load_ranges`; the merged tensors are kept as
+        ``sim.quadapter_merged_ranges``.
         """
         from aimet_quadapter.quant.policy import build_sim
 
-        sim = build_sim(self.folded_model(fp_model, in_place), self.policy, in_place=True)
+        model = self.folded_model(fp_model, in_place, share_weights)
+        sim = build_sim(model, self.policy, in_place=True)
         sim.quadapter_merged_ranges = load_ranges(sim, self.ranges, merge_shared_ranges, source=self._name())
         return sim
 

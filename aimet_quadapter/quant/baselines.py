@@ -118,7 +118,7 @@ def apply_adaround(
         with torch.no_grad():  # every weight, as a sim built from the rounded model would hold
             mine = dict(sim.model.named_parameters())
             for name, value in rounded.named_parameters():
-                mine[name].copy_(value)
+                mine[name].data = value.detach()  # new data: the sim's weights may be the FP model's storage
         sim.set_and_freeze_param_encodings(str(encodings))
     calibrate(sim, batches)
     return {

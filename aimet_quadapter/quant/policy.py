@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from aimet_torch.common.defs import QuantScheme
@@ -36,7 +36,7 @@ from aimet_torch.quantsim import QuantizationSimModel
 from torch import nn
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.models import PreparedLM, device_of
+from aimet_quadapter.models import PreparedLM, device_of, weight_sharing_copy
 from aimet_quadapter.models.attention import set_mask_fill
 from aimet_quadapter.quant.aimet_adapter import htp_config_file
 from aimet_quadapter.quant.config import QUANT_SCHEMES, QuantPolicy
@@ -211,10 +211,24 @@ def apply_bit_overrides(sim_model: nn.Module, policy: QuantPolicy) -> dict[str, 
 
 
 def build_sim(
-    model: PreparedLM, policy: QuantPolicy = QuantPolicy(), seq_len: int = 16, in_place: bool = False
+    model: PreparedLM,
+    policy: QuantPolicy = QuantPolicy(),
+    seq_len: int = 16,
+    in_place: bool = False,
+    share_weights: bool = False,
 ) -> QuantizationSimModel:
     """A ``QuantizationSimModel`` of ``model`` under ``policy``: of a deep copy, the FP model staying as it is,
-    or, with ``in_place``, of ``model`` itself (a copy made for this sim: no second copy of the weights)."""
+    or, with ``in_place``, of ``model`` itself (a copy made for this sim: no second copy of the weights).
+
+    ``share_weights``: of a copy whose weights are the FP model's storage until the sim changes them (see
+    :func:`~aimet_quadapter.models.weight_sharing_copy`): for a caller whose every change of the sim's weights
+    gives them new data, as this package's methods do; a user's own training loop on ``sim.model`` would
+    write into the FP model's weights.
+    """
+    if share_weights:
+        if in_place:
+            raise ValueError("build_sim: share_weights makes a copy; in_place uses the model itself")
+        model, in_place = cast(PreparedLM, weight_sharing_copy(model)), True
     dummy = torch.zeros((1, seq_len), dtype=torch.long, device=device_of(model))
     with warnings.catch_warnings():
         # AIMET traces the model with TorchScript to find its graph: torch and transformers warn that the

@@ -14,7 +14,7 @@ from aimet_torch.quantization.affine import QuantizeDequantize
 from aimet_torch.utils import remove_all_quantizers, remove_param_quantizers
 from torch import nn
 
-from aimet_quadapter.models import PreparedLM, device_of
+from aimet_quadapter.models import PreparedLM, device_of, shares_storage
 from aimet_quadapter.quant.aimet_adapter import precomputed_encodings, qtensor_casting
 
 
@@ -228,8 +228,10 @@ def fast_inference(sim_model: nn.Module, spill_bytes: int = SPILL_BYTES) -> Iter
                 for module, name, q in quantized:
                     param = getattr(module, name)
                     original: torch.Tensor | Path = param.data
+                    # the FP model's own storage is kept by the FP model: spilling it would free nothing
+                    shared = shares_storage(param)
                     param.data = q(param).as_subclass(torch.Tensor).detach()
-                    if folder is not None:
+                    if folder is not None and not shared:
                         path = folder / f"{len(saved)}.pt"
                         torch.save(original, path)
                         original = path  # the float tensor's last reference: freed now
