@@ -323,7 +323,6 @@ def _plot_head_site(ctx: MethodContext, state: QuadapterState, path: Path) -> No
     batches = ctx.calibration[:2]
     before = channel_min_max(ctx.model, site, batches)
     folded = cast(PreparedLM, weight_sharing_copy(ctx.model))
-    if site.name in state.alphas:
-        fold_alphas(folded, [site], state.alphas)
+    fold_alphas(folded, [site], state.alphas)
     after = channel_min_max(folded, site, batches)
     plot_channel_ranges(before, after, path, site.name)
