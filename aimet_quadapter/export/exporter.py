@@ -536,8 +536,6 @@ def export_quantized(
     subfolder and verified on the same windows (e.g. ``KVGraphs()``: prefill and decode graphs with a KV cache;
     ``HFCheckpoint()``: a Hugging Face checkpoint with AIMET's torch encodings).
     """
-    from aimet_quadapter.export.kv import prefix_tokens
-
     start = time.time()
     check_free_disk(out_dir, sim.model)
     if encoding_version not in ENCODING_VERSIONS:
@@ -550,8 +548,8 @@ def export_quantized(
     too_long = [len(w.ids) for w in windows if len(w.ids) > seq_len]
     if too_long:
         raise QuadapterError(f"verification windows of {max(too_long)} tokens exceed the export length {seq_len}")
-    prefix = prefix_tokens(sim.model)
-    if prefix and hasattr(sim.model, "check_length"):
+    prefix = getattr(sim.model, "prefix_length", 0)  # a sim of something else than a PreparedLM has none
+    if prefix:
         sim.model.check_length(prefix + seq_len, f"the export length {seq_len} + {prefix} prefix tokens =")
     keys = [f.key for f in formats]
     if len(set(keys)) != len(keys):

@@ -97,11 +97,6 @@ def check_windows_fit(graphs: KVGraphs, windows: Sequence[Window], prefix_tokens
         )
 
 
-def prefix_tokens(model: PreparedLM) -> int:
-    ids = getattr(model, "prefix_ids", None)
-    return 0 if ids is None else int(ids.shape[-1])
-
-
 def save_prefix_kv(model: PreparedLM, folder: Path) -> dict | None:
     """The model's prefix keys and values as ``folder/prefix.safetensors`` in the graphs' input names; its
     manifest entry (None without a prefix)."""
@@ -263,7 +258,7 @@ class KVGraphRunner:
 
     def reset(self) -> None:
         if self.prefix is not None:
-            self.cache = [p.astype(np.float32) for p in self.prefix]
+            self.cache = list(self.prefix)  # never written in place: each step concatenates new arrays
             return
         self.cache = [np.zeros((1, self.kv_heads, 0, self.head_dim), dtype=np.float32) for _ in range(2 * self.layers)]
 
@@ -376,7 +371,8 @@ def verify_kv_graphs(
     from aimet_quadapter.export.onnx_eval import OnnxLM
 
     model = sim.model
-    check_windows_fit(graphs, windows, prefix_tokens(model))
+    prefix = model.prefix_length
+    check_windows_fit(graphs, windows, prefix)
     # the full-sequence graph's logits first, its session closed before the KV graphs' two open: one copy of
     # the weights fewer in memory at once
     full = OnnxLM(full_graph, low_memory=True)
@@ -404,7 +400,7 @@ def verify_kv_graphs(
             tokens += window.n_targets
             if index >= greedy_prompts:
                 continue
-            steps = min(greedy_steps, graphs.context - 1 - prefix_tokens(model) - prefill)
+            steps = min(greedy_steps, graphs.context - 1 - prefix - prefill)
             want = sim_greedy(model, ids[:prefill], steps)
             got = runner.generate(ids[:prefill].tolist(), steps)
             with one_ulp_inputs(model, index):

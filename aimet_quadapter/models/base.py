@@ -219,6 +219,11 @@ class PreparedLM(nn.Module):
         self.prefix_ids = torch.tensor([list(ids)], dtype=torch.long) if ids else None
         self.refresh_prefix()
 
+    @property
+    def prefix_length(self) -> int:
+        """Tokens in the prefix every sequence follows (0: none)."""
+        return 0 if self.prefix_ids is None else int(self.prefix_ids.shape[-1])
+
     @torch.no_grad()
     def refresh_prefix(self) -> None:
         """The prefix's keys and values computed again, from the weights as they are now."""
