@@ -12,9 +12,11 @@ from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quadapter.api import QuadapterParameters, apply_cle, apply_quadapter, attach_quadapters
+from aimet_quadapter.quadapter.cle import init_with_cle
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters, run_phase1
 from aimet_quadapter.quadapter.phase2 import Phase2Parameters, distillation_loss, lm_loss, phase2_loss, run_phase2
 from aimet_quadapter.quadapter.state import QuadapterState
+from aimet_quadapter.quant.config import QuantPolicy
 from aimet_quadapter.quant.policy import build_sim, calibrate
 from aimet_quadapter.quant.quantizers import DynamicRanges, quantizers_in
 from aimet_quadapter.testing import sample_corpus, toy_model
@@ -306,6 +308,44 @@ def test_cle_undoes_planted_outliers(setup):
     qset = apply_cle(sim, model, calib)
     assert any((q.folded - 1).abs().max() > 0.5 for q in qset)
     assert perplexity(sim.model, windows, progress=False).ppl < perplexity(ptq_sim.model, windows, progress=False).ppl
+
+
+def _up_proj_range(model, calib, per_channel: bool, bounded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """up_proj's alpha at the layer-0 up -> down site alone (CLE's), and up_proj's weight range in the sim."""
+    sim = build_sim(model, QuantPolicy(per_channel_weights=per_channel))
+    site = next(s for s in model.sites(extra=True) if s.name == "model.layers.0.mlp.up_proj->down_proj")
+    qset = QuadapterSet(sim.model, [site]).attach(sim.model)
+    init_with_cle(qset, model, calib, sim.model if bounded else None)
+    qset.fold(sim.model, reference=model)
+    qset.detach()
+    calibrate(sim, calib)
+    q = sim.model.get_submodule(site.producer).param_quantizers["weight"]
+    return qset.total_alpha()[site.name], q.get_max() - q.get_min()
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_cle_keeps_the_producer_rows_within_their_range(per_channel):
+    """A channel that barely fires in the calibration text (its gate row near zero) gets a huge activation-based
+    alpha; folded into its up_proj row, that row alone would set up_proj's per-tensor range. Given the sim, CLE
+    keeps up_proj's range where PTQ has it; per-row weight ranges scale with their rows: no bound then."""
+    model = toy_model("llama")
+    with torch.no_grad():
+        model.get_submodule("lm.model.layers.0.mlp.gate_proj").weight[3] *= 1e-4
+    calib = [sample_corpus(model, 2, 48, seed=1)]
+    free, free_width = _up_proj_range(model, calib, per_channel, bounded=False)
+    kept, kept_width = _up_proj_range(model, calib, per_channel, bounded=True)
+    assert free[3] > 20 * free.median(), "the planted channel should get an outsized alpha"
+    if per_channel:
+        assert torch.equal(kept, free)
+        return
+    ptq = build_sim(model)
+    calibrate(ptq, calib)
+    q = ptq.model.get_submodule("lm.model.layers.0.mlp.up_proj").param_quantizers["weight"]
+    assert free_width > 5 * (q.get_max() - q.get_min()), "without the bound the row widens the range"
+    assert kept_width <= (q.get_max() - q.get_min()) * (1 + 1e-5)
+    assert 1 < kept[3] < free[3]
+    held = kept != free
+    assert held.sum() < len(free) // 4, "only the rows that would widen the range are held"
 
 
 def test_phase2_lowers_training_loss_and_keeps_weights(setup):

@@ -54,7 +54,7 @@ def apply_cle(
 ) -> QuadapterSet:
     """LayerNorm-aware CLE: analytic alphas folded into the sim, then AIMET's static calibration."""
     qset = attach_quadapters(sim, extra_sites)
-    init_with_cle(qset, fp_model, calibration_batches)
+    init_with_cle(qset, fp_model, calibration_batches, sim.model)
     qset.fold(sim.model, reference=fp_model)
     qset.detach()
     calibrate(sim, calibration_batches)
@@ -135,7 +135,7 @@ def apply_phase1(
     params = params or QuadapterParameters()
     qset = attach_quadapters(sim, params.extra_sites)
     if params.init == "cle":
-        init_with_cle(qset, fp_model, calibration_batches)
+        init_with_cle(qset, fp_model, calibration_batches, sim.model)
     start = qset.total_alpha()
     phase1 = None
     kept = start

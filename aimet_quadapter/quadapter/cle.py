@@ -5,6 +5,10 @@ layers, each channel's share of the per-tensor range is made equal on both sides
 quantizer: with r1 the per-channel range of the quantized activation (the consumers' input) and r2 the
 per-column range of the consumers' weights, alpha = sqrt(r2 / r1), after which both are sqrt(r1 * r2).
 It is a baseline, and an optional initialisation of phase 1.
+
+Given the sim, alpha is also kept where the producer's rows stay within their tensor's range: a channel
+that barely fires in the calibration text gets a huge alpha, and its row alone would then widen the grid
+of every other row (Nagel et al. weigh both weights' ranges for this reason).
 """
 
 from __future__ import annotations
@@ -18,20 +22,20 @@ from aimet_quadapter.models import Site, device_of, tensor_of
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 
 
-def _reduce_rotary(values: torch.Tensor, site: Site) -> torch.Tensor:
+def _reduce_rotary(values: torch.Tensor, site: Site, reduce=torch.amax) -> torch.Tensor:
     if not site.rotary_head_dim:
         return values
     half = site.rotary_head_dim // 2
-    return values.view(-1, 2, half).amax(dim=1).reshape(-1)
+    return reduce(values.view(-1, 2, half), dim=1).reshape(-1)
 
 
-def _per_alpha(values: torch.Tensor, site: Site) -> torch.Tensor:
-    """Statistics laid out along the consumers' scaled channels, reduced to one value per free alpha (the max
-    over a head group, then over a rotated pair)."""
+def _per_alpha(values: torch.Tensor, site: Site, reduce=torch.amax) -> torch.Tensor:
+    """Statistics laid out along the consumers' scaled channels, reduced to one value per free alpha (the max,
+    or ``reduce``, over a head group, then over a rotated pair)."""
     if site.expand is not None:
         repeat, head_dim = site.expand
-        values = values.view(-1, repeat, head_dim).amax(dim=1).reshape(-1)
-    return _reduce_rotary(values, site)
+        values = reduce(values.view(-1, repeat, head_dim), dim=1).reshape(-1)
+    return _reduce_rotary(values, site, reduce)
 
 
 @torch.no_grad()
@@ -60,13 +64,87 @@ def _absmax(model: nn.Module, points: dict[str, tuple[str, bool]], batches: Sequ
     return found
 
 
+_INF = float("inf")
+
+
+def _row_factor_range(w: torch.Tensor, q, offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lowest, highest) factor of each row of ``w`` (each element of a norm's, which scales offset + w) that
+    keeps the range the min-max weight quantizer ``q`` takes of ``w``. Per-row ranges, or none: no bound."""
+    n = w.shape[0]
+    low, high = torch.zeros(n, device=w.device), torch.full((n,), _INF, device=w.device)
+    if q is None or not all(size == 1 for size in q.shape):
+        return low, high
+    if q.symmetric:
+        hi = w.abs().amax()
+        lo = -hi
+    else:
+        lo, hi = w.amin().clamp(max=0), w.amax().clamp(min=0)
+    top, bottom = (w, w) if w.dim() == 1 else (w.amax(dim=1), w.amin(dim=1))
+    top, bottom, a, b = top + offset, bottom + offset, lo + offset, hi + offset  # (offset + w) * factor in [a, b]
+    high = torch.minimum(torch.where(top > 0, b / top, _INF), torch.where((bottom < 0) & (a < 0), a / bottom, _INF))
+    low = torch.maximum(
+        torch.where((top < 0) & (b < 0), b / top, 0.0), torch.where((bottom > 0) & (a > 0), a / bottom, 0.0)
+    )
+    return low, high
+
+
+class _ScaledWeights:
+    """The FP weights as the alphas chosen so far scale them, and how far a next alpha may scale their rows.
+
+    CLE's alpha weighs the activation against the consumers' columns; the producer's rows (and, for Q . K^T,
+    the consumer's rows) it scales unweighed. A row that alpha lifts past the range of its tensor widens the
+    grid of every other row of a per-tensor weight quantizer: alpha is kept below that.
+    """
+
+    def __init__(self, model: nn.Module, sim_model: nn.Module):
+        self.model, self.sim_model = model, sim_model
+        self.scales: dict[tuple[str, int], torch.Tensor] = {}  # (module path, dim) -> product of the scales so far
+
+    def _weight(self, path: str, offset: float) -> torch.Tensor:
+        w = tensor_of(self.model.get_submodule(path)).detach()
+        rows, cols = self.scales.get((path, 0)), self.scales.get((path, 1))
+        if w.dim() == 1:
+            return w if rows is None else (w + offset) * rows - offset
+        w = w if rows is None else w * rows[:, None]
+        return w if cols is None else w / cols[None, :]
+
+    def _rows(self, path: str, offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        quantizers = getattr(self.sim_model.get_submodule(path), "param_quantizers", None)
+        q = quantizers["weight"] if quantizers is not None and "weight" in quantizers else None
+        return _row_factor_range(self._weight(path, offset), q, offset)
+
+    def bounds(self, site: Site) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lowest, highest) value of each free alpha of ``site`` that keeps the ranges of the rows it scales."""
+        low, high = self._rows(site.producer, site.norm_offset)
+        low, high = _reduce_rotary(low, site), _reduce_rotary(high, site, torch.amin)
+        if site.consumer_rows:  # rows divided by alpha: a factor in [c_low, c_high] is alpha in [1/c_high, 1/c_low]
+            for path in site.consumers:
+                c_low, c_high = self._rows(path)
+                low = torch.maximum(low, _per_alpha(1 / c_high, site))
+                high = torch.minimum(high, _per_alpha(1 / c_low, site, torch.amin))
+        return low, high
+
+    def scale(self, site: Site, alpha: torch.Tensor) -> None:
+        """Record ``alpha`` as folded: the producer's rows times it, the consumers' columns (or rows) divided."""
+        self._times((site.producer, 0), site.producer_scale(alpha))
+        for path in site.consumers:
+            self._times((path, 0 if site.consumer_rows else 1), 1 / site.consumer_scale(alpha))
+
+    def _times(self, key: tuple[str, int], scale: torch.Tensor) -> None:
+        self.scales[key] = scale if key not in self.scales else self.scales[key] * scale
+
+
 @torch.no_grad()
-def cle_alphas(model: nn.Module, sites: Sequence[Site], batches: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+def cle_alphas(
+    model: nn.Module, sites: Sequence[Site], batches: Sequence[torch.Tensor], sim_model: nn.Module | None = None
+) -> dict[str, torch.Tensor]:
     """The analytic alpha of every site, from FP ``model`` and calibration ``batches``.
 
     A site whose consumers take the activation (norm -> linears, ...): r1 the per-channel range of that
     activation, r2 the per-column range of the consumers' weights. A product of two projections (Q . K^T):
     r1 and r2 the per-channel ranges of the two outputs. alpha = sqrt(r2 / r1) makes both sqrt(r1 * r2).
+    With ``sim_model`` (a sim's model of ``model``), alpha is then kept where the rows it scales stay within
+    the ranges of their per-tensor weight quantizers (see :class:`_ScaledWeights`), site after site.
     """
     points = {}
     for site in sites:
@@ -76,6 +154,7 @@ def cle_alphas(model: nn.Module, sites: Sequence[Site], batches: Sequence[torch.
         else:
             points[site.name] = (site.consumers[0], False)
     act = _absmax(model, points, batches)
+    scaled = _ScaledWeights(model, sim_model) if sim_model is not None else None
     out = {}
     for site in sites:
         if site.consumer_rows:
@@ -88,7 +167,12 @@ def cle_alphas(model: nn.Module, sites: Sequence[Site], batches: Sequence[torch.
             columns = torch.stack([torch.maximum(w.amax(dim=0), w.amin(dim=0).neg()) for w in weights]).amax(dim=0)
             r2 = _per_alpha(columns, site)
         # A channel that never fires (r1 = 0) or has all-zero columns keeps alpha = 1.
-        out[site.name] = torch.where((r1 > 0) & (r2 > 0), (r2 / r1.clamp_min(1e-12)).sqrt(), torch.ones_like(r1))
+        alpha = torch.where((r1 > 0) & (r2 > 0), (r2 / r1.clamp_min(1e-12)).sqrt(), torch.ones_like(r1))
+        if scaled is not None:
+            low, high = scaled.bounds(site)
+            alpha = torch.minimum(torch.maximum(alpha, low.to(alpha)), high.to(alpha))
+            scaled.scale(site, alpha)
+        out[site.name] = alpha
     return out
 
 
@@ -113,8 +197,10 @@ def channel_min_max(model: nn.Module, site: Site, batches: Sequence[torch.Tensor
     return torch.stack(lo).amin(dim=0), torch.stack(hi).amax(dim=0)
 
 
-def init_with_cle(qset: QuadapterSet, fp_model: nn.Module, batches: Sequence[torch.Tensor]) -> None:
-    """Set every Quadapter of ``qset`` to its CLE alpha."""
-    alphas = cle_alphas(fp_model, qset.sites, batches)
+def init_with_cle(
+    qset: QuadapterSet, fp_model: nn.Module, batches: Sequence[torch.Tensor], sim_model: nn.Module | None = None
+) -> None:
+    """Set every Quadapter of ``qset`` to its CLE alpha (bounded by ``sim_model``'s weight quantizers, if given)."""
+    alphas = cle_alphas(fp_model, qset.sites, batches, sim_model)
     for q in qset:
         q.set_alpha(alphas[q.site.name])
