@@ -348,6 +348,45 @@ def test_cle_keeps_the_producer_rows_within_their_range(per_channel):
     assert held.sum() < len(free) // 4, "only the rows that would widen the range are held"
 
 
+def test_phase2_trains_on_the_fp_storage_bit_for_bit(setup, monkeypatch):
+    """Phase 2 keeps no folded copy of the weights the sites touch: they are the FP model's storage while it
+    trains, Quadapter BC's alphas folded in by the hooks, and every loss, alpha and range is what training on
+    the folded copy gives, bit for bit (the copy: ``unfold`` switched off)."""
+    import aimet_quadapter.quadapter.api as api
+    from aimet_quadapter.models import shares_storage
+
+    model, calib, train = setup["model"], setup["calib"], setup["train"]
+    params = QuadapterParameters(
+        phase1=Phase1Parameters(steps=3),
+        phase2=Phase2Parameters(steps=3, lr_alpha=1e-2, learn_ranges=True, lr_ranges=1e-2, loss="kd"),
+        init="cle",
+        extra_sites=True,
+    )
+    shared: list[bool] = []
+    real_run_phase2 = api.run_phase2
+
+    def run_phase2_seeing_storage(sim_model, qset, *args, **kwargs):
+        paths = {p for q in qset for p in (q.site.producer, *q.site.consumers)}
+        shared.append(all(shares_storage(sim_model.get_submodule(p).weight) for p in paths))
+        return real_run_phase2(sim_model, qset, *args, **kwargs)
+
+    monkeypatch.setattr(api, "run_phase2", run_phase2_seeing_storage)
+    results = []
+    for unfold in (True, False):
+        if not unfold:
+            monkeypatch.setattr(QuadapterSet, "unfold", lambda self, model, reference: None)
+        sim = build_sim(model, share_weights=True)
+        result = apply_quadapter(sim, model, calib, train, params, progress=False)
+        with torch.no_grad():
+            results.append((result, sim.model(calib[0])))
+    assert shared == [True, False]
+    (unfolded, out_a), (copied, out_b) = results
+    assert unfolded.phase2.losses == copied.phase2.losses
+    assert all(torch.equal(unfolded.state.alphas[k], copied.state.alphas[k]) for k in copied.state.alphas)
+    assert all(torch.equal(unfolded.state.ranges[k][1], v[1]) for k, v in copied.state.ranges.items())
+    assert torch.equal(out_a, out_b)
+
+
 def test_phase2_lowers_training_loss_and_keeps_weights(setup):
     model, calib, train = setup["model"], setup["calib"], setup["train"]
     sim = build_sim(model)

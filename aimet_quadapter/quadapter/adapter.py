@@ -103,10 +103,29 @@ class _ModulePatch:
         self.rows: list[Quadapter] = []  # this module is the producer of these sites
         self.cols: list[Quadapter] = []  # ... and a consumer of these
         self.saved: dict[str, nn.Parameter | None] = {}
+        # With `unfolded`, the module holds the FP weights and each forward first folds the Quadapters' `folded`
+        # alphas in, site by site as fold_site does: the same tensors, without keeping them.
+        self.unfolded = False
+        self.folds: list[tuple[Quadapter, bool]] = []  # (Quadapter, True where this module is its producer)
+
+    def _folded(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        for q, producer in self.folds:
+            if bool((q.folded == 1).all()):  # as fold_alphas: a site of ones is not folded
+                continue
+            site = q.site
+            if producer or site.consumer_rows:
+                scale = site.producer_scale(q.folded) if producer else 1 / site.consumer_scale(q.folded)
+                weight = _rows_scaled(weight, scale, site.norm_offset if producer else 0.0)
+                bias = None if bias is None else bias * scale
+            else:
+                weight = weight / site.consumer_scale(q.folded)[None, :]
+        return weight, bias
 
     def scaled(self, module: nn.Module) -> dict[str, torch.Tensor]:
         weight = tensor_of(module, "weight")
         bias = tensor_of(module, "bias") if getattr(module, "bias", None) is not None else None
+        if self.unfolded:
+            weight, bias = self._folded(weight, bias)
         row: torch.Tensor | None = None
         col: torch.Tensor | None = None
         offset = 0.0
@@ -122,7 +141,7 @@ class _ModulePatch:
                 col = scale if col is None else col * scale
         out: dict[str, torch.Tensor] = {}
         if row is None and col is None:
-            return out
+            return {"weight": weight, **({"bias": bias} if bias is not None else {})} if self.unfolded else out
         w = weight
         if row is not None:
             w = _rows_scaled(w, row, offset)
@@ -131,6 +150,8 @@ class _ModulePatch:
         if col is not None:
             w = w / col[None, :]
         out["weight"] = w
+        if self.unfolded and bias is not None and "bias" not in out:
+            out["bias"] = bias
         return out
 
     def pre_hook(self, module: nn.Module, args):
@@ -188,6 +209,7 @@ class QuadapterSet(nn.Module):
                     self._handles.append(module.register_forward_pre_hook(patch.pre_hook))
                     self._handles.append(module.register_forward_hook(patch.post_hook, always_call=True))
                 getattr(patch, role).append(q)
+                patch.folds.append((q, role == "rows"))
         return self
 
     def detach(self) -> None:
@@ -197,6 +219,23 @@ class QuadapterSet(nn.Module):
         self._patches.clear()
 
     # --- folding ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def unfold(self, model: nn.Module, reference: nn.Module) -> None:
+        """Give the weights of the attached ``model`` that the sites touch ``reference``'s values back (its
+        storage, for a weight-sharing copy) and make the hooks fold the ``folded`` alphas in at every forward,
+        op for op as :meth:`fold` folds them: the same function, without a folded copy of the weights kept.
+        :meth:`fold` with ``reference`` ends it."""
+        for q in self:
+            for path in (q.site.producer, *q.site.consumers):
+                target, source = model.get_submodule(path), reference.get_submodule(path)
+                patch = self._patches.get(id(target))
+                if patch is None:
+                    raise QuadapterError(f"unfold: {path} has no Quadapter hook; attach the set to this model first")
+                reset_to(tensor_of(target, "weight"), tensor_of(source, "weight"))
+                if getattr(target, "bias", None) is not None:
+                    reset_to(tensor_of(target, "bias"), tensor_of(source, "bias"))
+                patch.unfolded = True
+
     @torch.no_grad()
     def fold(self, model: nn.Module, reference: nn.Module | None = None) -> None:
         """Write every alpha into ``model``'s weights (Eq. 3) and reset alpha to 1.
@@ -213,7 +252,11 @@ class QuadapterSet(nn.Module):
                     reset_to(tensor_of(target, "weight"), tensor_of(source, "weight"))
                     if getattr(target, "bias", None) is not None:
                         reset_to(tensor_of(target, "bias"), tensor_of(source, "bias"))
+        if any(patch.unfolded for patch in self._patches.values()) and reference is None:
+            raise QuadapterError("fold: the weights are unfolded (see unfold); fold them from the reference model")
         alphas = {q.site.name: (q.folded * q.alpha if reference is not None else q.alpha) for q in self}
+        for patch in self._patches.values():
+            patch.unfolded = False
         fold_alphas(model, self.sites, alphas)
         for q in self:
             q.folded.mul_(q.alpha)

@@ -184,6 +184,9 @@ def apply_phase2(
 ) -> QuadapterResult:
     """Steps 3-4 alone, on a sim that :func:`apply_phase1` returned."""
     qset = previous.qset.attach(sim.model)
+    # The FP model stays for the fold below (and as the teacher): training on its weights, the folded alphas
+    # in the hooks, keeps no second copy of every weight the sites touch.
+    qset.unfold(sim.model, fp_model)
     try:
         params = params or Phase2Parameters()
         loss_fn = phase2_loss(params, fp_model)
