@@ -50,6 +50,9 @@ def build(folder: Path) -> int:
         return sum(p.numel() for p in LlamaForCausalLM(config).parameters())
 
 
+STAGES = ["eval", "quadapter", "export"]  # the keys of main's stages, in their order: each needs the one before
+
+
 def timed(command: list[str], log: Path) -> dict:
     """Run ``command`` under GNU time; its peak RSS, wall time and exit status."""
     with log.open("w") as out:
@@ -65,6 +68,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", required=True, help="folder for the model and the stages' outputs")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--stages", nargs="+", choices=STAGES, default=STAGES, help="run only these stages (in order)")
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -76,7 +80,7 @@ def main() -> int:
     quadapter = ["--phase1-steps", "1", "--phase1-loss-tokens", "256", "--quadapter-init", "cle"]
     quadapter += ["--phase2-steps", "2", "--phase2-batch-size", "1", "--phase2-seq-len", "256"]
     quadapter += ["--phase2-loss", "kd", "--phase2-learn-ranges"]
-    for stale in ("eval", "quadapter", "export"):
+    for stale in args.stages:  # a later stage reads the one before: kept when it is not run again
         shutil.rmtree(work / stale, ignore_errors=True)
     state = work / "quadapter" / "ptb" / "quadapter" / "quadapter.safetensors"
     stages = {
@@ -96,6 +100,8 @@ def main() -> int:
     }
     results: dict = {}
     for i, (name, command) in enumerate(stages.items()):
+        if STAGES[i] not in args.stages:
+            continue
         results[name] = {"command": " ".join(command[1:]), **timed(command, work / f"stage{i}.log")}
         results[name]["peak_over_fp32_weights"] = round(results[name]["peak_rss_kib"] * 1024 / (4 * params), 2)
         print(f"{name}: {results[name]['peak_rss_kib'] / 2**20:.2f} GiB, {results[name]['wall_s']:.0f} s", flush=True)
