@@ -27,7 +27,7 @@ from aimet_quadapter.export.exporter import (
 from aimet_quadapter.export.formats import ENCODINGS, QDQ_ONNX
 from aimet_quadapter.export.hf import HFCheckpoint, load_hf_export
 from aimet_quadapter.export.lean import gather_external_data, opset_imports
-from aimet_quadapter.export.onnx_eval import OnnxLM, graph_tensor_names, read_encodings
+from aimet_quadapter.export.onnx_eval import OnnxLM, graph_tensor_names, qdq_graph_encodings, read_encodings
 from aimet_quadapter.models import prepare_model, quiet_libraries
 from aimet_quadapter.quadapter.api import QuadapterParameters, apply_quadapter
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters
@@ -233,6 +233,30 @@ def test_gather_external_data_keeps_every_tensor(tmp_path):
     # w1 (1.2 kB) was inline in the source: a weight of 1 kB or more moves too
     assert [uses_external_data(t) for t in kept] == [False, True, True, False, True, False]
     assert opset_imports(target) == [(o.domain, o.version) for o in model.opset_import]
+
+
+def test_qdq_encodings_read_without_the_weights(tmp_path):
+    """The QDQ graph's encodings, read with only the scales and zero points taken from its data file (the weights
+    stay on disk): the same as from the graph loaded whole; per-channel scales of over 1 kB are external."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.random((600, 4)).astype(np.float32), "w")
+    scale = numpy_helper.from_array(rng.random(600).astype(np.float32) + 0.1, "scale")
+    zero = numpy_helper.from_array(np.zeros(600, np.int8), "zero")
+    nodes = [
+        helper.make_node("QuantizeLinear", ["w", "scale", "zero"], ["wq"], axis=0),
+        helper.make_node("DequantizeLinear", ["wq", "scale", "zero"], ["y"], axis=0),
+    ]
+    out = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [600, 4])
+    graph = helper.make_graph(nodes, "g", [], [out], initializer=[w, scale, zero])
+    path = tmp_path / QDQ_ONNX
+    onnx.save(helper.make_model(graph), str(path), save_as_external_data=True, location="model_qdq.data")
+    bare = onnx.load(str(path), load_external_data=False)
+    assert uses_external_data(next(t for t in bare.graph.initializer if t.name == "scale"))
+    (read,), (whole,) = qdq_graph_encodings(bare, tmp_path), qdq_graph_encodings(onnx.load(str(path)))
+    assert (read.name, read.bitwidth, read.axis) == (whole.name, whole.bitwidth, 0)
+    assert np.array_equal(read.scale, whole.scale) and np.array_equal(read.zero_point, whole.zero_point)
+    assert len(read.scale) == 600
+    assert uses_external_data(next(t for t in bare.graph.initializer if t.name == "w")), "the weight stays on disk"
 
 
 def test_a_state_of_separate_shared_ranges_is_refused_or_merged(tmp_path):

@@ -357,8 +357,8 @@ def verify_export(
     n_quantizers = check_quantizer_coverage(sim, entries)
     del fp_model
     release_freed_memory()
-    qdq_model = onnx.load(str(folder / QDQ_ONNX))
-    check_quantizer_coverage(sim, qdq_graph_encodings(qdq_model), where=f"the QDQ graph {QDQ_ONNX}")
+    qdq_model = onnx.load(str(folder / QDQ_ONNX), load_external_data=False)
+    check_quantizer_coverage(sim, qdq_graph_encodings(qdq_model, folder), where=f"the QDQ graph {QDQ_ONNX}")
     del qdq_model
     release_freed_memory()
 

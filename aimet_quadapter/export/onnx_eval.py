@@ -209,9 +209,12 @@ def graph_tensor_names(model) -> set[str]:
     return names
 
 
-def qdq_graph_encodings(model) -> list[Encoding]:
-    """The encoding of every QuantizeLinear node of a QDQ ``onnx.ModelProto``, named after its input tensor."""
+def qdq_graph_encodings(model, base_dir: str | Path | None = None) -> list[Encoding]:
+    """The encoding of every QuantizeLinear node of a QDQ ``onnx.ModelProto``, named after its input tensor.
+    ``base_dir``: the folder of a model loaded without its external data, from which the scales and zero
+    points kept there are read (and nothing else: the weights stay on disk)."""
     from onnx import TensorProto, numpy_helper
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
     constants = {t.name: t for t in model.graph.initializer}
     constants.update({n.output[0]: n.attribute[0].t for n in model.graph.node if n.op_type == "Constant"})
@@ -219,6 +222,10 @@ def qdq_graph_encodings(model) -> list[Encoding]:
     for node in model.graph.node:
         if node.op_type != "QuantizeLinear" or len(node.input) < 3 or node.input[2] not in constants:
             continue
+        for name in node.input[1:3]:
+            if base_dir is not None and uses_external_data(constants[name]):
+                load_external_data_for_tensor(constants[name], str(base_dir))
+                constants[name].data_location = TensorProto.DEFAULT
         zero_point = constants[node.input[2]]
         dtype = TensorProto.DataType.Name(zero_point.data_type).lower()  # "uint8", "int4", ...
         axis = next((a.i for a in node.attribute if a.name == "axis"), None)
