@@ -139,9 +139,12 @@ class _ModulePatch:
                 row = 1 / scale if row is None else row / scale
             else:
                 col = scale if col is None else col * scale
-        out: dict[str, torch.Tensor] = {}
+        # unfolded, the folded tensors stand in for the module's own even where no alpha scales them further
+        out: dict[str, torch.Tensor] = {"weight": weight} if self.unfolded else {}
+        if self.unfolded and bias is not None:
+            out["bias"] = bias
         if row is None and col is None:
-            return {"weight": weight, **({"bias": bias} if bias is not None else {})} if self.unfolded else out
+            return out
         w = weight
         if row is not None:
             w = _rows_scaled(w, row, offset)
@@ -150,8 +153,6 @@ class _ModulePatch:
         if col is not None:
             w = w / col[None, :]
         out["weight"] = w
-        if self.unfolded and bias is not None and "bias" not in out:
-            out["bias"] = bias
         return out
 
     def pre_hook(self, module: nn.Module, args):
@@ -225,16 +226,22 @@ class QuadapterSet(nn.Module):
         storage, for a weight-sharing copy) and make the hooks fold the ``folded`` alphas in at every forward,
         op for op as :meth:`fold` folds them: the same function, without a folded copy of the weights kept.
         :meth:`fold` with ``reference`` ends it."""
+        if any(id(model.get_submodule(q.site.producer)) not in self._patches for q in self):
+            raise QuadapterError("unfold: the set is not attached to this model (attach it first)")
+        for target in self._reset_to(model, reference):
+            self._patches[id(target)].unfolded = True
+
+    def _reset_to(self, model: nn.Module, reference: nn.Module) -> list[nn.Module]:
+        """Give every producer and consumer of ``model`` ``reference``'s weight and bias back; returns them."""
+        targets = []
         for q in self:
             for path in (q.site.producer, *q.site.consumers):
                 target, source = model.get_submodule(path), reference.get_submodule(path)
-                patch = self._patches.get(id(target))
-                if patch is None:
-                    raise QuadapterError(f"unfold: {path} has no Quadapter hook; attach the set to this model first")
                 reset_to(tensor_of(target, "weight"), tensor_of(source, "weight"))
                 if getattr(target, "bias", None) is not None:
                     reset_to(tensor_of(target, "bias"), tensor_of(source, "bias"))
-                patch.unfolded = True
+                targets.append(target)
+        return targets
 
     @torch.no_grad()
     def fold(self, model: nn.Module, reference: nn.Module | None = None) -> None:
@@ -246,12 +253,7 @@ class QuadapterSet(nn.Module):
         QuadapterState` rebuilds them, so a saved result reloads bit for bit.
         """
         if reference is not None:
-            for q in self:
-                for path in (q.site.producer, *q.site.consumers):
-                    target, source = model.get_submodule(path), reference.get_submodule(path)
-                    reset_to(tensor_of(target, "weight"), tensor_of(source, "weight"))
-                    if getattr(target, "bias", None) is not None:
-                        reset_to(tensor_of(target, "bias"), tensor_of(source, "bias"))
+            self._reset_to(model, reference)
         if any(patch.unfolded for patch in self._patches.values()) and reference is None:
             raise QuadapterError("fold: the weights are unfolded (see unfold); fold them from the reference model")
         alphas = {q.site.name: (q.folded * q.alpha if reference is not None else q.alpha) for q in self}
