@@ -107,11 +107,10 @@ class _ModulePatch:
         # alphas in, site by site as fold_site does: the same tensors, without keeping them.
         self.unfolded = False
         self.folds: list[tuple[Quadapter, bool]] = []  # (Quadapter, True where this module is its producer)
+        self.replay: list[tuple[Quadapter, bool]] = []  # the folds whose alpha is not all ones, set by unfold
 
     def _folded(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        for q, producer in self.folds:
-            if bool((q.folded == 1).all()):  # as fold_alphas: a site of ones is not folded
-                continue
+        for q, producer in self.replay:
             site = q.site
             if producer or site.consumer_rows:
                 scale = site.producer_scale(q.folded) if producer else 1 / site.consumer_scale(q.folded)
@@ -229,7 +228,10 @@ class QuadapterSet(nn.Module):
         if any(id(model.get_submodule(q.site.producer)) not in self._patches for q in self):
             raise QuadapterError("unfold: the set is not attached to this model (attach it first)")
         for target in self._reset_to(model, reference):
-            self._patches[id(target)].unfolded = True
+            patch = self._patches[id(target)]
+            # as fold_alphas: a site of ones is not folded (read once here, not at every forward)
+            patch.replay = [(q, producer) for q, producer in patch.folds if not bool((q.folded == 1).all())]
+            patch.unfolded = True
 
     def _reset_to(self, model: nn.Module, reference: nn.Module) -> list[nn.Module]:
         """Give every producer and consumer of ``model`` ``reference``'s weight and bias back; returns them."""
