@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 CASES = ("eval", "phase1", "phase2", "memory_fp_train", "memory_pipeline", "memory_export")
@@ -52,6 +53,21 @@ def _load(name: str):
         from transformers import AutoModelForCausalLM, GPT2Config
 
         config = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return prepare_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    if name == "smollm2-135m-shape":  # where the real weights cannot travel (a GPU machine without the package)
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        config = LlamaConfig(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=8192,
+            rope_theta=100000.0,
+            tie_word_embeddings=True,
+        )
         return prepare_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
     model, _ = load_model(name, quiet=True)
     return model
@@ -119,18 +135,32 @@ def case_eval(model, args) -> dict:
 
     sim = _calibrated_sim(model, args.seq_len)
     ids = _ids(model, 1, args.seq_len)
+    out: dict = {"tokens": args.seq_len}
+    try:  # as perplexity() runs a forward: a CUDA graph per window shape on a GPU (the eager call elsewhere)
+        from aimet_quadapter.models.graphs import GraphedForward
+    except ImportError:  # a version from before the graphs
+        GraphedForward = None  # noqa: N806
     with torch.no_grad():
         fp = _median_time(lambda: model(ids), args.reps)
         with fast_inference(sim.model):
             q = _median_time(lambda: sim.model(ids), args.reps)
+            if GraphedForward is not None:
+                graphed_sim = GraphedForward(sim.model)
+                out["sim_graphed_tokens_per_s"] = args.seq_len / _median_time(lambda: graphed_sim(ids), args.reps)
+                out["sim_graphed"] = bool(graphed_sim._graphs)
         raw = _median_time(lambda: sim.model(ids), args.reps)
-    return {
-        "tokens": args.seq_len,
-        "fp_tokens_per_s": args.seq_len / fp,
-        "sim_tokens_per_s": args.seq_len / q,
-        "sim_unprequantized_tokens_per_s": args.seq_len / raw,
-        "ratio": fp / q,  # sim throughput / FP throughput
-    }
+        if GraphedForward is not None:
+            graphed_fp = GraphedForward(model)
+            out["fp_graphed_tokens_per_s"] = args.seq_len / _median_time(lambda: graphed_fp(ids), args.reps)
+    out.update(
+        fp_tokens_per_s=args.seq_len / fp,
+        sim_tokens_per_s=args.seq_len / q,
+        sim_unprequantized_tokens_per_s=args.seq_len / raw,
+        ratio=fp / q,  # sim throughput / FP throughput, both eager
+    )
+    if "sim_graphed_tokens_per_s" in out:  # as evaluate() runs both
+        out["ratio_as_evaluated"] = out["sim_graphed_tokens_per_s"] / out["fp_graphed_tokens_per_s"]
+    return out
 
 
 def case_phase1(model, args) -> dict:
@@ -222,8 +252,13 @@ def case_phase2(model, args) -> dict:
     qset = QuadapterSet.for_model(sim.model).attach(sim.model)
     batch = _ids(model, args.batch, args.seq_len)
     steps = args.phase2_steps
-    params = Phase2Parameters(steps=steps, batch_size=args.batch, seq_len=args.seq_len)
-    q_time = _median_time(lambda: run_phase2(sim.model, qset, [batch], params, progress=False), args.reps)
+    # a step's own cost: the time of 2 x steps less that of steps, so the setup of each call (the optimizer,
+    # the quantizer patches) is not spread over the few steps a benchmark can afford
+    timed = {}
+    for n in (steps, 2 * steps):
+        params = Phase2Parameters(steps=n, batch_size=args.batch, seq_len=args.seq_len)
+        timed[n] = _median_time(partial(run_phase2, sim.model, qset, [batch], params, progress=False), args.reps)
+    q_time = timed[2 * steps] - timed[steps]
 
     weights = list(model.parameters())
     optimizer = torch.optim.Adam(weights, lr=1e-5)
@@ -239,6 +274,7 @@ def case_phase2(model, args) -> dict:
     fp_time = _median_time(fp_steps, args.reps)
     return {
         "batch": list(batch.shape),
+        "setup_s": timed[steps] - q_time,
         "step_s": q_time / steps,
         "fp_step_s": fp_time / steps,
         "ratio": q_time / fp_time,
@@ -373,10 +409,13 @@ def format_table(results: dict) -> str:
     lines = ["| model | measurement | Quadapter / sim | FP | ratio | target | met |", "|---|---|---|---|---|---|---|"]
     for model_name, r in results["models"].items():
         e = r["eval"]
-        met = e["ratio"] >= TARGETS["eval"]
+        # as evaluate() runs both (CUDA graphs on a GPU), where measured
+        how = "_graphed" if "ratio_as_evaluated" in e else ""
+        ratio = e.get("ratio_as_evaluated", e["ratio"])
+        met = ratio >= TARGETS["eval"]
         lines.append(
-            f"| {model_name} | eval throughput, {e['tokens']} tokens | {e['sim_tokens_per_s']:.0f} tok/s "
-            f"| {e['fp_tokens_per_s']:.0f} tok/s | {e['ratio']:.2f}x | >= {TARGETS['eval']}x | {_yes(met)} |"
+            f"| {model_name} | eval throughput, {e['tokens']} tokens | {e[f'sim{how}_tokens_per_s']:.0f} tok/s "
+            f"| {e[f'fp{how}_tokens_per_s']:.0f} tok/s | {ratio:.2f}x | >= {TARGETS['eval']}x | {_yes(met)} |"
         )
         for kind, p in r["phase1"].items():
             met = p["ratio"] <= TARGETS["phase1"]

@@ -16,12 +16,13 @@ import torch
 from aimet_quadapter.cli import main
 from aimet_quadapter.export.exporter import export_quantized
 from aimet_quadapter.models import device_of, quiet_libraries
+from aimet_quadapter.models.graphs import GraphedForward
 from aimet_quadapter.quadapter.api import QuadapterParameters, apply_quadapter
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters
 from aimet_quadapter.quadapter.phase2 import Phase2Parameters
 from aimet_quadapter.quadapter.state import QuadapterState
 from aimet_quadapter.quant.policy import build_sim, calibrate
-from aimet_quadapter.quant.quantizers import quantizers
+from aimet_quadapter.quant.quantizers import fast_inference, quantizers
 from aimet_quadapter.testing import sample_corpus, toy_model
 from aimet_quadapter.text.data import eval_windows
 from aimet_quadapter.text.perplexity import perplexity
@@ -109,3 +110,19 @@ def test_cli_eval_on_cuda_equals_cpu(tiny_gpt2_dir, corpus_dir, tmp_path):
     for label, value in results["cpu"].items():
         bound = EXACT if label in ("FP32", "PTQ") else TRAINED
         assert results["cuda"][label] == pytest.approx(value, rel=bound), label
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_evaluation_replays_a_cuda_graph_with_the_eager_logits(family):
+    model = toy_model(family).to("cuda").eval()
+    corpus = sample_corpus(toy_model(family), 6, SEQ, seed=1).to("cuda")
+    sim = build_sim(model)
+    calibrate(sim, [corpus[:2]])
+    with torch.no_grad(), fast_inference(sim.model):
+        for name, forward in (("fp", model), ("sim", sim.model)):
+            graphed = GraphedForward(forward)
+            first, second = graphed(corpus[2:3]), graphed(corpus[3:4])  # the second window is a replay
+            assert len(graphed._graphs) == 1, f"{name}: the forward was not captured"
+            assert torch.equal(first, forward(corpus[2:3])), name
+            assert torch.equal(second, forward(corpus[3:4])), name
+            assert not torch.equal(first, second)

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from aimet_torch.quantization.affine import QuantizeDequantize
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import quiet_libraries
@@ -482,6 +483,35 @@ def test_phase2_recomputed_blocks_give_the_same_losses_and_gradients(setup):
     assert kept_grad.abs().max() > 0
     assert losses == pytest.approx(kept_losses, rel=1e-6)
     assert torch.allclose(grad, kept_grad, rtol=1e-5, atol=1e-7 * kept_grad.abs().max().item())
+
+
+def test_batched_range_encodings_give_aimets_encodings_and_the_same_gradients(setup, monkeypatch):
+    """Phase 2 with every range's encoding made in one computation per pass (the GPU path, forced here) gives
+    the same losses bit for bit and the same gradients up to summation order, without asking any quantizer
+    whose range trains for its encoding."""
+    from aimet_quadapter.quadapter import phase2
+    from aimet_quadapter.quant.quantizers import range_parameters
+
+    model, calib, train = setup["model"], setup["calib"], setup["train"]
+    calls = []
+    original = QuantizeDequantize.get_encodings
+    monkeypatch.setattr(QuantizeDequantize, "get_encodings", lambda q: calls.append(q) or original(q))
+    runs = {}
+    for batched in (False, True):
+        monkeypatch.setattr(phase2, "_batch_encodings", lambda _model, batched=batched: batched)
+        sim = build_sim(model)
+        calibrate(sim, calib)
+        qset = attach_quadapters(sim)
+        params = Phase2Parameters(steps=1, lr_alpha=0.0, lr_ranges=0.0, micro_batch_size=2)
+        calls.clear()
+        losses = run_phase2(sim.model, qset, train, params, progress=False).losses
+        trained = [q.theta for q in qset] + range_parameters(sim.model)
+        runs[batched] = losses, torch.cat([p.grad.flatten() for p in trained if p.grad is not None]), len(calls)
+    (plain_losses, plain_grad, plain_calls), (losses, grad, batched_calls) = runs[False], runs[True]
+    assert plain_calls > 0 and batched_calls == 0
+    assert losses == plain_losses
+    assert plain_grad.abs().max() > 0
+    assert torch.allclose(grad, plain_grad, rtol=1e-5, atol=1e-7 * plain_grad.abs().max().item())
 
 
 def test_gathered_embedding_quantization_is_exact(setup, monkeypatch):

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from aimet_torch.quantization.affine import QuantizeDequantize
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
@@ -27,9 +28,11 @@ from aimet_quadapter import distributed
 from aimet_quadapter.atomic import write_atomic
 from aimet_quadapter.errors import QuadapterError, TrainingDiverged
 from aimet_quadapter.models import device_of, own_storage
+from aimet_quadapter.quadapter.adam import GroupedAdam
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quadapter.config import Phase2Parameters
 from aimet_quadapter.quant.quantizers import (
+    batched_range_encodings,
     elementwise_fake_quant,
     gathered_embedding_quantization,
     plain_tensors,
@@ -124,7 +127,7 @@ def run_phase2(
         groups.append({"params": weights, "lr": params.lr_weights})
     if not groups:
         raise QuadapterError("phase 2 has nothing to train: no Quadapter sites, ranges fixed and weights frozen")
-    optimizer = torch.optim.Adam(groups)
+    optimizer = GroupedAdam(groups)
     total = max(params.steps, 1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1.0 - step / total))
 
@@ -144,6 +147,7 @@ def run_phase2(
     # named before gathered_embedding_quantization takes the embedding's quantizer out of the module tree
     named = list(sim_model.named_parameters())
     fake_quantized = quantizers_in([sim_model])
+    batched = fake_quantized if _batch_encodings(sim_model) else []
     progress = progress and distributed.is_main()
     bar = tqdm(range(start, params.steps), desc=desc, initial=start, total=params.steps, disable=not progress)
     try:
@@ -156,7 +160,8 @@ def run_phase2(
             for step in bar:
                 optimizer.zero_grad(set_to_none=True)
                 # under torchrun each process takes its share of the global batch; gradients are averaged
-                loss = _accumulate(sim_model, distributed.local_part(batches[step % len(batches)]), loss_fn, params)
+                part = distributed.local_part(batches[step % len(batches)])
+                loss = _accumulate(sim_model, part, loss_fn, params, batched)
                 if not math.isfinite(loss):  # before the step: the parameters and checkpoint stay the last good ones
                     where = f"; the last checkpoint ({ckpt}) holds step {_saved_step(ckpt)}" if ckpt else ""
                     raise TrainingDiverged(f"{desc}: the loss is {loss} at step {step + 1} of {params.steps}{where}")
@@ -207,12 +212,25 @@ def _recomputed_blocks(model: nn.Module, params: Phase2Parameters) -> Iterator[N
                 del block.forward
 
 
+def _batch_encodings(model: nn.Module) -> bool:
+    # where each small op is a kernel launch, the ranges' encodings are made once per pass for all quantizers;
+    # a CPU keeps the per-quantizer path, whose gradients sum in the order the results so far were trained with
+    return device_of(model).type == "cuda"
+
+
 def _saved_step(ckpt: Path) -> int:
     return int(torch.load(ckpt, weights_only=False, map_location="cpu")["step"]) if ckpt.is_file() else 0
 
 
-def _accumulate(model: nn.Module, batch: torch.Tensor, loss_fn: LossFn, params: Phase2Parameters) -> float:
+def _accumulate(
+    model: nn.Module,
+    batch: torch.Tensor,
+    loss_fn: LossFn,
+    params: Phase2Parameters,
+    batched: Sequence[QuantizeDequantize] = (),
+) -> float:
     """Backward of ``loss_fn`` on ``batch`` in slices of ``micro_batch_size`` sequences; the batch's mean loss.
+    The quantizers ``batched`` take their encodings from :func:`batched_range_encodings`, made for each slice.
 
     A slice's loss is weighted by its share of the sequences: with sequences of one length the sum of the
     slices' gradients is the gradient of the whole batch's mean loss.
@@ -220,8 +238,9 @@ def _accumulate(model: nn.Module, batch: torch.Tensor, loss_fn: LossFn, params: 
     size = params.micro_batch_size or len(batch)
     total = 0.0
     for part in batch.split(size):
-        loss = loss_fn(model, part) * (len(part) / len(batch))
-        loss.backward()
+        with batched_range_encodings(batched):
+            loss = loss_fn(model, part) * (len(part) / len(batch))
+            loss.backward()
         total += loss.item()
     return total
 

@@ -25,6 +25,13 @@ def precomputed_encodings(q: QuantizeDequantize) -> AbstractContextManager:
     return q._precompute_encodings(dtype=q.min.dtype)
 
 
+def minimum_scale(num_steps: int) -> float:
+    """The smallest scale AIMET lets a grid of ``num_steps`` steps take (``get_scale`` clamps to it)."""
+    from aimet_torch.common.quantsim import _get_minimum_scale
+
+    return _get_minimum_scale(num_steps)
+
+
 def seq_mse_weight_bitwidth_limit() -> int:
     """The weight bit-width above which AIMET's SeqMSE leaves a layer alone (4 in aimet-torch 2.42)."""
     import aimet_torch._base.seq_mse as seq_mse_base

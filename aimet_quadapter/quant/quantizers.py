@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 from aimet_torch.quantization.affine import QuantizeDequantize
-from aimet_torch.utils import remove_all_quantizers, remove_param_quantizers
+from aimet_torch.utils import remove_all_quantizers, remove_param_quantizers, ste_round
 from torch import nn
 
 from aimet_quadapter.models import PreparedLM, device_of, shares_storage
-from aimet_quadapter.quant.aimet_adapter import precomputed_encodings, qtensor_casting
+from aimet_quadapter.quant.aimet_adapter import minimum_scale, precomputed_encodings, qtensor_casting
 
 
 def quantizers(model: nn.Module) -> Iterator[tuple[str, str, QuantizeDequantize]]:
@@ -326,6 +326,9 @@ def elementwise_fake_quant(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
             original = q.forward
 
             def forward(x: torch.Tensor, q=q, original=original) -> torch.Tensor:
+                batched = _batched.get(id(q))
+                if batched is not None and torch.is_grad_enabled():
+                    return FakeQuantLearnedRange.apply(x.as_subclass(torch.Tensor), *batched, q.qmin, q.qmax)
                 enc = q.get_encodings()
                 if enc is None or enc.scale.numel() != 1 or enc.block_size is not None or enc.zero_point_shift != 0:
                     return original(x)
@@ -344,6 +347,55 @@ def elementwise_fake_quant(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
     finally:
         for q in patched:
             q.__dict__.pop("forward", None)  # AIMET's own patch of `forward`, inside, may have removed it already
+
+
+# (scale, offset) of a quantizer while :func:`batched_range_encodings` holds them, by id of the quantizer
+_batched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+@contextmanager
+def batched_range_encodings(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
+    """While inside (and under :func:`elementwise_fake_quant`), the per-tensor quantizers of ``qs`` whose range
+    trains take their scale and offset from one computation for all of them, made on entry.
+
+    Each quantizer otherwise derives its encoding from its min and max at every call, a dozen tiny tensor ops
+    forward and as many backward, twice per step where blocks are recomputed: on a GPU each is a kernel launch.
+    The values are ``get_encodings``' to the bit; the
+    gradients reach min and max as the same terms summed in another order (the readers of a shared range add
+    theirs before the encoding's backward instead of after). Enter it anew for each forward and backward pass:
+    the encodings are part of that pass's autograd graph.
+    """
+    groups: dict[tuple[int, int, bool], dict[tuple[int, int], list[QuantizeDequantize]]] = {}
+    for q in dict.fromkeys(qs):
+        named = dict(q.named_parameters(recurse=False))
+        if "min" not in named or "max" not in named or not q.is_initialized() or not _per_tensor(q):
+            continue
+        if q.block_size is not None or q.zero_point_shift != 0:
+            continue
+        if not (named["min"].requires_grad or named["max"].requires_grad):
+            continue
+        readers = groups.setdefault((q.qmin, q.qmax, q.symmetric), {})
+        readers.setdefault((id(named["min"]), id(named["max"])), []).append(q)
+    held = []
+    try:
+        for (qmin, qmax, symmetric), by_range in groups.items():
+            first = [qs_[0] for qs_ in by_range.values()]
+            lo = torch.stack([q.min.reshape(()) for q in first])
+            hi = torch.stack([q.max.reshape(()) for q in first])
+            # AIMET's get_scale and _get_offset, elementwise over every range at once
+            scale = ((hi - lo) / (qmax - qmin)).abs().clamp_min_(minimum_scale(qmax - qmin))
+            if symmetric:
+                offset = torch.full_like(scale, float(-round((qmin + qmax) / 2))).detach()
+            else:
+                offset = torch.clamp(ste_round(lo / scale) - qmin, -qmax, -qmin)
+            for readers_, s, o in zip(by_range.values(), scale.unbind(), offset.unbind()):
+                for q in readers_:
+                    _batched[id(q)] = s.reshape(q.shape), o.reshape(q.shape)
+                    held.append(id(q))
+        yield
+    finally:
+        for key in held:
+            _batched.pop(key, None)
 
 
 # Set while a prefix's keys and values are recomputed: quantization hooks of this module stand aside.

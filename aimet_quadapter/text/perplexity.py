@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from aimet_quadapter import distributed
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import PreparedLM
+from aimet_quadapter.models.graphs import GraphedForward
 from aimet_quadapter.quant.quantizers import fast_inference
 from aimet_quadapter.text import EVAL_SEQ_LEN, data
 from aimet_quadapter.text.data import Window
@@ -54,8 +55,9 @@ def perplexity(
     # under torchrun each process scores every world-th window; the sums are added up below
     mine = distributed.shard(windows)
     bar = tqdm(mine, desc=desc, unit="win", disable=not (progress and distributed.is_main()), leave=False)
+    forward = GraphedForward(model)  # on a GPU, windows of one length replay one captured forward
     for window in bar:
-        logits = model(window.ids.unsqueeze(0).to(device))
+        logits = forward(window.ids.unsqueeze(0).to(device))
         total += window_nll(logits, window).cpu()
         count += window.n_targets
         bar.set_postfix(ppl=f"{math.exp(total.item() / count):.2f}")
