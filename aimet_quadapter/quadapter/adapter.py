@@ -27,17 +27,27 @@ from aimet_quadapter.models import PreparedLM, Site, reset_to, tensor_of
 @torch.no_grad()
 def fold_site(model: nn.Module, site: Site, alpha: torch.Tensor) -> None:
     """Eq. 3: the producer's rows (or gamma) and bias times alpha, the consumers' columns (or rows) divided by it."""
-    producer = model.get_submodule(site.producer)
-    alpha = alpha.to(tensor_of(producer, "weight").device)  # a loaded state's alphas are on the CPU
-    _scale_rows(producer, site.producer_scale(alpha), site.norm_offset)
-    scale = site.consumer_scale(alpha)
-    for path in site.consumers:
-        consumer = model.get_submodule(path)
-        if site.consumer_rows:
-            _scale_rows(consumer, 1 / scale)
-        else:
-            w = tensor_of(consumer, "weight")
-            w.data = w / scale[None, :]
+    alpha = alpha.to(tensor_of(model.get_submodule(site.producer), "weight").device)  # a loaded state's: on the CPU
+    for path, producer in [(site.producer, True), *((path, False) for path in site.consumers)]:
+        module = model.get_submodule(path)
+        # new data, not a write in place: a sim's weights can be the FP model's storage (weight_sharing_copy)
+        w = tensor_of(module, "weight")
+        b = tensor_of(module, "bias") if getattr(module, "bias", None) is not None else None
+        w.data, folded_bias = folded_tensors(w, b, site, alpha, producer)
+        if b is not None and folded_bias is not None:
+            b.data = folded_bias
+
+
+def folded_tensors(
+    weight: torch.Tensor, bias: torch.Tensor | None, site: Site, alpha: torch.Tensor, producer: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A module's weight and bias with one site's alpha folded in, as its producer (rows and bias times alpha) or
+    as a consumer (columns divided by alpha; rows and bias for a product of two projections): new tensors."""
+    if producer or site.consumer_rows:
+        scale = site.producer_scale(alpha) if producer else 1 / site.consumer_scale(alpha)
+        weight = _rows_scaled(weight, scale, site.norm_offset if producer else 0.0)
+        return weight, None if bias is None else bias * scale
+    return weight / site.consumer_scale(alpha)[None, :], bias
 
 
 def _rows_scaled(weight: torch.Tensor, scale: torch.Tensor, norm_offset: float) -> torch.Tensor:
@@ -45,15 +55,6 @@ def _rows_scaled(weight: torch.Tensor, scale: torch.Tensor, norm_offset: float) 
     if weight.dim() > 1:
         return weight * scale[:, None]
     return (weight + norm_offset) * scale - norm_offset if norm_offset else weight * scale
-
-
-def _scale_rows(module: nn.Module, scale: torch.Tensor, norm_offset: float = 0.0) -> None:
-    # new data, not a write in place: a sim's weights can be the FP model's storage (weight_sharing_copy)
-    w = tensor_of(module, "weight")
-    w.data = _rows_scaled(w, scale, norm_offset)
-    if getattr(module, "bias", None) is not None:
-        b = tensor_of(module, "bias")
-        b.data = b * scale
 
 
 def fold_alphas(model: nn.Module, sites: Iterable[Site], alphas: dict[str, torch.Tensor]) -> None:
@@ -111,13 +112,7 @@ class _ModulePatch:
 
     def _folded(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         for q, producer in self.replay:
-            site = q.site
-            if producer or site.consumer_rows:
-                scale = site.producer_scale(q.folded) if producer else 1 / site.consumer_scale(q.folded)
-                weight = _rows_scaled(weight, scale, site.norm_offset if producer else 0.0)
-                bias = None if bias is None else bias * scale
-            else:
-                weight = weight / site.consumer_scale(q.folded)[None, :]
+            weight, bias = folded_tensors(weight, bias, q.site, q.folded, producer)
         return weight, bias
 
     def scaled(self, module: nn.Module) -> dict[str, torch.Tensor]:
