@@ -272,12 +272,47 @@ def case_phase2(model, args) -> dict:
             optimizer.step()
 
     fp_time = _median_time(fp_steps, args.reps)
-    return {
+    out = (
+        {"profile": _profile(partial(run_phase2, sim.model, qset, [batch], params, progress=False))}
+        if args.profile
+        else {}
+    )
+    return out | {
         "batch": list(batch.shape),
         "setup_s": timed[steps] - q_time,
         "step_s": q_time / steps,
         "fp_step_s": fp_time / steps,
         "ratio": q_time / fp_time,
+    }
+
+
+def _profile(fn: Callable[[], object], top: int = 25) -> dict:
+    """Where one call of ``fn`` spends its time: the ops of the most self time (host and, on a GPU, device), and
+    the number of device kernels launched."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync()
+    events = prof.key_averages()
+    device = torch.autograd.DeviceType.CUDA
+
+    def row(e) -> dict:
+        return {
+            "op": e.key,
+            "calls": e.count,
+            "self_cpu_ms": e.self_cpu_time_total / 1e3,
+            "self_device_ms": getattr(e, "self_device_time_total", 0.0) / 1e3,
+        }
+
+    host = sorted((e for e in events if e.device_type != device), key=lambda e: -e.self_cpu_time_total)
+    kernels = [e for e in events if e.device_type == device]
+    return {
+        "host_ops": [row(e) for e in host[:top]],
+        "device_kernels": sum(e.count for e in kernels),
+        "device_top": [row(e) for e in sorted(kernels, key=lambda e: -getattr(e, "self_device_time_total", 0.0))[:top]],
     }
 
 
@@ -402,6 +437,8 @@ def _shared_flags(args) -> list[str]:
     ]
     if args.threads:
         flags += ["--threads", str(args.threads)]
+    if args.profile:
+        flags.append("--profile")
     return flags
 
 
@@ -512,6 +549,7 @@ def main() -> None:
         "--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES + EXTRA_CASES)}"
     )
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--profile", action="store_true", help="phase2: also where one call's time goes (torch profiler)")
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="print a before/after table of two JSONs")
     ap.add_argument("--case", choices=CASES + EXTRA_CASES, help=argparse.SUPPRESS)
     args = ap.parse_args()
