@@ -360,10 +360,9 @@ def batched_range_encodings(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
 
     Each quantizer otherwise derives its encoding from its min and max at every call, a dozen tiny tensor ops
     forward and as many backward, twice per step where blocks are recomputed: on a GPU each is a kernel launch.
-    The values are ``get_encodings``' to the bit; the
-    gradients reach min and max as the same terms summed in another order (the readers of a shared range add
-    theirs before the encoding's backward instead of after). Enter it anew for each forward and backward pass:
-    the encodings are part of that pass's autograd graph.
+    The values are ``get_encodings``' to the bit; the gradients reach min and max as the same terms summed in
+    another order (the readers of a shared range add theirs before the encoding's backward instead of after).
+    Enter it anew for each forward and backward pass: the encodings are part of that pass's autograd graph.
     """
     groups: dict[tuple[int, int, bool], dict[tuple[int, int], list[QuantizeDequantize]]] = {}
     for q in dict.fromkeys(qs):
