@@ -871,6 +871,32 @@ def test_the_model_level_check_keeps_the_start_when_phase_1_makes_it_worse(setup
         assert torch.equal(sim.model(train[0]), cle.model(train[0]))
 
 
+def test_the_check_points_calibrate_without_the_hooks_and_phase_1_runs_with_them(setup, monkeypatch):
+    """The start and the points phase 1's check scores are calibrated on the folded weights alone (no hook copies
+    a weight at each forward), while phase 1 itself trains through the hooks."""
+    from aimet_quadapter.quadapter import api
+
+    model, calib, train = setup["model"], setup["calib"], setup["train"]
+    sets, hooks = [], {"calibrate": [], "phase1": []}
+    attach_, calibrate_, run_phase1_ = api.attach_quadapters, api.calibrate, api.run_phase1
+    monkeypatch.setattr(api, "attach_quadapters", lambda *a: sets.append(attach_(*a)) or sets[-1])
+
+    def calibrate_watched(sim, batches):
+        hooks["calibrate"].append(len(sets[0]._handles))
+        return calibrate_(sim, batches)
+
+    def run_phase1_watched(sim_model, fp_model, qset, *args, **kwargs):
+        hooks["phase1"].append(len(qset._handles))
+        return run_phase1_(sim_model, fp_model, qset, *args, **kwargs)
+
+    monkeypatch.setattr(api, "calibrate", calibrate_watched)
+    monkeypatch.setattr(api, "run_phase1", run_phase1_watched)
+    params = QuadapterParameters(phase1=Phase1Parameters(steps=2), phase2=Phase2Parameters(steps=0), init="cle")
+    api.apply_phase1(build_sim(model), model, calib, params, progress=False, validation_batches=train)
+    assert len(hooks["calibrate"]) >= 5 and set(hooks["calibrate"]) == {0}  # the start, 3 points on the way, the end
+    assert hooks["phase1"] and hooks["phase1"][0] > 0
+
+
 def test_the_model_level_check_keeps_the_best_point_on_the_way(setup):
     """The start, phase 1's result and the points between them are scored on held-out text: the sim holds the
     best of them, whichever it is."""

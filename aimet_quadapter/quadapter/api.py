@@ -68,9 +68,12 @@ def _fold_and_calibrate(
     alphas: dict[str, torch.Tensor],
     calibration_batches: Sequence[torch.Tensor],
 ) -> None:
-    """The sim with exactly ``alphas`` folded into its weights (from the FP ones), statically calibrated."""
+    """The sim with exactly ``alphas`` folded into its weights (from the FP ones), statically calibrated; the
+    set's hooks are taken off (at alpha 1 they would only copy every weight they touch at each forward, the
+    head's among them, and compute a norm's offset form where the fold left the weight itself)."""
     qset.set_total(alphas)
     qset.fold(sim.model, reference=fp_model)
+    qset.detach()
     calibrate(sim, calibration_batches)
 
 
@@ -147,6 +150,7 @@ def apply_phase1(
             qset.set_total({})
             qset.fold(sim.model, reference=fp_model)  # back to the FP weights: phase 1 scales them through hooks
             qset.set_total(start)
+            qset.attach(sim.model)
         phase1 = run_phase1(sim.model, fp_model, qset, calibration_batches, params.phase1, progress=progress)
         kept = qset.total_alpha()
         if start_loss is not None and validation_batches:
