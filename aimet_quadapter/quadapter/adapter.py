@@ -45,12 +45,12 @@ def folded_tensors(
     as a consumer (columns divided by alpha; rows and bias for a product of two projections): new tensors."""
     if producer or site.consumer_rows:
         scale = site.producer_scale(alpha) if producer else 1 / site.consumer_scale(alpha)
-        weight = _rows_scaled(weight, scale, site.norm_offset if producer else 0.0)
+        weight = rows_scaled(weight, scale, site.norm_offset if producer else 0.0)
         return weight, None if bias is None else bias * scale
     return weight / site.consumer_scale(alpha)[None, :], bias
 
 
-def _rows_scaled(weight: torch.Tensor, scale: torch.Tensor, norm_offset: float) -> torch.Tensor:
+def rows_scaled(weight: torch.Tensor, scale: torch.Tensor, norm_offset: float) -> torch.Tensor:
     """``weight`` with its rows times ``scale``; a norm's (offset + gamma) as a whole."""
     if weight.dim() > 1:
         return weight * scale[:, None]
@@ -141,7 +141,7 @@ class _ModulePatch:
             return out
         w = weight
         if row is not None:
-            w = _rows_scaled(w, row, offset)
+            w = rows_scaled(w, row, offset)
             if bias is not None:
                 out["bias"] = bias * row
         if col is not None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from aimet_quadapter.models import Site, device_of, tensor_of
-from aimet_quadapter.quadapter.adapter import QuadapterSet
+from aimet_quadapter.quadapter.adapter import QuadapterSet, rows_scaled
 
 
 def _reduce_rotary(values: torch.Tensor, site: Site, reduce=torch.amax) -> torch.Tensor:
@@ -103,9 +103,7 @@ class _ScaledWeights:
     def _weight(self, path: str, offset: float) -> torch.Tensor:
         w = tensor_of(self.model.get_submodule(path)).detach()
         rows, cols = self.scales.get((path, 0)), self.scales.get((path, 1))
-        if w.dim() == 1:
-            return w if rows is None else (w + offset) * rows - offset
-        w = w if rows is None else w * rows[:, None]
+        w = w if rows is None else rows_scaled(w, rows, offset)
         return w if cols is None else w / cols[None, :]
 
     def _rows(self, path: str, offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
