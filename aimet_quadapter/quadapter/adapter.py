@@ -32,7 +32,7 @@ def fold_site(model: nn.Module, site: Site, alpha: torch.Tensor) -> None:
         module = model.get_submodule(path)
         # new data, not a write in place: a sim's weights can be the FP model's storage (weight_sharing_copy)
         w = tensor_of(module, "weight")
-        b = tensor_of(module, "bias") if getattr(module, "bias", None) is not None else None
+        b = _bias_of(module)
         w.data, folded_bias = folded_tensors(w, b, site, alpha, producer)
         if b is not None and folded_bias is not None:
             b.data = folded_bias
@@ -48,6 +48,10 @@ def folded_tensors(
         weight = rows_scaled(weight, scale, site.norm_offset if producer else 0.0)
         return weight, None if bias is None else bias * scale
     return weight / site.consumer_scale(alpha)[None, :], bias
+
+
+def _bias_of(module: nn.Module) -> torch.Tensor | None:
+    return tensor_of(module, "bias") if getattr(module, "bias", None) is not None else None
 
 
 def rows_scaled(weight: torch.Tensor, scale: torch.Tensor, norm_offset: float) -> torch.Tensor:
@@ -117,7 +121,7 @@ class _ModulePatch:
 
     def scaled(self, module: nn.Module) -> dict[str, torch.Tensor]:
         weight = tensor_of(module, "weight")
-        bias = tensor_of(module, "bias") if getattr(module, "bias", None) is not None else None
+        bias = _bias_of(module)
         if self.unfolded:
             weight, bias = self._folded(weight, bias)
         row: torch.Tensor | None = None
@@ -235,7 +239,7 @@ class QuadapterSet(nn.Module):
             for path in (q.site.producer, *q.site.consumers):
                 target, source = model.get_submodule(path), reference.get_submodule(path)
                 reset_to(tensor_of(target, "weight"), tensor_of(source, "weight"))
-                if getattr(target, "bias", None) is not None:
+                if _bias_of(target) is not None:
                     reset_to(tensor_of(target, "bias"), tensor_of(source, "bias"))
                 targets.append(target)
         return targets
