@@ -7,12 +7,15 @@ import ctypes.util
 import gc
 from functools import cache
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+# weights above this size make memory, not time, what decides whether a run fits: it trades time for memory
+LARGE_WEIGHTS_BYTES = 1 << 30
+
 
 @cache
-def _malloc_trim():
+def _libc():
     name = ctypes.util.find_library("c")
-    library = ctypes.CDLL(name) if name else None
-    return getattr(library, "malloc_trim", None)  # glibc only
+    return ctypes.CDLL(name) if name else None
 
 
 def release_freed_memory() -> None:
@@ -20,6 +23,18 @@ def release_freed_memory() -> None:
     onnxruntime session, hundreds of MB freed by Python or C++ otherwise stay in the process's arenas and
     add to the next step's peak."""
     gc.collect()
-    trim = _malloc_trim()
+    trim = getattr(_libc(), "malloc_trim", None)  # glibc only
     if trim is not None:
         trim(0)
+
+
+def map_large_blocks(threshold: int = 1 << 20) -> bool:
+    """Have glibc serve every block of ``threshold`` bytes or more from a mapping of its own, unmapped when
+    freed; whether the allocator took it (glibc only).
+
+    By default glibc raises that threshold, up to 32 MiB, each time it frees a mapped block: after the first
+    large tensors come and go, a billion-parameter model's 4-16 MB tensors are cut from its heap instead, and
+    the holes they leave there stay resident. Mapping costs page faults at every allocation, so this is for
+    models whose weights, not their speed, decide whether they fit."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold) == 1

@@ -33,7 +33,7 @@ from aimet_quadapter.quadapter.api import QuadapterParameters, apply_quadapter
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters
 from aimet_quadapter.quadapter.phase2 import Phase2Parameters
 from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
-from aimet_quadapter.quant.aimet_adapter import wrapped_aimet_onnx_export
+from aimet_quadapter.quant.aimet_adapter import qdq_weights_module_by_module, wrapped_aimet_onnx_export
 from aimet_quadapter.quant.config import QuantPolicy
 from aimet_quadapter.quant.policy import build_sim, calibrate
 from aimet_quadapter.quant.quantizers import quantizers, shared_activation_groups
@@ -204,6 +204,54 @@ def test_lean_export_writes_what_the_straightforward_one_writes(toy, tmp_path, m
     for name in ("model.onnx", "model_qdq.onnx"):
         assert _loaded(tmp_path / "lean" / name) == _loaded(tmp_path / "plain" / name), name
     assert (tmp_path / "lean" / ENCODINGS).read_bytes() == (tmp_path / "plain" / ENCODINGS).read_bytes()
+
+
+def test_aimet_swaps_in_its_weight_copies_one_module_at_a_time(toy, tmp_path):
+    """AIMET's pass that swaps every quantized weight for its quantize-dequantized copy, run module by module
+    with the originals parked after each: never all originals and all copies at once; everything back after."""
+    from aimet_torch.nn import BaseQuantizationMixin
+    from aimet_torch.quantsim import QuantizationSimModel
+
+    sim = toy["state"].build_sim(toy["model"])
+    before = {name: p.detach().clone() for name, p in sim.model.named_parameters()}
+    parked = lean.ParkedWeights(sim.model, tmp_path / "parked")
+    modules = [m for m in sim.model.modules() if isinstance(m, BaseQuantizationMixin)]
+    weights = {
+        id(p) for m in modules for n, p in m.named_parameters(recurse=False) if m.param_quantizers[n] is not None
+    }
+    counts: list[int] = []
+
+    def park() -> None:
+        parked.park_displaced(release=False)
+        counts.append(len(parked.parked))
+
+    with qdq_weights_module_by_module(park), QuantizationSimModel._apply_qdq_to_model_parameters(sim.model):
+        assert not weights & {id(p) for p in sim.model.parameters()}  # every quantized weight is AIMET's copy now
+        assert len(counts) == len(modules) > 1
+        # each module's originals left right after its copies were made, one module's worth at a time
+        assert counts == sorted(counts) and counts[0] < counts[-1] == len(weights)
+    parked.restore()
+    after = dict(sim.model.named_parameters())
+    assert all(torch.equal(after[name], value) for name, value in before.items())
+
+
+def test_the_sims_weights_wait_on_disk_while_onnxruntime_runs(toy, tmp_path, monkeypatch):
+    """The verification's onnxruntime sessions each hold the weights: the sim's, read no more, are on disk
+    meanwhile, and back bit for bit after."""
+    sim = toy["state"].build_sim(toy["model"])
+    before = {name: p.detach().clone() for name, p in sim.model.named_parameters()}
+    held: list[int] = []
+
+    class Watched(OnnxLM):
+        def __init__(self, *args, **kwargs):
+            held.append(sum(p.numel() for p in sim.model.parameters()))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(export_module, "OnnxLM", Watched)
+    export_quantized(sim, tmp_path / "export", SEQ, verify_windows=toy["verify"][:1])
+    assert len(held) == len(export_module.FORMS) and set(held) == {0}
+    after = dict(sim.model.named_parameters())
+    assert all(torch.equal(after[name], value) for name, value in before.items())
 
 
 def test_gather_external_data_keeps_every_tensor(tmp_path):

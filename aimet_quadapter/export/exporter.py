@@ -57,7 +57,7 @@ from aimet_quadapter.export.formats import (
     ExtraFormat,
     data_file,
 )
-from aimet_quadapter.export.lean import export_sim_graphs, opset_imports
+from aimet_quadapter.export.lean import export_sim_graphs, opset_imports, weights_parked
 from aimet_quadapter.export.onnx_eval import (
     Encoding,
     OnnxLM,
@@ -387,32 +387,34 @@ def verify_export(
     del logits
     vs_sim = {name: _Comparison() for name, _, _ in FORMS}
     floor, encodings_vs_qdq, unoptimized_logits, applied = _Comparison(), _Comparison(), [], 0
-    for name, source, optimize in FORMS:
-        if source == "fp+encodings":
-            # the graph alone: its weights stay in the data file, which the emulated graph beside it names too
-            graph = onnx.load(str(folder / FP_ONNX), load_external_data=False)
-            emulated, applied = apply_encodings(graph, entries, copy=False)
-            path = folder / f".emulated-{FP_ONNX}"
-            onnx.save(emulated, str(path))
-            del graph, emulated
-            try:
-                lm = OnnxLM(path, optimize=optimize, low_memory=True)
-            finally:
-                path.unlink()  # onnxruntime has read it
-        else:
-            lm = OnnxLM(folder / source, optimize=optimize, low_memory=True)
-        for i, (window, keep) in enumerate(zip(windows, scored)):
-            logits = lm(window.ids.reshape(1, -1))
-            vs_sim[name].add(logits, references[i], window, keep)
-            if name == "qdq/unoptimized":  # kept for the floor, and to compare the encodings file with AIMET's QDQ
-                unoptimized_logits.append(logits[0, keep].clone())
-            elif name == "qdq":
-                floor.add(logits, unoptimized_logits[i], window, keep)
+    # each session holds the weights once more: the sim's, not read again, wait on disk meanwhile
+    with weights_parked(sim.model, folder / ".parked-sim"):
+        for name, source, optimize in FORMS:
+            if source == "fp+encodings":
+                # the graph alone: its weights stay in the data file, which the emulated graph beside it names too
+                graph = onnx.load(str(folder / FP_ONNX), load_external_data=False)
+                emulated, applied = apply_encodings(graph, entries, copy=False)
+                path = folder / f".emulated-{FP_ONNX}"
+                onnx.save(emulated, str(path))
+                del graph, emulated
+                try:
+                    lm = OnnxLM(path, optimize=optimize, low_memory=True)
+                finally:
+                    path.unlink()  # onnxruntime has read it
             else:
-                encodings_vs_qdq.add(logits, unoptimized_logits[i], window, keep)
-            bar.update()
-        del lm, logits
-        release_freed_memory()
+                lm = OnnxLM(folder / source, optimize=optimize, low_memory=True)
+            for i, (window, keep) in enumerate(zip(windows, scored)):
+                logits = lm(window.ids.reshape(1, -1))
+                vs_sim[name].add(logits, references[i], window, keep)
+                if name == "qdq/unoptimized":  # kept for the floor, and to compare the encodings file with AIMET's QDQ
+                    unoptimized_logits.append(logits[0, keep].clone())
+                elif name == "qdq":
+                    floor.add(logits, unoptimized_logits[i], window, keep)
+                else:
+                    encodings_vs_qdq.add(logits, unoptimized_logits[i], window, keep)
+                bar.update()
+            del lm, logits
+            release_freed_memory()
     bar.close()
     del references, unoptimized_logits
 

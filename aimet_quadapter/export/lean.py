@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from aimet_quadapter.memory import release_freed_memory
-from aimet_quadapter.quant.aimet_adapter import wrapped_aimet_onnx_export
+from aimet_quadapter.models.base import shares_storage
+from aimet_quadapter.quant.aimet_adapter import qdq_weights_module_by_module, wrapped_aimet_onnx_export
 
 # --- the sim's own weights, parked on disk while AIMET exports their quantize-dequantized copies ----------
 
@@ -41,25 +42,36 @@ class ParkedWeights:
         for p in params:
             key = p.untyped_storage().data_ptr()
             storages[key] = storages.get(key, 0) + 1
-        # a storage shared by two Parameters would come back as two: leave those where they are
-        self.params = [p for p in params if p.numel() and storages[p.untyped_storage().data_ptr()] == 1]
+        # a storage shared by two Parameters would come back as two, and one shared with the FP model (a sim
+        # that shares its weights) would come back as a copy of it without freeing anything: both stay
+        self.params = [
+            p for p in params if p.numel() and storages[p.untyped_storage().data_ptr()] == 1 and not shares_storage(p)
+        ]
         self.parked: list[tuple[torch.nn.Parameter, Path]] = []
 
-    def park_displaced(self) -> None:
-        """Move to disk every parameter that the model no longer holds (AIMET's copy stands in for it)."""
-        present = {id(p) for p in self.model.parameters()}
-        # AIMET rewraps a parameter it does not quantize in a new Parameter over the same storage: nothing to free
-        in_use = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+    def _park(self, keep: set[int], release: bool = True) -> None:
         parked = {id(p) for p, _ in self.parked}
         self.folder.mkdir(parents=True, exist_ok=True)
         for i, p in enumerate(self.params):
-            if id(p) in present or id(p) in parked or p.untyped_storage().data_ptr() in in_use:
+            if id(p) in parked or p.untyped_storage().data_ptr() in keep:
                 continue
             path = self.folder / f"{i}.pt"
             torch.save(p.data, path)
             self.parked.append((p, path))
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        release_freed_memory()
+        if release:
+            release_freed_memory()
+
+    def park_displaced(self, release: bool = True) -> None:
+        """Move to disk every parameter that the model no longer holds (AIMET's copy stands in for it).
+        ``release``: give the freed memory back to the system now (a garbage collection: not after every module)."""
+        # AIMET rewraps a parameter it does not quantize in a new Parameter over the same storage: nothing to free
+        in_use = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._park(in_use, release)
+
+    def park_all(self) -> None:
+        """Move every parameter of the model to disk (while nothing reads them)."""
+        self._park(set())
 
     def drop_stand_ins(self) -> None:
         """Empty the copies AIMET swapped in, once torch has written them: AIMET's passes after torch's export
@@ -77,11 +89,23 @@ class ParkedWeights:
 
 
 @contextmanager
+def weights_parked(model: torch.nn.Module, folder: Path) -> Iterator[None]:
+    """``model``'s weights wait in ``folder`` (removed afterwards) while nothing reads them."""
+    parked = ParkedWeights(model, folder)
+    try:
+        parked.park_all()
+        yield
+    finally:
+        parked.restore()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextmanager
 def lean_aimet_export(model: torch.nn.Module, folder: Path) -> Iterator[None]:
     """One call of AIMET's ONNX export (``sim.onnx.export`` or ``aimet_torch.onnx.export``) of ``model``, inside:
 
     - the Parameters AIMET swaps for their quantize-dequantized copies wait in ``folder`` until it returns
-      (:class:`ParkedWeights`);
+      (:class:`ParkedWeights`), each module's as soon as its copies are made;
     - torch's exporter writes the graph with its weights in one external data file beside it
       (``<name>.data``) instead of inline, one weight at a time (:func:`_torch_writes_weights_outside`):
       AIMET's passes that follow read the graph back and rewrite it several times, and they support external
@@ -105,7 +129,11 @@ def lean_aimet_export(model: torch.nn.Module, folder: Path) -> Iterator[None]:
         return result
 
     try:
-        with wrapped_aimet_onnx_export(export):
+        # each module's originals leave as soon as AIMET has made its copies, not once all copies exist
+        with (
+            qdq_weights_module_by_module(lambda: parked.park_displaced(release=False)),
+            wrapped_aimet_onnx_export(export),
+        ):
             yield
     finally:
         parked.restore()

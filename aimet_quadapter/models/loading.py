@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import QuadapterError
+from ..memory import LARGE_WEIGHTS_BYTES, map_large_blocks
 from .hub import go_offline_if_unreachable
 
 
@@ -189,5 +190,19 @@ def load_model(name: str, untie: bool = True, quiet: bool = False, device: str |
     if quiet:
         quiet_libraries()
 
+    # before the weights are read where their files say how large they are: glibc's threshold moves no more
+    # once set, but the blocks loading leaves in the heap before that stay there
+    if _checkpoint_bytes(name) > LARGE_WEIGHTS_BYTES:
+        map_large_blocks()
     hf_model = load_hf_model(name)
+    if sum(p.numel() * p.element_size() for p in hf_model.parameters()) > LARGE_WEIGHTS_BYTES:
+        map_large_blocks()
     return prepare_model(hf_model, untie=untie).to(target), load_tokenizer(name)
+
+
+def _checkpoint_bytes(name: str) -> int:
+    """The size of a local checkpoint folder's weight files (0 for anything else)."""
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in folder.iterdir() if f.suffix in (".safetensors", ".bin") and f.is_file())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 from aimet_torch.quantization.affine import QuantizeDequantize
@@ -69,6 +69,41 @@ def wrapped_aimet_onnx_export(wrapper: Callable[..., Any]) -> Iterator[None]:
         yield
     finally:
         aimet_onnx_export.export = original
+
+
+@contextmanager
+def qdq_weights_module_by_module(after_each: Callable[[], None]) -> Iterator[None]:
+    """AIMET's exports swap the weights of every quantized module for quantize-dequantized copies in one pass
+    (``_apply_qdq_to_model_parameters``) before tracing; inside, that pass goes one outermost quantized module
+    at a time and calls ``after_each()`` after each, so that the originals can leave as their copies arrive."""
+    from aimet_torch.nn import BaseQuantizationMixin
+    from aimet_torch.quantsim import QuantizationSimModel
+
+    original = QuantizationSimModel.__dict__["_apply_qdq_to_model_parameters"]
+
+    def outermost(model: Any) -> Iterator[Any]:
+        covered: set[int] = set()
+        for module in model.modules():  # each module once, parents first
+            if id(module) not in covered and isinstance(module, BaseQuantizationMixin):
+                covered.update(id(m) for m in module.modules())  # AIMET's pass covers what it holds
+                yield module
+
+    def module_by_module(cls: type, model: Any) -> ExitStack:
+        stack = ExitStack()
+        try:
+            for module in outermost(model):
+                stack.enter_context(original.__func__(cls, module))
+                after_each()
+        except BaseException:
+            stack.close()  # the weights already swapped go back, as AIMET's own pass does
+            raise
+        return stack
+
+    QuantizationSimModel._apply_qdq_to_model_parameters = classmethod(module_by_module)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        QuantizationSimModel._apply_qdq_to_model_parameters = original  # type: ignore[method-assign]
 
 
 # The Hexagon (HTP) generation whose quantsim config the `htp` target uses: AIMET ships one per generation.

@@ -14,6 +14,7 @@ from aimet_torch.quantization.affine import QuantizeDequantize
 from aimet_torch.utils import remove_all_quantizers, remove_param_quantizers, ste_round
 from torch import nn
 
+from aimet_quadapter.memory import LARGE_WEIGHTS_BYTES
 from aimet_quadapter.models import PreparedLM, device_of, shares_storage
 from aimet_quadapter.quant.aimet_adapter import minimum_scale, precomputed_encodings, qtensor_casting
 
@@ -200,7 +201,7 @@ def plain_tensors() -> Iterator[None]:
 # Above this many bytes of weights, fast_inference keeps the float weights in a temporary file while their
 # quantized copies serve, instead of beside them: a large model's evaluation then holds one copy of its
 # weights, not two, for the cost of writing and reading them once (seconds, against minutes of evaluation).
-SPILL_BYTES = 1 << 30
+SPILL_BYTES = LARGE_WEIGHTS_BYTES
 
 
 @contextmanager
