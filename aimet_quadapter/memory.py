@@ -8,7 +8,8 @@ import gc
 from functools import cache
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-# weights above this size make memory, not time, what decides whether a run fits: it trades time for memory
+# above this size of weights memory, not time, decides whether a run fits: the package then trades time for
+# memory (weights spilled to disk while their quantized copies serve, large blocks mapped)
 LARGE_WEIGHTS_BYTES = 1 << 30
 
 

@@ -190,8 +190,7 @@ def load_model(name: str, untie: bool = True, quiet: bool = False, device: str |
     if quiet:
         quiet_libraries()
 
-    # before the weights are read where their files say how large they are: glibc's threshold moves no more
-    # once set, but the blocks loading leaves in the heap before that stay there
+    # before the weights are read when their files tell the size: what loading leaves in the heap stays there
     if _checkpoint_bytes(name) > LARGE_WEIGHTS_BYTES:
         map_large_blocks()
     hf_model = load_hf_model(name)
