@@ -67,7 +67,7 @@ from aimet_quadapter.export.onnx_eval import (
     read_encodings,
 )
 from aimet_quadapter.memory import release_freed_memory
-from aimet_quadapter.models import device_of
+from aimet_quadapter.models import device_of, parameter_bytes
 from aimet_quadapter.quant.policy import sim_policy
 from aimet_quadapter.quant.quantizers import fast_inference, quantizers, shared_activation_groups
 from aimet_quadapter.text.data import Window
@@ -497,7 +497,7 @@ DISK_FACTOR = 6
 
 def check_free_disk(out_dir: str | Path, model: torch.nn.Module) -> None:
     """Refuse an export whose folder's disk cannot hold what the export writes at its peak, before it starts."""
-    need = DISK_FACTOR * sum(p.numel() * p.element_size() for p in model.parameters())
+    need = DISK_FACTOR * parameter_bytes(model)
     probe = Path(out_dir).expanduser().absolute()
     while not probe.exists():
         probe = probe.parent

@@ -11,6 +11,7 @@ from .base import (
     device_of,
     is_tied,
     own_storage,
+    parameter_bytes,
     reset_to,
     shares_storage,
     tensor_of,
@@ -49,6 +50,7 @@ __all__ = [
     "untie_lm_head",
     "own_storage",
     "reset_to",
+    "parameter_bytes",
     "shares_storage",
     "weight_sharing_copy",
 ]

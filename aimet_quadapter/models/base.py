@@ -135,6 +135,11 @@ def weight_sharing_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def parameter_bytes(model: nn.Module) -> int:
+    """The bytes of ``model``'s parameters as they are held (each Parameter once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def shares_storage(p: torch.Tensor) -> bool:
     """Whether ``p``, a parameter of a :func:`weight_sharing_copy`, still holds the original's storage."""
     return getattr(p, _SHARED_WITH, None) == p.untyped_storage().data_ptr()

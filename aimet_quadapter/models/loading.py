@@ -183,7 +183,7 @@ def load_model(name: str, untie: bool = True, quiet: bool = False, device: str |
     ``device``: a ``torch.device`` or a name :func:`~aimet_quadapter.models.devices.resolve_device` takes
     (``auto``, ``cpu``, ``cuda``, ``cuda:N``); checked before the weights are read.
     """
-    from . import prepare_model
+    from . import parameter_bytes, prepare_model
     from .devices import resolve_device
 
     target = device if isinstance(device, torch.device) else resolve_device(device)
@@ -194,7 +194,7 @@ def load_model(name: str, untie: bool = True, quiet: bool = False, device: str |
     if _checkpoint_bytes(name) > LARGE_WEIGHTS_BYTES:
         map_large_blocks()
     hf_model = load_hf_model(name)
-    if sum(p.numel() * p.element_size() for p in hf_model.parameters()) > LARGE_WEIGHTS_BYTES:
+    if parameter_bytes(hf_model) > LARGE_WEIGHTS_BYTES:
         map_large_blocks()
     return prepare_model(hf_model, untie=untie).to(target), load_tokenizer(name)
 
