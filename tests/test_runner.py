@@ -19,7 +19,7 @@ import aimet_quadapter.experiments.methods as methods
 from aimet_quadapter.cli import main
 from aimet_quadapter.experiments.figures import perplexity_bars
 from aimet_quadapter.experiments.recipes import load_recipe
-from aimet_quadapter.experiments.report import ordered_rows
+from aimet_quadapter.experiments.report import matched_comparisons, ordered_rows
 from aimet_quadapter.experiments.runner import RecipeRun
 from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.state import QuadapterState
@@ -507,6 +507,24 @@ def test_messages_go_to_stderr_at_the_level_asked_and_always_to_the_run_log(base
     lines = (run / "run.log").read_text().splitlines()
     assert sum("cells already in" in line for line in lines) >= 3  # appended by every run, quiet ones too
     assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (DEBUG|INFO) ", lines[-1])
+
+
+def test_a_matched_baseline_on_fewer_seeds_is_compared_on_the_seeds_both_ran():
+    def cell(method: str, label: str, seed: int, value: float) -> dict:
+        return {"method": method, "label": label, "group": "g", "seed": seed, "ppl": {"t": value}}
+
+    quadapter = {0: 10.0, 1: 18.0, 2: 35.0}  # mean 21, above QAT's 19; on seed 1 alone, below it
+    cells = {f"g/quadapter#seed{s}": cell("quadapter", "Quadapter", s, v) for s, v in quadapter.items()}
+    cells["g/qat#seed1"] = cell("qat", "QAT", 1, 19.0)
+    cells |= {f"g/cle_phase2#seed{s}": cell("cle_phase2", "CLE + phase 2", s, v + 1) for s, v in quadapter.items()}
+    lines = matched_comparisons({"cells": cells, "fids": {"g": []}})
+    qat = [line for line in lines if "vs QAT" in line]
+    assert qat == [
+        "- g, t: Quadapter 18.00 vs QAT 19.00 (-5.3 %) (on seed 1, which both ran): one seed, no spread to judge by"
+    ]
+    assert any("Quadapter 21.00 vs CLE + phase 2 22.00 (-4.5 %): within the spread (3 seeds)" in line for line in lines)
+    del cells["g/quadapter#seed1"]
+    assert "- g: Quadapter and QAT share no seed, not compared" in matched_comparisons({"cells": cells, "fids": {}})
 
 
 def test_seeds_and_cells_run_in_other_folders_merge_into_one(world, tmp_path, capsys):

@@ -137,7 +137,7 @@ def results_table(results: dict) -> str:
 def matched_comparisons(results: dict) -> list[str]:
     """One line per trained method, matched baseline and column: their numbers and whether the method's is
     lower beyond the spread over seeds (its worst seed better than the baseline's best), within it, or
-    unknown (one seed)."""
+    unknown (one seed). Two rows run on different seeds are compared on the seeds both have."""
     rows = ordered_rows(results)
     lines = []
     for r in rows:
@@ -146,16 +146,37 @@ def matched_comparisons(results: dict) -> list[str]:
             base = next((b for b in rows if b["method"] == other and b["group"] == r["group"]), None)
             if base is None:
                 continue
+            a, b, note = r, base, ""
+            seeds_a, seeds_b = set(r.get("seeds", [])), set(base.get("seeds", []))
+            if seeds_a and seeds_b and seeds_a != seeds_b:
+                # a mean over other seeds is another measurement: both rows from the seeds they share
+                shared = sorted(seeds_a & seeds_b)
+                if not shared:
+                    lines.append(f"- {r['group']}: {r['label']} and {base['label']} share no seed, not compared")
+                    continue
+                a, b = _on_seeds(results, r, shared), _on_seeds(results, base, shared)
+                note = f" (on seed{'s' * (len(shared) > 1)} {', '.join(map(str, shared))}, which both ran)"
             for field, title in (("ppl", ""), ("dev_ppl", " (development)")):
-                for col, value in r.get(field, {}).items():
-                    b = base.get(field, {}).get(col)
-                    if not isinstance(b, (int, float)):
+                for col, value in a.get(field, {}).items():
+                    ref = b.get(field, {}).get(col)
+                    if not isinstance(ref, (int, float)):
                         continue
                     lines.append(
-                        f"- {r['group']}, {col}{title}: {r['label']} {_fmt(value)} vs {base['label']} "
-                        f"{_fmt(b)} ({100 * (value / b - 1):+.1f} %): {_verdict(r, base, field, col)}"
+                        f"- {r['group']}, {col}{title}: {a['label']} {_fmt(value)} vs {b['label']} "
+                        f"{_fmt(ref)} ({100 * (value / ref - 1):+.1f} %){note}: {_verdict(a, b, field, col)}"
                     )
     return lines
+
+
+def _on_seeds(results: dict, row: dict, seeds: list[int]) -> dict:
+    """``row`` (seeds merged) again, from its cells of ``seeds`` alone."""
+    mine = (row["method"], row["group"], row.get("size"))
+    cells = {
+        key: c
+        for key, c in results["cells"].items()
+        if (c["method"], c["group"], c.get("size")) == mine and c.get("seed") in seeds
+    }
+    return next(iter(merge_seeds(cells).values()))
 
 
 def _verdict(a: dict, b: dict, field: str, col: str) -> str:
