@@ -18,6 +18,7 @@ import torch
 
 from ..errors import QuadapterError
 from ..memory import LARGE_WEIGHTS_BYTES, map_large_blocks
+from .base import parameter_bytes
 from .hub import go_offline_if_unreachable
 
 
@@ -183,7 +184,7 @@ def load_model(name: str, untie: bool = True, quiet: bool = False, device: str |
     ``device``: a ``torch.device`` or a name :func:`~aimet_quadapter.models.devices.resolve_device` takes
     (``auto``, ``cpu``, ``cuda``, ``cuda:N``); checked before the weights are read.
     """
-    from . import parameter_bytes, prepare_model
+    from . import prepare_model
     from .devices import resolve_device
 
     target = device if isinstance(device, torch.device) else resolve_device(device)
