@@ -16,7 +16,9 @@ from pathlib import Path
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.experiments.lock import RunLock
+from aimet_quadapter.experiments.recipes import parameter_sections
 from aimet_quadapter.experiments.results_file import load_results, write_results
+from aimet_quadapter.settings import result_view
 
 _PER_FOLDER = {"seeds", "out", "methods"}  # what two runs of one recipe may differ in
 
@@ -35,8 +37,8 @@ def _check_same_recipe(dest: dict, src: dict, src_dir: Path) -> None:
     for name, recipe in src.get("recipes", {}).items():
         if name not in dest.get("recipes", {}):
             raise QuadapterError(f"{src_dir}: a run of recipe {name}, which the destination never ran")
-        ours = dict(_flat(dest["recipes"][name]["settings"]))
-        theirs = dict(_flat(recipe["settings"]))
+        ours = dict(_flat(_result_settings(dest["recipes"][name]["settings"])))
+        theirs = dict(_flat(_result_settings(recipe["settings"])))
         for key in sorted(ours.keys() | theirs.keys()):
             if key not in _PER_FOLDER and ours.get(key) != theirs.get(key):
                 raise QuadapterError(
@@ -46,6 +48,12 @@ def _check_same_recipe(dest: dict, src: dict, src_dir: Path) -> None:
     for field in ("datasets", "dev_datasets"):
         if dest.get(field, []) != src.get(field, []):
             raise QuadapterError(f"{src_dir}: other {field} than the destination's")
+
+
+def _result_settings(settings: dict) -> dict:
+    # memory and checkpoint fields leave every result as it is: two runs that differ only there still merge
+    sources = {section: source for section, source, _ in parameter_sections()}
+    return {k: result_view(sources[k], v) if k in sources and isinstance(v, dict) else v for k, v in settings.items()}
 
 
 def _copy_missing(src_dir: Path, dest_dir: Path, folder: str | None) -> None:
