@@ -16,9 +16,8 @@ from pathlib import Path
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.experiments.lock import RunLock
-from aimet_quadapter.experiments.recipes import parameter_sections
+from aimet_quadapter.experiments.recipes import result_section
 from aimet_quadapter.experiments.results_file import load_results, write_results
-from aimet_quadapter.settings import result_view
 
 _PER_FOLDER = {"seeds", "out", "methods"}  # what two runs of one recipe may differ in
 
@@ -52,8 +51,7 @@ def _check_same_recipe(dest: dict, src: dict, src_dir: Path) -> None:
 
 def _result_settings(settings: dict) -> dict:
     # memory and checkpoint fields leave every result as it is: two runs that differ only there still merge
-    sources = {section: source for section, source, _ in parameter_sections()}
-    return {k: result_view(sources[k], v) if k in sources and isinstance(v, dict) else v for k, v in settings.items()}
+    return {k: result_section(k, v) if isinstance(v, dict) else v for k, v in settings.items()}
 
 
 def _copy_missing(src_dir: Path, dest_dir: Path, folder: str | None) -> None:

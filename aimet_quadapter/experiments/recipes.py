@@ -34,7 +34,7 @@ from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.experiments.catalog import CATALOG
 from aimet_quadapter.models import EXTRA_SITE_GROUPS
 from aimet_quadapter.models.devices import DEVICE_CHOICES, DEVICE_PATTERN
-from aimet_quadapter.settings import bounds, default_of
+from aimet_quadapter.settings import bounds, default_of, result_view
 from aimet_quadapter.text import EVAL_SEQ_LEN
 
 DATA_ENV = "AIMET_QUADAPTER_DATA"
@@ -98,6 +98,13 @@ def parameter_sections() -> list[tuple[str, type, tuple[str, ...]]]:
         ("baselines", BaselineParameters, ()),
         ("generated", GenerationParameters, ()),
     ]
+
+
+def result_section(section: str, values: dict) -> dict:
+    """A recipe section's values less the fields that change no result (:func:`result_view`); what runs'
+    fingerprints and ``merge`` compare. A section that mirrors no parameter dataclass comes back as it is."""
+    sources = {name: source for name, source, _ in parameter_sections()}
+    return result_view(sources[section], values) if section in sources else values
 
 
 def _sections() -> dict[str, type[BaseModel]]:

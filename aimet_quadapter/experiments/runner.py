@@ -43,10 +43,9 @@ from aimet_quadapter.atomic import write_atomic, write_text_atomic
 from aimet_quadapter.errors import QuadapterError, TrainingDiverged
 from aimet_quadapter.experiments.catalog import BC, CATALOG
 from aimet_quadapter.experiments.lock import RunLock
-from aimet_quadapter.experiments.recipes import Recipe, parameter_sections
+from aimet_quadapter.experiments.recipes import Recipe, result_section
 from aimet_quadapter.experiments.results_file import FORMAT, RESULTS, load_results, write_results
 from aimet_quadapter.logs import log, log_file
-from aimet_quadapter.settings import result_view
 from aimet_quadapter.versions import library_versions
 
 if TYPE_CHECKING:  # imported when a run starts: the model code pulls in AIMET
@@ -54,7 +53,6 @@ if TYPE_CHECKING:  # imported when a run starts: the model code pulls in AIMET
     from aimet_quadapter.quadapter.state import QuadapterState
 
 # recipe section -> the parameter dataclass whose fields say which settings change a result
-_SOURCES = {section: source for section, source, _ in parameter_sections()}
 
 
 @dataclass(frozen=True)
@@ -257,7 +255,7 @@ class RecipeRun:
 
     # --- fingerprints ---------------------------------------------------------------------------------
     def _sections(self, names: tuple[str, ...]) -> dict:
-        return {n: result_view(_SOURCES[n], getattr(self.recipe, n).model_dump(mode="json")) for n in names}
+        return {n: result_section(n, getattr(self.recipe, n).model_dump(mode="json")) for n in names}
 
     def _base_payload(self) -> dict:
         # a start of 0 (every run folder's before the field existed) stays out of the fingerprint
