@@ -256,7 +256,7 @@ def case_phase2(model, args) -> dict:
     # the quantizer patches) is not spread over the few steps a benchmark can afford
     timed = {}
     for n in (steps, 2 * steps):
-        params = Phase2Parameters(steps=n, batch_size=args.batch, seq_len=args.seq_len)
+        params = Phase2Parameters(steps=n, batch_size=args.batch, seq_len=args.seq_len, **_phase2_memory(args))
         timed[n] = _median_time(partial(run_phase2, sim.model, qset, [batch], params, progress=False), args.reps)
     q_time = timed[2 * steps] - timed[steps]
 
@@ -279,11 +279,24 @@ def case_phase2(model, args) -> dict:
     )
     return out | {
         "batch": list(batch.shape),
+        **_phase2_memory(args),
         "setup_s": timed[steps] - q_time,
         "step_s": q_time / steps,
         "fp_step_s": fp_time / steps,
         "ratio": q_time / fp_time,
     }
+
+
+def _phase2_memory(args) -> dict:
+    """The phase-2 memory settings the command line asks for; those it leaves out keep their defaults."""
+    out: dict = {}
+    if args.micro_batch is not None:
+        out["micro_batch_size"] = args.micro_batch or args.batch  # 0: the whole batch in one pass
+    if args.no_recompute:
+        out["recompute_blocks"] = False
+    if args.eager:
+        out["fused_fake_quant"] = False
+    return out
 
 
 def _profile(fn: Callable[[], object], top: int = 25) -> dict:
@@ -439,7 +452,28 @@ def _shared_flags(args) -> list[str]:
         flags += ["--threads", str(args.threads)]
     if args.profile:
         flags.append("--profile")
+    if args.micro_batch is not None:
+        flags += ["--micro-batch", str(args.micro_batch)]
+    if args.no_recompute:
+        flags.append("--no-recompute")
+    if args.eager:
+        flags.append("--eager")
     return flags
+
+
+PAPER_PHASE1_STEPS, PAPER_PHASE2_STEPS = 500, 10_000  # per site; end to end (batch 4 x 512): the paper's Appendix
+
+
+def paper_projection(model: dict, blocks: int) -> dict | None:
+    """Hours of the paper's GPT-2 recipe, from one model's measured steps (``phase1`` and ``phase2`` cases): every
+    site of a block as its first block's, the head site once, phase 2's step as measured. None without both."""
+    if "phase1" not in model or "phase2" not in model:
+        return None
+    head = sum(p["step_s"] for kind, p in model["phase1"].items() if "lm_head" in kind)
+    per_block = sum(p["step_s"] for kind, p in model["phase1"].items() if "lm_head" not in kind)
+    phase1 = PAPER_PHASE1_STEPS * (blocks * per_block + head)
+    phase2 = PAPER_PHASE2_STEPS * model["phase2"]["step_s"]
+    return {"phase1_h": phase1 / 3600, "phase2_h": phase2 / 3600, "total_h": (phase1 + phase2) / 3600}
 
 
 def format_table(results: dict) -> str:
@@ -546,6 +580,14 @@ def main() -> None:
     ap.add_argument("--calib-samples", type=int, default=10, help="phase1_all: calibration sequences")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     ap.add_argument(
+        "--micro-batch",
+        type=int,
+        help="phase2: sequences per forward/backward pass (0: the whole batch; default: "
+        "the device's, as Phase2Parameters chooses)",
+    )
+    ap.add_argument("--no-recompute", action="store_true", help="phase2: keep the blocks' activations (more memory)")
+    ap.add_argument("--eager", action="store_true", help="phase2: the eager fake-quant, not the compiled kernels")
+    ap.add_argument(
         "--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES + EXTRA_CASES)}"
     )
     ap.add_argument("--json", help="write the results here")
@@ -569,6 +611,13 @@ def main() -> None:
     results["wall_s"] = time.time() - start
     complete = set(args.cases.split(",")) == set(CASES)
     table = format_table(results) if complete else json.dumps(results["models"], indent=1)
+    for name, model in results["models"].items():
+        blocks = {"gpt2-small": 12, "smollm2-135m": 30, "smollm2-135m-shape": 30}.get(name)
+        projected = paper_projection(model, blocks) if blocks else None
+        if projected:
+            results.setdefault("paper_recipe_hours", {})[name] = projected
+            table += f"\n{name}: the paper's recipe (phase 1 500 steps a site, phase 2 10,000 steps) takes "
+            table += f"{projected['total_h']:.2f} h ({projected['phase1_h']:.2f} + {projected['phase2_h']:.2f})"
     results["table"] = table
     print(table)
     if args.json:

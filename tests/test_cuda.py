@@ -13,11 +13,12 @@ import json
 import pytest
 import torch
 
+from aimet_quadapter import distributed
 from aimet_quadapter.cli import main
 from aimet_quadapter.export.exporter import export_quantized
 from aimet_quadapter.models import device_of, quiet_libraries
 from aimet_quadapter.models.graphs import GraphedForward
-from aimet_quadapter.quadapter.api import QuadapterParameters, apply_quadapter
+from aimet_quadapter.quadapter.api import QuadapterParameters, apply_phase1, apply_phase2, apply_quadapter
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters
 from aimet_quadapter.quadapter.phase2 import Phase2Parameters
 from aimet_quadapter.quadapter.state import QuadapterState
@@ -46,10 +47,7 @@ def _pipeline(family: str, device: str, tmp_path) -> dict:
     ranges = {f"{m}.{k}": (float(q.get_min().min()), float(q.get_max().max())) for m, k, q in quantizers(ptq.model)}
     assert device_of(ptq.model).type == device and all(p.device.type == device for p in ptq.model.parameters())
     sim = build_sim(model)
-    params = QuadapterParameters(
-        phase1=Phase1Parameters(steps=4), phase2=Phase2Parameters(steps=3, lr_alpha=1e-2, lr_ranges=1e-2)
-    )
-    result = apply_quadapter(sim, model, calib, train, params, progress=False)
+    result = apply_quadapter(sim, model, calib, train, PARAMS, progress=False)
     assert all(q.theta.device.type == device for q in result.qset)
     path = result.state.save(tmp_path / f"{device}.safetensors")
     rebuilt = QuadapterState.load(path).build_sim(copy.deepcopy(model))
@@ -64,19 +62,27 @@ def _pipeline(family: str, device: str, tmp_path) -> dict:
         "ptq": perplexity(ptq.model, windows, progress=False).ppl,
         "quadapter": perplexity(sim.model, windows, progress=False).ppl,
         "rebuilt": rebuilt_ppl,
-        "losses": result.phase2.losses if result.phase2 else [],
         "alphas": {k: v.cpu() for k, v in result.state.alphas.items()},
     }
 
 
-# Without training, CUDA and the CPU differ by float summation order only: the FP model and the calibrated
-# ranges agree to EXACT. A quantized model's perplexity does not: the toy models' planted outlier makes the
-# quantization step so coarse that many activations sit near a rounding boundary, and on the CPU alone a
-# relative change of 1e-7 in the weights moves the toy GPT-2's PTQ perplexity by 6 % (196.5 -> 208.7).
-# QUANTIZED is that noise band; a quantizer that did not run on CUDA would land on the FP perplexity, far
-# outside it. Training (Adam) turns rounding into steps of the full learning rate where a gradient is near
-# zero: the losses it trains get TRAINED.
-EXACT, TRAINED, QUANTIZED = 1e-4, 2e-2, 0.1
+PARAMS = QuadapterParameters(
+    phase1=Phase1Parameters(steps=4), phase2=Phase2Parameters(steps=3, lr_alpha=1e-2, lr_ranges=1e-2)
+)
+
+# Without training, CUDA and the CPU differ by float32 rounding only (summation order; Llama's rotary cos/sin,
+# which transformers computes in float32 whatever the model's dtype): the FP model and the calibrated ranges agree
+# to EXACT. A quantized toy model's perplexity does not: its planted outlier makes the quantization step so coarse
+# that many activations sit near a rounding boundary, and on the CPU alone a relative change of 1e-7 in the
+# weights moves the toy GPT-2's PTQ perplexity by 6 %. Training amplifies that rounding: Adam turns a near-zero
+# gradient into a step of the full learning rate, and four phase-1 steps take steps of 12.5 in log alpha
+# (reach_steps). Measured on the CPU alone, a one-ulp change of the weights moves the toy Llama's Quadapter
+# perplexity by 16 % and its Quadapter BC by 21 %, more than CUDA differs from the CPU (13 %, 538 -> 610 on an
+# H100); in float64 the two devices still differ by 6 % (509 against 540: the rotary float32 stays). So the whole
+# pipeline is compared in QUANTIZED, a band that tells a quantized model from an FP one, and the stages where
+# rounding is not amplified are compared tightly from one and the same state: calibration, and one phase-2 step's
+# gradients (STEP: measured 1.5e-5 on the toy Llama, float32). The command line's short GPT-2 run stays in TRAINED.
+EXACT, STEP, TRAINED, QUANTIZED = 1e-4, 1e-3, 2e-2, 0.25
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -89,11 +95,51 @@ def test_tiny_pipeline_on_cuda_equals_cpu(family, tmp_path):
     assert abs(cpu["ptq"] / cpu["fp"] - 1) > 2 * QUANTIZED  # the band below can tell quantized from FP
     for key in ("ptq", "quadapter", "rebuilt"):
         assert cuda[key] == pytest.approx(cpu[key], rel=QUANTIZED), key
+        assert abs(cuda[key] / cpu["fp"] - 1) > QUANTIZED, key  # quantized on CUDA, not the FP model
+    assert cuda["quadapter"] < cuda["ptq"] and cpu["quadapter"] < cpu["ptq"]
     assert cuda["rebuilt"] == pytest.approx(cuda["quadapter"], rel=EXACT)  # the saved state, rebuilt on CUDA
-    assert cuda["losses"] == pytest.approx(cpu["losses"], rel=TRAINED)
     assert cuda["alphas"].keys() == cpu["alphas"].keys()
     moved = [k for k, a in cpu["alphas"].items() if (a - 1).abs().max() > 1e-3]
     assert moved and all((cuda["alphas"][k] - 1).abs().max() > 1e-3 for k in moved)
+
+
+def _phase2_gradients(sim, model, result, train, device: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One phase-2 step of a copy of ``(sim, model, result)`` on ``device``: its loss and every trained gradient."""
+    sim_model, model, result = copy.deepcopy((sim.model, model, result))
+    sim = copy.copy(sim)
+    sim.model = sim_model.to(device)
+    model.to(device)
+    for q in result.qset:
+        q.to(device)
+    names = {id(p): n for n, p in sim.model.named_parameters()} | {id(q.theta): q.site.name for q in result.qset}
+    grads: dict[str, torch.Tensor] = {}
+
+    def keep(params):  # called between the backward pass and the optimizer's step
+        grads.update({names[id(p)]: p.grad.detach().cpu().clone() for p in params if p.grad is not None})
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(distributed, "average_gradients", keep)
+        step = Phase2Parameters(steps=1, lr_alpha=1e-2, lr_ranges=1e-2)
+        losses = apply_phase2(sim, model, result, train, step, progress=False).phase2.losses
+    return losses, grads
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_phase2_step_from_one_state_computes_the_same_on_cuda(family):
+    """From one state (phase 1 done on the CPU), a phase-2 step on CUDA (its own defaults: the whole batch, the
+    fused kernels) gives the CPU's loss and gradients, up to float32 rounding."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = toy_model(family)
+    corpus = sample_corpus(model, 8, SEQ, seed=1)
+    calib, train = [corpus[:2], corpus[2:4]], [corpus[4:8]]
+    sim = build_sim(model)
+    result = apply_phase1(sim, model, calib, PARAMS, progress=False)
+    (cpu_loss, cpu), (cuda_loss, cuda) = (_phase2_gradients(sim, model, result, train, d) for d in ("cpu", "cuda"))
+    assert cuda_loss == pytest.approx(cpu_loss, rel=EXACT)
+    assert cuda.keys() == cpu.keys() and any(name in cpu for name in result.state.alphas)
+    largest = max(g.abs().max().item() for g in cpu.values())
+    for name, grad in cpu.items():
+        assert torch.allclose(cuda[name], grad, rtol=STEP, atol=STEP * largest), name
 
 
 def test_cli_eval_on_cuda_equals_cpu(tiny_gpt2_dir, corpus_dir, tmp_path):

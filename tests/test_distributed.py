@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -48,6 +50,50 @@ def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
             torch.save(out, out_file)
     finally:
         dist.destroy_process_group()
+
+
+def _diverging_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Phase 2 where only rank 1's loss is not finite: every rank must stop with the same line, none hang."""
+    from aimet_quadapter.errors import TrainingDiverged
+    from aimet_quadapter.quadapter.phase2 import lm_loss
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = toy_model("gpt2")
+        corpus = sample_corpus(model, 4, 32, seed=1)
+        sim = build_sim(model)
+        calibrate(sim, [corpus[:2]])
+
+        def loss_fn(m, batch):
+            loss = lm_loss(m, batch)
+            return loss * float("nan") if rank == 1 else loss
+
+        params = Phase2Parameters(steps=2, lr_alpha=1e-2, lr_ranges=1e-2)
+        try:
+            run_phase2(sim.model, attach_quadapters(sim), [corpus[:2]], params, loss_fn=loss_fn, progress=False)
+            message = "finished"
+        except TrainingDiverged as error:
+            message = str(error)
+        (Path(out_dir) / f"rank{rank}.txt").write_text(message)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
+def test_a_loss_not_finite_on_one_process_stops_every_process(tmp_path):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_diverging_worker, args=(r, 2, str(tmp_path / "init"), str(tmp_path))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        p.kill()
+    assert not hung, "a process was left waiting in the all-reduce"
+    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert lines[0] == lines[1] and "the loss is nan at step 1 of 2" in lines[0]
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -438,7 +439,7 @@ def test_phase2_micro_batches_give_the_whole_batch_gradient(setup):
 
     model, calib, train = setup["model"], setup["calib"], setup["train"]
     runs = {}
-    for micro in (None, 1, 3):  # 3: uneven slices of the 4-sequence batch
+    for micro in (4, 1, 3):  # 4: the whole batch in one pass; 3: uneven slices of it
         sim = build_sim(model)
         calibrate(sim, calib)
         qset = attach_quadapters(sim)
@@ -446,7 +447,7 @@ def test_phase2_micro_batches_give_the_whole_batch_gradient(setup):
         losses = run_phase2(sim.model, qset, train, params, progress=False).losses
         trained = [q.theta for q in qset] + range_parameters(sim.model)
         runs[micro] = losses, torch.cat([p.grad.flatten() for p in trained if p.grad is not None])
-    whole_losses, whole_grad = runs[None]
+    whole_losses, whole_grad = runs[4]
     assert whole_grad.abs().max() > 0
     for micro in (1, 3):
         losses, grad = runs[micro]
@@ -486,10 +487,9 @@ def test_phase2_recomputed_blocks_give_the_same_losses_and_gradients(setup):
 
 
 def test_batched_range_encodings_give_aimets_encodings_and_the_same_gradients(setup, monkeypatch):
-    """Phase 2 with every range's encoding made in one computation per pass (the GPU path, forced here) gives
-    the same losses bit for bit and the same gradients up to summation order, without asking any quantizer
-    whose range trains for its encoding."""
-    from aimet_quadapter.quadapter import phase2
+    """Phase 2 with every range's encoding made in one computation per pass (with the fused kernels: the GPU path,
+    forced here) gives the same losses bit for bit and the same gradients up to summation order, without asking
+    any quantizer whose range trains for its encoding."""
     from aimet_quadapter.quant.quantizers import range_parameters
 
     model, calib, train = setup["model"], setup["calib"], setup["train"]
@@ -498,11 +498,10 @@ def test_batched_range_encodings_give_aimets_encodings_and_the_same_gradients(se
     monkeypatch.setattr(QuantizeDequantize, "get_encodings", lambda q: calls.append(q) or original(q))
     runs = {}
     for batched in (False, True):
-        monkeypatch.setattr(phase2, "_batch_encodings", lambda _model, batched=batched: batched)
         sim = build_sim(model)
         calibrate(sim, calib)
         qset = attach_quadapters(sim)
-        params = Phase2Parameters(steps=1, lr_alpha=0.0, lr_ranges=0.0, micro_batch_size=2)
+        params = Phase2Parameters(steps=1, lr_alpha=0.0, lr_ranges=0.0, micro_batch_size=2, fused_fake_quant=batched)
         calls.clear()
         losses = run_phase2(sim.model, qset, train, params, progress=False).losses
         trained = [q.theta for q in qset] + range_parameters(sim.model)
@@ -511,7 +510,7 @@ def test_batched_range_encodings_give_aimets_encodings_and_the_same_gradients(se
     assert plain_calls > 0 and batched_calls == 0
     assert losses == plain_losses
     assert plain_grad.abs().max() > 0
-    assert torch.allclose(grad, plain_grad, rtol=1e-5, atol=1e-7 * plain_grad.abs().max().item())
+    assert torch.allclose(grad, plain_grad, rtol=1e-4, atol=1e-5 * plain_grad.abs().max().item())
 
 
 def test_gathered_embedding_quantization_is_exact(setup, monkeypatch):
@@ -726,6 +725,48 @@ def test_phase2_resume_continues_where_it_stopped(setup, tmp_path):
         assert torch.allclose(a.theta, b.theta, atol=1e-6)
 
 
+def test_phase2_resumes_only_its_own_checkpoint(setup, tmp_path, caplog):
+    """A checkpoint names the settings, start and data it came from: changed settings start over (said in a
+    warning), and a file that holds more than tensors and plain data is not unpickled."""
+    model, calib, train = setup["model"], setup["calib"], setup["train"]
+
+    def run(**changes):
+        sim = build_sim(model)
+        calibrate(sim, calib)
+        params = Phase2Parameters(steps=2, checkpoint_every=1, checkpoint_dir=str(tmp_path), micro_batch_size=4)
+        return run_phase2(
+            sim.model, attach_quadapters(sim), train, dataclasses.replace(params, **changes), progress=False
+        )
+
+    run()
+    assert run().resumed_from == 2  # the same run: resumed at its end
+    with caplog.at_level("WARNING"):
+        assert run(lr_alpha=5e-3).resumed_from == 0
+    assert "other settings" in caplog.text
+    saved = torch.load(tmp_path / "phase2.pt", weights_only=True)
+    torch.save({**saved, "extra": _NotData()}, tmp_path / "phase2.pt")  # unpickling it would run code
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert run(lr_alpha=5e-3).resumed_from == 0
+    assert "cannot be read" in caplog.text
+
+
+class _NotData:
+    pass
+
+
+def test_an_unreadable_phase1_checkpoint_is_said_and_every_site_calibrated_again(setup, tmp_path, caplog):
+    model, calib = setup["model"], setup["calib"]
+    (tmp_path / "phase1.pt").write_bytes(b"not a checkpoint")
+    sim = build_sim(model)
+    qset = attach_quadapters(sim)
+    params = Phase1Parameters(steps=1, checkpoint_dir=str(tmp_path))
+    with caplog.at_level("WARNING"):
+        result = run_phase1(sim.model, model, qset, calib, params, progress=False)
+    assert "phase1.pt cannot be read" in caplog.text
+    assert len(result.losses) == len(qset)
+
+
 def test_phase2_stops_at_a_nan_loss_and_keeps_the_last_good_checkpoint(setup, tmp_path):
     from aimet_quadapter.errors import TrainingDiverged
 
@@ -738,12 +779,12 @@ def test_phase2_stops_at_a_nan_loss_and_keeps_the_last_good_checkpoint(setup, tm
     def nan_at_step_3(m, batch):
         calls["n"] += 1
         loss = lm_loss(m, batch)
-        return loss * float("nan") if calls["n"] > 2 else loss  # one call per step (micro_batch_size None)
+        return loss * float("nan") if calls["n"] > 2 else loss  # one call per step (the whole batch of 4)
 
-    params = Phase2Parameters(steps=5, checkpoint_every=1, checkpoint_dir=str(tmp_path), micro_batch_size=None)
+    params = Phase2Parameters(steps=5, checkpoint_every=1, checkpoint_dir=str(tmp_path), micro_batch_size=4)
     with pytest.raises(TrainingDiverged, match="step 3 of 5.*holds step 2"):
         run_phase2(sim.model, qset, train, params, progress=False, loss_fn=nan_at_step_3)
-    saved = torch.load(tmp_path / "phase2.pt", weights_only=False)
+    saved = torch.load(tmp_path / "phase2.pt", weights_only=True)
     assert saved["step"] == 2 and all(math.isfinite(v) for v in saved["losses"])
     # the parameters are those of the last good step: the NaN loss was never stepped on
     current = qset.state_dict()

@@ -40,8 +40,8 @@ class GroupedAdam(torch.optim.Adam):
                 loss = closure()
         # tensors of one device and dtype go through each multi-tensor op together
         buckets: dict[tuple, tuple[list, ...]] = defaultdict(lambda: ([], [], [], [], [], []))
+        stepping = []
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -52,13 +52,17 @@ class GroupedAdam(torch.optim.Adam):
                     state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                t = state["step"].item()
-                b = buckets[(p.device, p.dtype, beta1, beta2, group["eps"])]
-                for lst, item in zip(b, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
-                    lst.append(item)
-                b[4].append((1 - beta2**t) ** 0.5)  # bias_correction2_sqrt
-                b[5].append(-(group["lr"] / (1 - beta1**t)))  # -step_size
+                stepping.append((group, p, state))
+        if stepping:  # every step count at once: one op, not one per tensor
+            torch._foreach_add_([state["step"] for _, _, state in stepping], 1)
+        for group, p, state in stepping:
+            beta1, beta2 = group["betas"]
+            t = state["step"].item()
+            b = buckets[(p.device, p.dtype, beta1, beta2, group["eps"])]
+            for lst, item in zip(b, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
+                lst.append(item)
+            b[4].append((1 - beta2**t) ** 0.5)  # bias_correction2_sqrt
+            b[5].append(-(group["lr"] / (1 - beta1**t)))  # -step_size
         for (_, _, beta1, beta2, eps), (params, grads, exp_avgs, exp_avg_sqs, bc2_sqrt, neg_steps) in buckets.items():
             torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
             torch._foreach_mul_(exp_avg_sqs, beta2)

@@ -13,8 +13,10 @@ every quantizer. :meth:`QuadapterSet.fold` writes alpha into the weights for goo
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import cast
 
 import torch
@@ -88,17 +90,38 @@ class Quadapter(nn.Module):
         super().__init__()
         self.site = site
         self.theta = nn.Parameter(torch.zeros(channels))
+        self.held: torch.Tensor | None = None  # alpha while QuadapterSet.alphas_held holds it
         # Product of every alpha folded into the weights so far: what must be applied to the FP model
         # to reproduce this sim's weights (export, fresh sims).
         self.register_buffer("folded", torch.ones(channels))
 
     @property
     def alpha(self) -> torch.Tensor:
-        return self.theta.exp()
+        return self.theta.exp() if self.held is None else self.held
 
     def set_alpha(self, alpha: torch.Tensor) -> None:
         with torch.no_grad():
             self.theta.copy_(alpha.clamp_min(1e-12).log())
+
+
+def _scaled_tensors(
+    weight: torch.Tensor, bias: torch.Tensor | None, row: torch.Tensor | None, col: torch.Tensor | None, offset: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """diag(row) weight diag(1 / col), and the bias times row (None where row is None or there is no bias)."""
+    if row is not None:
+        weight = rows_scaled(weight, row, offset)
+        bias = bias * row if bias is not None else None
+    else:
+        bias = None
+    if col is not None:
+        weight = weight / col[None, :]
+    return weight, bias
+
+
+@functools.cache
+def _compiled_scaling():
+    # forward and backward each fused by torch.compile; one graph per kind of module (rank, bias, row, col)
+    return torch.compile(_scaled_tensors, dynamic=True)
 
 
 class _ModulePatch:
@@ -113,6 +136,7 @@ class _ModulePatch:
         self.unfolded = False
         self.folds: list[tuple[Quadapter, bool]] = []  # (Quadapter, True where this module is its producer)
         self.replay: list[tuple[Quadapter, bool]] = []  # the folds whose alpha is not all ones, set by unfold
+        self.fused = False  # set by QuadapterSet.fused
 
     def _folded(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         for q, producer in self.replay:
@@ -143,14 +167,14 @@ class _ModulePatch:
             out["bias"] = bias
         if row is None and col is None:
             return out
-        w = weight
-        if row is not None:
-            w = rows_scaled(w, row, offset)
-            if bias is not None:
-                out["bias"] = bias * row
-        if col is not None:
-            w = w / col[None, :]
-        out["weight"] = w
+        scaling = _scaled_tensors
+        if self.fused:  # a frozen parameter goes in as a plain tensor: a compiled graph fixes a parameter's shape
+            weight = weight if weight.requires_grad else weight.detach()
+            bias = bias if bias is None or bias.requires_grad else bias.detach()
+            scaling = _compiled_scaling()
+        out["weight"], scaled_bias = scaling(weight, bias, row, col, offset)
+        if scaled_bias is not None:
+            out["bias"] = scaled_bias
         return out
 
     def pre_hook(self, module: nn.Module, args):
@@ -216,6 +240,23 @@ class QuadapterSet(nn.Module):
             handle.remove()
         self._handles.clear()
         self._patches.clear()
+
+    @contextmanager
+    def fused(self) -> Iterator[None]:
+        """While inside, each site's alpha is computed once for every module that reads it, and a module's scaled
+        weight and bias are made by one compiled kernel each way: a few kernel launches per module and pass, where
+        the eager ops take a dozen. The same values; the gradients of theta are summed in another order."""
+        for q in self:
+            q.held = q.theta.exp()
+        for patch in self._patches.values():
+            patch.fused = True
+        try:
+            yield
+        finally:
+            for q in self:
+                q.held = None
+            for patch in self._patches.values():
+                patch.fused = False
 
     # --- folding ----------------------------------------------------------------------------------
     @torch.no_grad()

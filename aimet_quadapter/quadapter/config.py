@@ -74,18 +74,31 @@ class Phase2Parameters:
     steps: int = setting(10_000, ge=0, help="training steps (0: Quadapter BC alone)")
     batch_size: int = setting(4, ge=1, help="sequences per step")
     # Gradients of the slices are summed into the step's gradient, so the result is the whole batch's up to
-    # float rounding; activations for the backward pass are kept for one slice at a time.
+    # float rounding; activations for the backward pass are kept for one slice at a time. A GPU has the memory
+    # for the whole batch, and each slice would cost it a pass of kernel launches.
     micro_batch_size: int | None = setting(
-        1,
+        None,
         ge=1,
         result=False,
-        help="sequences per forward/backward pass, accumulated to batch_size (None: the whole batch)",
+        help="sequences per forward/backward pass, accumulated to batch_size (None: 1 on a CPU, the whole batch "
+        "on a GPU)",
     )
     seq_len: int = setting(512, ge=2, help="tokens per sequence")
     # Every block's fake-quantized weights and activations would otherwise be kept for the backward pass;
     # recomputed, only one block's are alive at a time, for one more forward pass per step.
-    recompute_blocks: bool = setting(
-        True, result=False, help="recompute each decoder block in the backward pass (less memory)"
+    recompute_blocks: bool | None = setting(
+        None,
+        result=False,
+        help="recompute each decoder block in the backward pass, for less memory (None: on a CPU, not on a GPU)",
+    )
+    # Where every small op is a kernel launch: one compiled kernel for a trained range's fake-quant forward and
+    # one for its backward instead of a dozen each way, and every range's encoding made in one computation per
+    # pass. The same values; the ranges' gradients are summed in another order.
+    fused_fake_quant: bool | None = setting(
+        None,
+        result=False,
+        help="fake-quant of trained ranges as compiled kernels, encodings made once per pass (None: on a GPU, "
+        "not on a CPU)",
     )
     # Distillation needs no labels, so it does not pull the model toward the fine-tuning text's own
     # next-token statistics: only toward the FP model's behaviour on it.

@@ -9,10 +9,14 @@ loses at most one interval.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -40,7 +44,9 @@ from aimet_quadapter.quant.quantizers import (
     range_parameter_widths,
     refresh_prefix,
 )
+from aimet_quadapter.settings import result_view
 
+log = logging.getLogger(__name__)
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
@@ -96,7 +102,7 @@ def run_phase2(
     data as an uninterrupted one. ``loss_fn``: by default the LM loss; :func:`phase2_loss` gives the one
     ``params.loss`` names.
     """
-    params = params or Phase2Parameters()
+    params = for_device(params or Phase2Parameters(), device_of(sim_model))
     if loss_fn is None:
         if params.loss != "lm":  # not silently the LM loss: the teacher is the caller's to give
             raise QuadapterError(
@@ -134,8 +140,9 @@ def run_phase2(
     result = Phase2Result()
     start = 0
     ckpt = Path(params.checkpoint_dir) / "phase2.pt" if params.checkpoint_dir else None
-    if ckpt is not None and ckpt.is_file():
-        state = torch.load(ckpt, weights_only=False, map_location=device_of(sim_model))
+    key = _checkpoint_key(params, sim_model, qset, batches) if ckpt is not None else ""
+    state = _read_checkpoint(ckpt, key, device_of(sim_model)) if ckpt is not None else None
+    if state is not None:
         _load_trainable(sim_model, qset, state)
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
@@ -147,13 +154,14 @@ def run_phase2(
     # named before gathered_embedding_quantization takes the embedding's quantizer out of the module tree
     named = list(sim_model.named_parameters())
     fake_quantized = quantizers_in([sim_model])
-    batched = fake_quantized if _batch_encodings(sim_model) else []
+    # where each small op is a kernel launch, the ranges' encodings are made once per pass for all quantizers
+    batched = fake_quantized if params.fused_fake_quant else []
     progress = progress and distributed.is_main()
     bar = tqdm(range(start, params.steps), desc=desc, initial=start, total=params.steps, disable=not progress)
     try:
         with (
             gathered_embedding_quantization(sim_model),
-            elementwise_fake_quant(fake_quantized),
+            elementwise_fake_quant(fake_quantized, fused=bool(params.fused_fake_quant)),
             plain_tensors(),
             _recomputed_blocks(sim_model, params),
         ):
@@ -161,22 +169,26 @@ def run_phase2(
                 optimizer.zero_grad(set_to_none=True)
                 # under torchrun each process takes its share of the global batch; gradients are averaged
                 part = distributed.local_part(batches[step % len(batches)])
-                loss = _accumulate(sim_model, part, loss_fn, params, batched)
-                if not math.isfinite(loss):  # before the step: the parameters and checkpoint stay the last good ones
+                held = qset if qset is not None and params.fused_fake_quant else None
+                loss = _accumulate(sim_model, part, loss_fn, params, batched, held)
+                # the mean over the processes: a loss that is not finite on one of them stops every one of them
+                # here, with the same line, instead of leaving the others waiting in the gradients' all-reduce
+                value = distributed.mean_over_ranks(loss)
+                if not math.isfinite(value):  # before the step: the parameters and checkpoint stay the last good ones
                     where = f"; the last checkpoint ({ckpt}) holds step {_saved_step(ckpt)}" if ckpt else ""
-                    raise TrainingDiverged(f"{desc}: the loss is {loss} at step {step + 1} of {params.steps}{where}")
+                    raise TrainingDiverged(f"{desc}: the loss is {value} at step {step + 1} of {params.steps}{where}")
                 distributed.average_gradients(trainable)
                 optimizer.step()
                 schedule.step()
                 # the prefix's cache follows the weights and alphas (no gradient reaches it through the prefix)
                 refresh_prefix(sim_model)
-                value = distributed.mean_over_ranks(loss)
                 result.losses.append(value)
                 bar.set_postfix(loss=f"{value:.4f}")
                 due = (step + 1) % params.checkpoint_every == 0 or step + 1 == params.steps
                 if ckpt is not None and due and distributed.is_main():
                     ckpt.parent.mkdir(parents=True, exist_ok=True)
                     state = {
+                        "key": key,
                         "step": step + 1,
                         "losses": result.losses,
                         "optimizer": optimizer.state_dict(),
@@ -188,6 +200,18 @@ def run_phase2(
         for p in sim_model.parameters():
             p.requires_grad_(False)
     return result
+
+
+def for_device(params: Phase2Parameters, device: torch.device) -> Phase2Parameters:
+    """``params`` with the memory and speed settings left at None decided for ``device``: a GPU has the memory to
+    keep a whole batch's activations and pays for every extra pass in kernel launches; a CPU keeps the memory."""
+    gpu = device.type == "cuda"
+    return replace(
+        params,
+        micro_batch_size=params.micro_batch_size if params.micro_batch_size is not None else (None if gpu else 1),
+        recompute_blocks=params.recompute_blocks if params.recompute_blocks is not None else not gpu,
+        fused_fake_quant=params.fused_fake_quant if params.fused_fake_quant is not None else gpu,
+    )
 
 
 @contextmanager
@@ -212,14 +236,41 @@ def _recomputed_blocks(model: nn.Module, params: Phase2Parameters) -> Iterator[N
                 del block.forward
 
 
-def _batch_encodings(model: nn.Module) -> bool:
-    # where each small op is a kernel launch, the ranges' encodings are made once per pass for all quantizers;
-    # a CPU keeps the per-quantizer path, whose gradients sum in the order the results so far were trained with
-    return device_of(model).type == "cuda"
-
-
 def _saved_step(ckpt: Path) -> int:
-    return int(torch.load(ckpt, weights_only=False, map_location="cpu")["step"]) if ckpt.is_file() else 0
+    return int(torch.load(ckpt, weights_only=True, map_location="cpu")["step"]) if ckpt.is_file() else 0
+
+
+def _checkpoint_key(
+    params: Phase2Parameters, model: nn.Module, qset: QuadapterSet | None, batches: Sequence[torch.Tensor]
+) -> str:
+    """What a phase-2 run computes from: the settings that change a result, the start of everything it trains
+    (alphas and their folded part, ranges, weights) and its data. A checkpoint of another key is not resumed."""
+    settings = result_view(Phase2Parameters, dataclasses.asdict(params))
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    start = [(f"qset.{k}", v) for k, v in (qset.state_dict() if qset is not None else {}).items()]
+    start += [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+    for name, tensor in start:
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().double().contiguous().numpy().tobytes())
+    for batch in batches:
+        digest.update(batch.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _read_checkpoint(ckpt: Path, key: str, device: torch.device) -> dict | None:
+    """The checkpoint to resume from: None where there is none, or where it is unreadable or of another run
+    (each said in a warning: that run's steps are computed again, not resumed)."""
+    if not ckpt.is_file():
+        return None
+    try:  # tensors and plain data only: a checkpoint is data, not code
+        state = torch.load(ckpt, weights_only=True, map_location=device)
+    except Exception as error:
+        log.warning("phase 2: the checkpoint %s cannot be read (%s); starting from step 0", ckpt, error)
+        return None
+    if state.get("key") != key:
+        log.warning("phase 2: the checkpoint %s is of other settings, start or data; starting from step 0", ckpt)
+        return None
+    return state
 
 
 def _accumulate(
@@ -228,9 +279,11 @@ def _accumulate(
     loss_fn: LossFn,
     params: Phase2Parameters,
     batched: Sequence[QuantizeDequantize] = (),
+    held: QuadapterSet | None = None,
 ) -> float:
     """Backward of ``loss_fn`` on ``batch`` in slices of ``micro_batch_size`` sequences; the batch's mean loss.
-    The quantizers ``batched`` take their encodings from :func:`batched_range_encodings`, made for each slice.
+    The quantizers ``batched`` take their encodings from :func:`batched_range_encodings`, made for each slice,
+    and the sites of ``held`` their scaled weights from :meth:`QuadapterSet.fused`, likewise.
 
     A slice's loss is weighted by its share of the sequences: with sequences of one length the sum of the
     slices' gradients is the gradient of the whole batch's mean loss.
@@ -238,7 +291,7 @@ def _accumulate(
     size = params.micro_batch_size or len(batch)
     total = 0.0
     for part in batch.split(size):
-        with batched_range_encodings(batched):
+        with batched_range_encodings(batched), held.fused() if held is not None else nullcontext():
             loss = loss_fn(model, part) * (len(part) / len(batch))
             loss.backward()
         total += loss.item()

@@ -3,6 +3,8 @@ quantizers that share a tensor."""
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -17,6 +19,8 @@ from torch import nn
 from aimet_quadapter.memory import LARGE_WEIGHTS_BYTES
 from aimet_quadapter.models import PreparedLM, device_of, shares_storage
 from aimet_quadapter.quant.aimet_adapter import minimum_scale, precomputed_encodings, qtensor_casting
+
+log = logging.getLogger(__name__)
 
 
 def quantizers(model: nn.Module) -> Iterator[tuple[str, str, QuantizeDequantize]]:
@@ -309,8 +313,87 @@ class FakeQuantLearnedRange(torch.autograd.Function):
         return grad_x, grad_scale, grad_offset, None, None
 
 
+def _learned_forward(x: torch.Tensor, s: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    # FakeQuantLearnedRange.forward's arithmetic, op for op, so that the compiled kernel rounds as it does
+    return (x * (1.0 / s)).round().add(zero_point).clamp(qmin, qmax).sub(zero_point).mul(s)
+
+
+def _learned_backward(
+    grad: torch.Tensor, x: torch.Tensor, s: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # FakeQuantLearnedRange.backward's terms, recomputed from the input instead of read from saved masks
+    scaled = x * (1.0 / s)
+    rounded = scaled.round()
+    q = rounded + zero_point
+    inside = (q >= qmin) & (q <= qmax)
+    factor = torch.where(inside, rounded - scaled, q.clamp(qmin, qmax) - zero_point)
+    return grad * inside, (grad * factor).sum(), (grad * ~inside).sum() * s
+
+
+@functools.cache
+def _compiled() -> tuple[Any, Any] | None:
+    """The two kernels, compiled once for flat inputs of any length; None where torch.compile cannot build them
+    here. They are called on flattened tensors without autograd, so that one graph serves every tensor's shape."""
+    try:
+        forward = torch.compile(_learned_forward, dynamic=True)
+        backward = torch.compile(_learned_backward, dynamic=True)
+        x = torch.linspace(-2.0, 2.0, 64)
+        s, zero_point = torch.tensor(0.02), torch.tensor(3.0)
+        with torch.no_grad():
+            forward(x, s, zero_point, 0, 255), backward(torch.ones_like(x), x, s, zero_point, 0, 255)
+    except Exception as error:  # a missing C++ compiler or Triton: the eager arithmetic computes the same
+        log.warning("fused fake-quant unavailable (%s): phase 2 runs the eager arithmetic", error)
+        return None
+    return forward, backward
+
+
+class FusedFakeQuantLearnedRange(torch.autograd.Function):
+    """:class:`FakeQuantLearnedRange` as two compiled kernels: one forward, one backward that also sums the
+    range's gradients. The values are the eager function's bit for bit (tested); the sums of the scale's and
+    offset's gradients are taken in another order. Keeps the input for the backward pass instead of two masks."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        scale: torch.Tensor,
+        offset: torch.Tensor,
+        qmin: int,
+        qmax: int,
+        zero_point: torch.Tensor | None = None,
+    ):
+        kernels = _compiled()
+        if kernels is None:
+            return FakeQuantLearnedRange.forward(ctx, x, scale, offset, qmin, qmax)
+        s = scale.detach()
+        zero_point = _zero_point(offset.detach(), s.dtype) if zero_point is None else zero_point.detach()
+        ctx.shapes, ctx.limits, ctx.eager = (scale.shape, offset.shape, x.shape), (qmin, qmax), False
+        # flat and not a view (the graph's guards would otherwise tell inputs apart by rank, strides, base and
+        # requires_grad): one compiled graph for every tensor of a dtype
+        x = x.reshape(-1).detach()
+        ctx.save_for_backward(x, s, zero_point)
+        return kernels[0](x, s, zero_point, qmin, qmax).view(ctx.shapes[2])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if getattr(ctx, "eager", True):
+            return *FakeQuantLearnedRange.backward(ctx, grad), None
+        x, s, zero_point = ctx.saved_tensors
+        backward = _compiled()[1]  # type: ignore[index]
+        grad_x, grad_scale, grad_offset = backward(grad.reshape(-1).detach(), x, s, zero_point, *ctx.limits)
+        scale_shape, offset_shape, shape = ctx.shapes
+        return (
+            grad_x.view(shape) if ctx.needs_input_grad[0] else None,
+            grad_scale.reshape(scale_shape) if ctx.needs_input_grad[1] else None,
+            grad_offset.reshape(offset_shape) if ctx.needs_input_grad[2] else None,
+            None,
+            None,
+            None,
+        )
+
+
 @contextmanager
-def elementwise_fake_quant(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
+def elementwise_fake_quant(qs: Iterable[QuantizeDequantize], fused: bool = False) -> Iterator[None]:
     """While inside, per-tensor fake-quant runs as five vectorised tensor ops, with fixed or learned ranges.
 
     On a CPU, ``torch.fake_quantize_per_tensor_affine`` (what AIMET calls) is not vectorised and also
@@ -319,8 +402,10 @@ def elementwise_fake_quant(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
     + zero point, clamp, - zero point, * scale), which gives bit-identical outputs; the gradient is
     ATen's straight-through one (tested). A range that trains takes :class:`FakeQuantLearnedRange`: the
     same arithmetic, so training and evaluation compute one function, on every device. Per-channel
-    encodings keep AIMET's path, and so do fixed ranges on CUDA, whose kernel is vectorised already.
+    encodings keep AIMET's path, and so do fixed ranges on CUDA, whose kernel is vectorised already. ``fused``:
+    a trained range takes :class:`FusedFakeQuantLearnedRange` instead, the same values in two kernels.
     """
+    learned = FusedFakeQuantLearnedRange if fused else FakeQuantLearnedRange
     patched = []
     try:
         for q in qs:
@@ -329,13 +414,17 @@ def elementwise_fake_quant(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
             def forward(x: torch.Tensor, q=q, original=original) -> torch.Tensor:
                 batched = _batched.get(id(q))
                 if batched is not None and torch.is_grad_enabled():
-                    return FakeQuantLearnedRange.apply(x.as_subclass(torch.Tensor), *batched, q.qmin, q.qmax)
+                    scale, offset, zero_point = batched
+                    plain = x.as_subclass(torch.Tensor)
+                    if fused:
+                        return FusedFakeQuantLearnedRange.apply(plain, scale, offset, q.qmin, q.qmax, zero_point)
+                    return FakeQuantLearnedRange.apply(plain, scale, offset, q.qmin, q.qmax)
                 enc = q.get_encodings()
                 if enc is None or enc.scale.numel() != 1 or enc.block_size is not None or enc.zero_point_shift != 0:
                     return original(x)
                 if torch.is_grad_enabled() and (enc.scale.requires_grad or enc.offset.requires_grad):
                     plain = x.as_subclass(torch.Tensor)  # on every device: it is a matter of arithmetic
-                    return FakeQuantLearnedRange.apply(plain, enc.scale, enc.offset, enc.qmin, enc.qmax)
+                    return learned.apply(plain, enc.scale, enc.offset, enc.qmin, enc.qmax)
                 if x.device.type != "cpu":  # measured on CPUs only; CUDA's kernel is vectorised already
                     return original(x)
                 scale = enc.scale.detach().reshape(())
@@ -350,8 +439,8 @@ def elementwise_fake_quant(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
             q.__dict__.pop("forward", None)  # AIMET's own patch of `forward`, inside, may have removed it already
 
 
-# (scale, offset) of a quantizer while :func:`batched_range_encodings` holds them, by id of the quantizer
-_batched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+# (scale, offset, zero point) of a quantizer while :func:`batched_range_encodings` holds them, by id of the quantizer
+_batched: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 @contextmanager
@@ -388,9 +477,10 @@ def batched_range_encodings(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
                 offset = torch.full_like(scale, float(-round((qmin + qmax) / 2))).detach()
             else:
                 offset = torch.clamp(ste_round(lo / scale) - qmin, -qmax, -qmin)
-            for readers_, s, o in zip(by_range.values(), scale.unbind(), offset.unbind()):
+            zero_point = _zero_point(offset.detach(), scale.dtype)
+            for readers_, s, o, z in zip(by_range.values(), scale.unbind(), offset.unbind(), zero_point.unbind()):
                 for q in readers_:
-                    _batched[id(q)] = s.reshape(q.shape), o.reshape(q.shape)
+                    _batched[id(q)] = s.reshape(q.shape), o.reshape(q.shape), z.reshape(q.shape)
                     held.append(id(q))
         yield
     finally:
