@@ -3,15 +3,50 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 
 def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
-    """Call ``write(tmp)`` on a sibling temporary path, then rename it over ``path`` (atomic on one filesystem)."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    """Call ``write(tmp)`` on a temporary file of this process beside ``path``, flush it to disk, then rename it
+    over ``path`` (atomic on one filesystem): a killed writer leaves the old file or the new one, and two writers
+    never write into one temporary file. Temporary files that killed writers left for ``path`` are removed."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:  # the bytes on disk before the name points at them
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_folder(path.parent)
+    _remove_orphans(path)
+
+
+def _fsync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a platform whose folders cannot be opened: the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_orphans(path: Path) -> None:
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2 :].split(".", 1)[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            tmp.unlink(missing_ok=True)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -134,10 +134,12 @@ def never_load(monkeypatch):
 @pytest.fixture
 def offline(monkeypatch):
     """The hub is unreachable: HF_HUB_OFFLINE=1, and the package's cached reachability answer forgotten."""
-    from aimet_quadapter.models.hub import hub_reachable
+    from aimet_quadapter.models.hub import hub_reachable, local_files_only
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     hub_reachable.cache_clear()
+    local_files_only.cache_clear()
     yield
     hub_reachable.cache_clear()
+    local_files_only.cache_clear()

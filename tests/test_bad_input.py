@@ -26,7 +26,14 @@ def _error_line(capsys) -> str:
     return lines[-1]
 
 
-def _files(tmp_path: Path, corpus_dir: Path) -> dict[str, Path]:
+def _beyond_free_memory(length: int = 64) -> int:
+    """A count of ``length``-token crops whose token ids take four times the memory free now, on any machine."""
+    import psutil
+
+    return max(10**8, 4 * psutil.virtual_memory().available // (length * 8))
+
+
+def _files(tmp_path: Path, corpus_dir: Path) -> dict[str, Path | str]:
     binary = tmp_path / "random.bin"
     binary.write_bytes(bytes(range(256)) * 40)
     latin = tmp_path / "latin1.txt"
@@ -39,6 +46,9 @@ def _files(tmp_path: Path, corpus_dir: Path) -> dict[str, Path]:
     corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
+    for name, manifest in (("corrupt-export", "{not json"), ("foreign-export", '{"name": "some other tool"}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(manifest)
     return {
         "binary": binary,
         "latin": latin,
@@ -48,6 +58,9 @@ def _files(tmp_path: Path, corpus_dir: Path) -> dict[str, Path]:
         "blocked_out": blocker / "run",
         "corpus": corpus_dir,
         "missing": tmp_path / "missing.txt",
+        "json_elsewhere": tmp_path / "no-such-folder" / "r.json",
+        "huge": str(_beyond_free_memory()),
+        "huge_text": f"{_beyond_free_memory():,}",
     }
 
 
@@ -64,10 +77,10 @@ EVAL_CASES = {
     "bad weight bits": (["--dataset", "{corpus}", "--policy-weight-bits", "1"], "weight_bits"),
     "unknown method": (["--dataset", "{corpus}", "--methods", "fp,foo"], "foo"),
     "negative calibration crops": (["--dataset", "{corpus}", "--calib-samples", "-1"], "calibration.samples"),
-    # 10^8 crops of 64 token ids would take 100 GB: refused by the estimate, not by the kernel's OOM killer
+    # crops whose token ids take four times the free memory: refused by the estimate, not by the OOM killer
     "calibration crops beyond the free memory": (
-        ["--dataset", "{corpus}", "--calib-samples", "100000000"],
-        "calibration.samples: 100,000,000 crops of 64 tokens take",
+        ["--dataset", "{corpus}", "--calib-samples", "{huge}"],
+        "calibration.samples: {huge_text} crops of 64 tokens take",
     ),
     "more calibration crops than the text holds": (
         ["--dataset", "{corpus}", "--calib-samples", "1000"],
@@ -76,6 +89,9 @@ EVAL_CASES = {
     "bad device": (["--dataset", "{corpus}", "--device", "gpu"], "device"),
     "unwritable run folder": (["--dataset", "{corpus}", "--out", "{blocked_out}"], "a-file"),
     "window beyond the model's positions": (["--dataset", "{corpus}", "--seq-len", "100000"], "100000"),
+    # refused before the run, whose results a missing folder would otherwise lose at the end
+    "--json into a missing folder": (["--dataset", "{corpus}", "--json", "{json_elsewhere}"], "no-such-folder"),
+    "empty prefix": (["--dataset", "{corpus}", "--prefix", ""], "prefix"),
 }
 
 
@@ -88,7 +104,7 @@ def test_eval_bad_input_is_one_line_before_the_model_loads(
     argv = ["eval", "--model", str(tiny_gpt2_dir), *SMALL, "--methods", "fp,ptq"]
     argv += [a.format(**files) for a in extra]
     assert main(argv) == 2
-    assert word in _error_line(capsys)
+    assert word.format(**files) in _error_line(capsys)
 
 
 def test_offline_hub_dataset_is_one_line_before_the_model_loads(tiny_gpt2_dir, corpus_dir, capsys, never_load, offline):
@@ -129,8 +145,8 @@ OTHER_CASES = {
     "run with a negative count": (["run", "{recipe}", "--set", "phase2.steps=-1"], "phase2.steps"),
     "run with calibration crops beyond the free memory": (
         ["run", "{recipe}", "--set", "methods=[fp, ptq]", "--set", "calibration.dataset={corpus}"]
-        + ["--set", "calibration.length=64", "--set", "calibration.samples=100000000"],
-        "calibration.samples: 100,000,000 crops of 64 tokens take",
+        + ["--set", "calibration.length=64", "--set", "calibration.samples={huge}"],
+        "calibration.samples: {huge_text} crops of 64 tokens take",
     ),
     "run sampling more text than the memory holds": (
         ["run", "{recipe}", "--set", "methods=[fp, ptq]", "--set", "calibration.dataset=generated"]
@@ -140,6 +156,26 @@ OTHER_CASES = {
     "run of a recipe that is not YAML": (["run", "{not_yaml}"], "not valid YAML"),
     "run of a recipe with a misspelt field": (["run", "{misspelt}"], "field evall: unknown field; did you mean eval?"),
     "eval of a missing model folder": (["eval", "--model", "{tmp}/no-model", "--dataset", "{corpus}"], "model folder"),
+    "eval of an export whose manifest is not JSON": (
+        ["eval", "--model", "{tmp}/corrupt-export", "--dataset", "{corpus}"],
+        "corrupt-export/manifest.json is not an export manifest",
+    ),
+    "eval of an export whose manifest is another tool's": (
+        ["eval", "--model", "{tmp}/foreign-export", "--dataset", "{corpus}"],
+        "foreign-export/manifest.json is not a manifest of `aimet-quadapter export`",
+    ),
+    "describe with a crop count that is no number": (
+        ["describe", "--model", "{model}", "--calib-dataset", "{corpus}", "--calib-samples", "abc"],
+        "--calib-samples must be an integer >= 1, got 'abc'",
+    ),
+    "describe with a crop count and no calibration text": (
+        ["describe", "--model", "{model}", "--calib-samples", "4"],
+        "--calib-samples is for calibration: give --calib-dataset too",
+    ),
+    "describe with a missing calibration text": (
+        ["describe", "--model", "{model}", "--calib-dataset", "{missing}"],
+        "missing.txt",
+    ),
     "eval of a missing relative model folder": (
         ["eval", "--model", "no-model/", "--dataset", "{corpus}"],
         "model folder no-model/ does not",
@@ -163,7 +199,7 @@ def test_other_commands_bad_input_is_one_line_before_the_model_loads(
     names["misspelt"] = misspelt
     names["state"] = tmp_state
     assert main([a.format(**names) for a in argv]) == 2
-    assert word in _error_line(capsys)
+    assert word.format(**names) in _error_line(capsys)
 
 
 def test_corrupt_state_is_one_line_before_the_model_loads(tmp_path, corpus_dir, capsys, never_load):
@@ -239,6 +275,11 @@ def test_importing_the_package_raises_no_future_warning():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+# AIMET, and the transformers modelling code (its tokenizers and image processors are light, and some versions
+# import those with the package)
+HEAVY = r"aimet_torch(\.|$)|transformers\.modeling_utils$|transformers\.models\.[^.]+\.modeling_"
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -251,17 +292,30 @@ def test_importing_the_package_raises_no_future_warning():
 )
 def test_bad_input_is_refused_without_importing_aimet_or_model_code(argv, tmp_path, tiny_gpt2_dir, corpus_dir):
     """AIMET's import alone takes seconds on a CPU: a bad input must be refused without it (and without the
-    transformers modelling code), so that a typo costs the time of reading the recipe."""
+    transformers modelling code), so that a typo costs the time of reading the recipe. Counted against what the
+    interpreter held before the package was imported: an environment may preload packages of its own."""
     (tmp_path / "r.yaml").write_text(RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_dir))
     args = [a.format(model=tiny_gpt2_dir, corpus=corpus_dir, tmp=tmp_path) for a in argv]
     code = (
-        "import sys\nfrom aimet_quadapter.cli import main\n"
+        "import re, sys\nbefore = set(sys.modules)\nfrom aimet_quadapter.cli import main\n"
         f"rc = main({args!r})\n"
-        "heavy = sorted(m for m in sys.modules if m.startswith(('aimet_torch', 'transformers.models.')))\n"
-        "print(rc, heavy[:5])\n"
+        f"heavy = re.compile({HEAVY!r})\n"
+        "print(rc, sorted(m for m in set(sys.modules) - before if heavy.match(m))[:5])\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip().splitlines()[-1] == "2 []", done.stdout + done.stderr[-2000:]
+
+
+def test_the_import_check_sees_model_code():
+    """The check above can fail: loading a model's class is seen."""
+    code = (
+        "import re, sys\nbefore = set(sys.modules)\nimport transformers\n"
+        "transformers.GPT2LMHeadModel\n"
+        f"heavy = re.compile({HEAVY!r})\n"
+        "print(sorted(m for m in set(sys.modules) - before if heavy.match(m)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "transformers.models.gpt2.modeling_gpt2" in done.stdout, done.stdout + done.stderr[-2000:]
 
 
 def test_no_progress_reaches_the_libraries_own_bars(tmp_path, tiny_gpt2_dir):

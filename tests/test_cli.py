@@ -267,3 +267,15 @@ def test_eval_state_refuses_methods_and_a_missing_state(tiny_gpt2_dir, corpus_di
     (tmp_path / "s.safetensors").write_bytes(b"")
     assert main([*argv, "--state", str(tmp_path / "s.safetensors"), "--methods", "ptq"]) == 2
     assert "--methods" in _error_line(capsys)
+
+
+def test_eval_reads_the_prefix_the_recipes_read(tiny_gpt2_dir, corpus_dir, tmp_path):
+    """``--prefix`` is the recipe field: every window follows it, so the FP32 perplexity changes with it."""
+    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_dir), "--methods", "fp", "--no-progress"]
+    argv += ["--seq-len", "64", "--max-tokens", "256"]
+    ppl = {}
+    for prefix in (None, "the market fell ."):
+        out = tmp_path / f"{bool(prefix)}.json"
+        assert main([*argv, "--json", str(out), *(["--prefix", prefix] if prefix else [])]) == 0
+        ppl[prefix] = json.loads(out.read_text())["cells"]["fp"]["ppl"][corpus_dir.stem]
+    assert ppl[None] != ppl["the market fell ."]

@@ -19,9 +19,12 @@ PHASE1_SITE = "aimet_quadapter.quadapter.phase1:calibrate_site"
 
 def _recipe(folder: Path, model: Path, corpus: Path) -> Path:
     recipe = folder / "recipe.yaml"
+    # on the CPU wherever the test runs: the killed and the uninterrupted runs must compute the same bits, which a
+    # GPU's kernels (atomic adds in backward passes) do not promise from one run to the next
     recipe.write_text(
         f"""
 model: {model}
+device: cpu
 methods: [fp, ptq, quadapter_bc, quadapter]
 fid: [{corpus}]
 calibration: {{samples: 2, length: 64}}
@@ -96,3 +99,43 @@ def test_killed_anywhere_resumes_to_the_uninterrupted_result(tmp_path, tiny_gpt2
         assert got[key] == pytest.approx(ppl, rel=1e-6), key
     _no_corrupt_file(out)
     assert not list(out.rglob("checkpoints/*")), "checkpoints of recorded cells should be gone"
+
+
+def test_two_writers_of_one_file_never_meet_in_a_temporary_file(tmp_path, monkeypatch):
+    """Each write goes through a temporary file of its own, flushed to disk before the rename: two writers of one
+    path (two threads here) each leave a whole file, never a mix of both or a missing temporary file."""
+    import os
+    import threading
+    import time
+
+    from aimet_quadapter.atomic import write_atomic
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    target = tmp_path / "results.json"
+    errors = []
+
+    def writer(mark: str) -> None:
+        def slow(tmp: Path) -> None:
+            with open(tmp, "w") as f:
+                f.write(mark * 1000)
+                f.flush()
+                time.sleep(0.002)  # the other writer runs meanwhile
+                f.write(mark * 1000)
+
+        try:
+            for _ in range(30):
+                write_atomic(target, slow)
+        except Exception as error:  # noqa: BLE001 - any failure of a writer fails the test
+            errors.append(error)
+
+    threads = [threading.Thread(target=writer, args=(m,)) for m in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert target.read_text() in ("a" * 2000, "b" * 2000)
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
+    assert len(synced) >= 60

@@ -149,6 +149,15 @@ def test_load_text_folder_with_splits(tmp_path):
     assert data.load_text(str(tmp_path), "valid") == "VALID2"
 
 
+def test_a_split_folder_without_the_split_asked_for_is_refused(tmp_path):
+    """Development text never silently becomes every .txt file of the folder, the test split included."""
+    (tmp_path / "train.txt").write_text("TRAIN", encoding="utf-8")
+    (tmp_path / "test.txt").write_text("TEST", encoding="utf-8")
+    with pytest.raises(QuadapterError, match=r"has train.txt and test.txt but no valid.txt or validation.txt"):
+        data.load_text(str(tmp_path), "valid")
+    assert data.load_text(str(tmp_path), "test") == "TEST"
+
+
 def test_load_text_folder_without_splits(tmp_path):
     (tmp_path / "b.txt").write_text("second", encoding="utf-8")
     (tmp_path / "a.txt").write_text("first", encoding="utf-8")

@@ -608,3 +608,9 @@ def test_kv_graphs_with_a_wrong_mask_fail_and_leave_nothing(tmp_path, monkeypatc
             formats=[kv_module.KVGraphs(context=48, lengths=(8, 1))],
         )
     assert not (tmp_path / "e").exists()
+
+
+def test_the_int32_bias_follows_the_encodings_version_as_a_version():
+    from aimet_quadapter.export.exporter import int32_bias
+
+    assert not int32_bias("1.0.0") and int32_bias("2.0.0") and int32_bias("10.0.0")  # "10.0.0" < "2.0.0" as text

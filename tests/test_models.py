@@ -276,6 +276,27 @@ def test_the_hub_check_asks_huggingface_hub_at_its_endpoint(monkeypatch):
         hub_reachable.cache_clear()
 
 
+def test_an_unreachable_hub_makes_the_loaders_local_without_touching_the_process(monkeypatch, caplog):
+    """No environment variable or huggingface_hub constant is rewritten: the loaders ask for the local cache
+    (huggingface_hub's and datasets' own local_files_only), and one warning says why."""
+    import os
+
+    from huggingface_hub import constants
+
+    from aimet_quadapter.models import hub
+
+    environment, switch = dict(os.environ), constants.HF_HUB_OFFLINE
+    monkeypatch.setattr(hub, "hub_reachable", lambda: False)
+    hub.local_files_only.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert hub.local_files_only() and hub.local_files_only()
+    finally:
+        hub.local_files_only.cache_clear()
+    assert dict(os.environ) == environment and switch == constants.HF_HUB_OFFLINE
+    assert len([r for r in caplog.records if "cannot be reached" in r.message]) == 1
+
+
 def test_a_weight_sharing_copy_holds_the_original_storage_until_it_owns_a_weight():
     from aimet_quadapter.models import own_storage, reset_to, shares_storage, weight_sharing_copy
 

@@ -558,7 +558,7 @@ def test_seeds_and_cells_run_in_other_folders_merge_into_one(world, tmp_path, ca
     assert (tmp_path / "a" / "seed-1" / "calib-a" / "ptq").is_dir()
     # merging again adds nothing: seed 1 is the destination's now
     assert main(["merge", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
-    assert "added to" in capsys.readouterr().out.split(": nothing")[0]
+    assert f"added to {tmp_path / 'a'}: nothing (it has every cell of the others)\n" in capsys.readouterr().out
     # a copy that ran another method of a seed the destination has: that cell and its folder join, the rest stays
     other = Path(shutil.copytree(tmp_path / "a", tmp_path / "c"))
     argv = ["run", str(world / "r.yaml"), "--out", str(other), "--no-progress", "--set", "seeds=[0]"]
@@ -570,6 +570,50 @@ def test_seeds_and_cells_run_in_other_folders_merge_into_one(world, tmp_path, ca
     assert merged["cells"]["calib:a/cle#seed0"] == _results(other)["cells"]["calib:a/cle#seed0"]
     assert merged["cells"]["calib:a/ptq#seed1"] == a["cells"]["calib:a/ptq#seed1"]
     assert (tmp_path / "a" / "seed-0" / "calib-a" / "cle").is_dir()
+
+
+def test_runs_of_two_checkouts_merge_their_texts_by_content(world, tmp_path, capsys):
+    """A second checkout holds the same texts at another path: its cells are the same cells, and merge adds them
+    (the fingerprint names a local text by its content); a text that differs still keeps the runs apart."""
+    other = Path(shutil.copytree(world, tmp_path / "checkout", ignore=shutil.ignore_patterns("model")))
+    (other / "r.yaml").write_text(RECIPE.replace("model: ./model", f"model: {world / 'model'}"))
+    argv = ["--no-progress", "--set", "methods=[fp,ptq]"]
+    assert main(["run", str(world / "r.yaml"), "--out", str(tmp_path / "a"), *argv, "--set", "seeds=[0]"]) == 0
+    assert main(["run", str(other / "r.yaml"), "--out", str(tmp_path / "b"), *argv, "--set", "seeds=[1]"]) == 0
+    a, b = _results(tmp_path / "a"), _results(tmp_path / "b")
+    assert a["cells"]["fp"]["fingerprint"] == b["cells"]["fp"]["fingerprint"]
+    capsys.readouterr()
+    assert main(["merge", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert "calib:a/ptq#seed1" in capsys.readouterr().out
+    with open(other / "b.txt", "a") as f:
+        f.write("w1 w2 w3\n")
+    assert main(["run", str(other / "r.yaml"), "--out", str(tmp_path / "c"), *argv, "--set", "seeds=[2]"]) == 0
+    assert main(["merge", str(tmp_path / "a"), str(tmp_path / "c")]) == 2
+    assert "other datasets than the destination's" in capsys.readouterr().err
+
+
+def test_the_seeds_of_a_row_that_ran_under_other_thread_counts_are_marked(capsys):
+    from aimet_quadapter.experiments.report import results_table
+
+    cells = {
+        f"calib:a/ptq#seed{s}": {"method": "ptq", "label": "PTQ", "group": "calib:a", "seed": s, "ppl": {"a": 10.0 + s}}
+        for s in (0, 1)
+    }
+    cells["calib:a/ptq#seed0"]["threads"], cells["calib:a/ptq#seed1"]["threads"] = 1, 2
+    table = results_table({"cells": cells, "datasets": [{"label": "a"}], "seeds": [0, 1]})
+    assert "seeds ran under 1 and 2 threads" in table
+
+
+def test_a_row_with_a_stopped_seed_is_the_mean_of_the_others_and_says_so():
+    from aimet_quadapter.experiments.results_file import merge_seeds
+
+    cells = {
+        f"g/quadapter#seed{s}": {"method": "quadapter", "label": "Quadapter", "group": "g", "seed": s, "ppl": {"a": v}}
+        for s, v in ((0, 10.0), (1, 12.0))
+    }
+    cells["g/quadapter#seed2"] = {"method": "quadapter", "group": "g", "seed": 2, "ppl": {}, "error": "the loss is nan"}
+    row = merge_seeds(cells)["g/quadapter"]
+    assert row["ppl"]["a"] == 11.0 and row["seeds"] == [0, 1] and row["stopped_seeds"] == [2]
 
 
 def test_a_prefix_precedes_every_sequence_and_is_part_of_the_fingerprint(base_run, world, tmp_path, capsys):
@@ -595,3 +639,20 @@ def test_a_prefix_precedes_every_sequence_and_is_part_of_the_fingerprint(base_ru
     assert manifest["prefix"]["ids"] == manifest["kv"]["prefix"]["ids"] == [5]
     assert main([*args, "--set", "prefix=''"]) == 2  # an empty prefix: named before the model loads
     assert "field prefix" in capsys.readouterr().err
+
+
+def test_a_finished_run_and_its_data_are_freed(world, tmp_path):
+    """What one run (one seed's child run) computed is kept on that run: once it is gone, so are its tensors."""
+    import gc
+    import weakref
+
+    from aimet_quadapter.experiments.recipes import load_recipe
+    from aimet_quadapter.experiments.runner import RecipeRun
+
+    run = RecipeRun(load_recipe(world / "r.yaml"), tmp_path / "out", progress=False)
+    windows = run.eval_windows()
+    assert run.eval_windows() is windows  # computed once per run
+    gone = weakref.ref(run)
+    del run, windows
+    gc.collect()
+    assert gone() is None

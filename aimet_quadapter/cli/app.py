@@ -90,6 +90,39 @@ def add_device_option(p: argparse.ArgumentParser, recipe: bool = False) -> None:
     )
 
 
+def _add_prefix_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prefix",
+        help="text every sequence follows, its keys and values kept in full precision (the recipe field `prefix`; "
+        "PrefixQuant), e.g. '<|im_start|>\\n' for SmolLM2 (default: none)",
+    )
+
+
+def _prefix_ids(tokenizer, prefix: str | None) -> list[int] | None:
+    """The tokens of ``--prefix`` (None without one); a prefix of no token is refused by name."""
+    if prefix is None:
+        return None
+    ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise QuadapterError(f"--prefix {prefix!r} gives no token")
+    return list(ids)
+
+
+def _calibration_values(args: argparse.Namespace, *extra: tuple[str, Any]) -> tuple[int, int, int]:
+    """``--calib-samples``, ``--calib-len`` and ``--seed`` (their defaults where not given), each checked."""
+    defaults = _calibration_defaults()
+    samples = defaults["samples"] if args.calib_samples is None else args.calib_samples
+    length = defaults["length"] if args.calib_len is None else args.calib_len
+    seed = defaults["seed"] if args.seed is None else args.seed
+    for name, value, least in (("--calib-samples", samples, 1), ("--calib-len", length, 2), ("--seed", seed, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise QuadapterError(f"{name} must be an integer >= {least}, got {value!r}")
+    for name, value in extra:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise QuadapterError(f"{name} must be a positive integer, got {value!r}")
+    return samples, length, seed
+
+
 def _calibration_defaults() -> dict[str, Any]:
     from aimet_quadapter.experiments.recipes import CalibrationSection
 
@@ -119,6 +152,8 @@ def _eval_recipe(args: argparse.Namespace) -> Recipe:
         "eval": {"datasets": list(args.dataset), "split": args.split},
         "device": args.device,
     }
+    if args.prefix is not None:
+        raw["prefix"] = args.prefix
     given = {
         "calibration.samples": args.calib_samples,
         "calibration.length": args.calib_len,
@@ -135,9 +170,23 @@ def _eval_recipe(args: argparse.Namespace) -> Recipe:
     return validate_recipe(raw, "eval")
 
 
+def _check_json_path(path: str | None) -> None:
+    """``--json``'s file can be written: checked before the work, whose results it would otherwise lose."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise QuadapterError(f"--json {path} is a folder: name a file")
+    if not target.parent.is_dir():
+        raise QuadapterError(f"--json {path}: the folder {target.parent} does not exist")
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        raise QuadapterError(f"--json {path}: the folder {target.parent} is not writable")
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from aimet_quadapter.export import onnx_eval
 
+    _check_json_path(args.json)
     if onnx_eval.is_export(args.model):  # an exported ONNX model: its perplexity in onnxruntime
         return _eval_export(args)
     if args.state:
@@ -235,19 +284,24 @@ def _cmd_describe(args: argparse.Namespace) -> int:
     from aimet_quadapter.models import load_model
     from aimet_quadapter.quant.config import QuantPolicy
     from aimet_quadapter.quant.policy import build_sim, calibrate, describe, format_description
-    from aimet_quadapter.text.data import calibration_batches, check_crop_count
+    from aimet_quadapter.text.data import calibration_batches, check_crop_count, load_text
 
     given = {k.split(".", 1)[1]: v for k, v in _section_overrides(args).items() if k.startswith("policy.")}
     policy = QuantPolicy(**given)
-    defaults = _calibration_defaults()
-    samples = defaults["samples"] if args.calib_samples is None else args.calib_samples
-    length = defaults["length"] if args.calib_len is None else args.calib_len
-    seed = defaults["seed"] if args.seed is None else args.seed
-    if args.calib_dataset:
+    samples, length, seed = _calibration_values(args)
+    if not args.calib_dataset:
+        unused = [n for n, v in (("--calib-samples", args.calib_samples), ("--calib-len", args.calib_len)) if v]
+        if unused or args.seed is not None:
+            raise QuadapterError(f"{(unused or ['--seed'])[0]} is for calibration: give --calib-dataset too")
+    else:
         check_crop_count(samples, length, "--calib-samples")
+        load_text(args.calib_dataset, "train")  # a bad dataset is refused before the model loads
     model, tokenizer = load_model(args.model, quiet=True, device=args.device)
+    ids = _prefix_ids(tokenizer, args.prefix)
     if args.calib_dataset:
-        model.check_length(length, "--calib-len")
+        model.check_length(length + len(ids or []), "--calib-len (after the prefix)" if ids else "--calib-len")
+    if ids is not None:
+        model.set_prefix(ids)
     sim = build_sim(model, policy, in_place=True)  # the FP model is not used again
     if args.calib_dataset:
         calibrate(
@@ -274,19 +328,17 @@ def _cmd_sensitivity(args: argparse.Namespace) -> int:
 
     given = {k.split(".", 1)[1]: v for k, v in _section_overrides(args).items() if k.startswith("policy.")}
     policy = QuantPolicy(**given)
-    defaults = _calibration_defaults()
-    samples = defaults["samples"] if args.calib_samples is None else args.calib_samples
-    length = defaults["length"] if args.calib_len is None else args.calib_len
-    seed = defaults["seed"] if args.seed is None else args.seed
-    for name, value in (("--calib-samples", samples), ("--calib-len", length), ("--held-out", args.held_out)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise QuadapterError(f"{name} must be a positive integer, got {value!r}")
+    samples, length, seed = _calibration_values(args, ("--held-out", args.held_out))
     check_length(max_positions(args.model), length, "--calib-len")
     check_crop_count(samples, length, "--calib-samples")
     check_crop_count(args.held_out, length, "--held-out")
     text = load_text(args.calib_dataset, "train")  # a bad dataset is refused before the model loads
     model, tokenizer = load_model(args.model, quiet=True, device=args.device)
-    model.check_length(length, "--calib-len")  # a hub model's limit is known only now
+    prefix = _prefix_ids(tokenizer, args.prefix)
+    # a hub model's limit is known only now
+    model.check_length(length + len(prefix or []), "--calib-len (after the prefix)" if prefix else "--calib-len")
+    if prefix is not None:
+        model.set_prefix(prefix)
     ids = tokenize(tokenizer, text)
     calib = batches(random_crops(ids, samples, length, seed, "--calib-samples", distinct=True), 1)
     held_out = batches(random_crops(ids, args.held_out, length, holdout_seed(seed), "--held-out"), 1)
@@ -340,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="score this saved state (.safetensors, or a run folder holding one) instead of running methods",
     )
     p.add_argument("--json", help="also write results.json to this file")
+    _add_prefix_option(p)
     p.add_argument("--out", help="run folder for results.json, Quadapter states and checkpoints (default: none kept)")
     p.add_argument("--calib-dataset", help="dataset whose train split calibrates (default: the first --dataset)")
     p.add_argument("--finetune-dataset", help="phase-2 data (train split; default: the calibration dataset)")
@@ -354,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_option(p)
     p.add_argument("--no-extra-sites", action="store_true", help="list only the paper's norm -> linear sites")
     p.add_argument("--calib-dataset", help="calibrate on this dataset's train split first (shows the ranges)")
+    _add_prefix_option(p)
     add_device_option(p)
     _add_calibration_options(p)
     _add_section_options(p, *_sections()[0])
@@ -371,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bits", type=int, choices=range(2, 17), default=16, metavar="2..16", help="(default 16)")
     p.add_argument("--held-out", type=_yaml_value, default=4, help="held-out crops scored (default 4)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_prefix_option(p)
     add_device_option(p)
     _add_calibration_options(p)
     _add_section_options(p, *_sections()[0])
@@ -451,10 +506,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_merge(args: argparse.Namespace) -> int:
     from aimet_quadapter.experiments.merge import merge_runs
     from aimet_quadapter.experiments.report import results_table
+    from aimet_quadapter.experiments.results_file import merge_seeds
 
     results, added = merge_runs(args.run_dir, args.others)
     print(results_table(results))
     print(f"added to {args.run_dir}: {', '.join(added) or 'nothing (it has every cell of the others)'}")
+    for key, row in merge_seeds(results["cells"]).items():
+        if row.get("thread_counts"):
+            counts = " and ".join(map(str, row["thread_counts"]))
+            print(f"note: the seeds of {key} ran under {counts} threads, which changes what training ends at")
     return 0
 
 

@@ -28,6 +28,8 @@ class MethodInfo:
     # what the same training buys without the method (same data, steps, rates, loss): the report sets the
     # method against each of these
     matched: tuple[str, ...] = ()
+    # the AIMET technique it runs whose support AIMET limits (quant/llm_techniques.py, AIMET_SUPPORT)
+    aimet: str | None = None
 
     def __post_init__(self) -> None:
         for name in (*self.reads, *(u.partition(".")[0] for u in self.unused)):
@@ -58,6 +60,16 @@ CATALOG: dict[str, MethodInfo] = {
     ),
     "quadapter": MethodInfo("Quadapter", finetunes=True, from_bc=True, matched=("cle_phase2", "qat")),
     "quadapter_fixed_ranges": MethodInfo("Quadapter w/o LSQ+", finetunes=True, from_bc=True),
+    # AIMET's LLM techniques, each through its own entry point (quant/llm_techniques.py), then static calibration
+    "spinquant": MethodInfo("SpinQuant", reads=("baselines",), aimet="spinquant"),
+    "fptquant": MethodInfo("FPTQuant", reads=("baselines",), aimet="fptquant"),
+    "adascale": MethodInfo("AdaScale", reads=("baselines",), aimet="adascale"),
+    "omniquant": MethodInfo("OmniQuant", reads=("baselines",), aimet="omniquant"),
+    # compositions: Quadapter (both phases) on SpinQuant's rotated model; AIMET's weight techniques on Quadapter's
+    # folded model, its activation ranges kept
+    "spinquant_quadapter": MethodInfo("SpinQuant + Quadapter", finetunes=True, aimet="spinquant"),
+    "quadapter_seq_mse": MethodInfo("Quadapter + SeqMSE", finetunes=True, from_bc=True),
+    "quadapter_adaround": MethodInfo("Quadapter + AdaRound", finetunes=True, from_bc=True),
 }
 # Phase 1's own cell: the methods that continue from it share its result (and its settings' fingerprint).
 BC = "quadapter_bc"

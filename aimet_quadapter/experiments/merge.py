@@ -19,7 +19,9 @@ from aimet_quadapter.experiments.lock import RunLock
 from aimet_quadapter.experiments.recipes import result_section
 from aimet_quadapter.experiments.results_file import load_results, write_results
 
-_PER_FOLDER = {"seeds", "out", "methods"}  # what two runs of one recipe may differ in
+# what two runs of one recipe may differ in: where a run writes, which seeds and methods, and the device (as in
+# the fingerprints: a GPU's result and a CPU's are the same measurement up to float rounding)
+_PER_FOLDER = {"seeds", "out", "methods", "device"}
 
 
 def _flat(settings: dict, prefix: str = "") -> Iterator[tuple[str, object]]:
@@ -36,8 +38,8 @@ def _check_same_recipe(dest: dict, src: dict, src_dir: Path) -> None:
     for name, recipe in src.get("recipes", {}).items():
         if name not in dest.get("recipes", {}):
             raise QuadapterError(f"{src_dir}: a run of recipe {name}, which the destination never ran")
-        ours = dict(_flat(_result_settings(dest["recipes"][name]["settings"])))
-        theirs = dict(_flat(_result_settings(recipe["settings"])))
+        ours = dict(_flat(_result_settings(dest["recipes"][name]["settings"], dest)))
+        theirs = dict(_flat(_result_settings(recipe["settings"], src)))
         for key in sorted(ours.keys() | theirs.keys()):
             if key not in _PER_FOLDER and ours.get(key) != theirs.get(key):
                 raise QuadapterError(
@@ -45,13 +47,34 @@ def _check_same_recipe(dest: dict, src: dict, src_dir: Path) -> None:
                     "destination: not the same settings, so their seeds are not comparable"
                 )
     for field in ("datasets", "dev_datasets"):
-        if dest.get(field, []) != src.get(field, []):
+        if [_located(c) for c in dest.get(field, [])] != [_located(c) for c in src.get(field, [])]:
             raise QuadapterError(f"{src_dir}: other {field} than the destination's")
 
 
-def _result_settings(settings: dict) -> dict:
-    # memory and checkpoint fields leave every result as it is: two runs that differ only there still merge
-    return {k: result_section(k, v) if isinstance(v, dict) else v for k, v in settings.items()}
+def _located(column: dict) -> dict:
+    # a text with its content hash is that text wherever it lies (folders written before the hash: its path)
+    return {k: v for k, v in column.items() if k != "source"} if column.get("identity") else column
+
+
+def _paths_as_texts(results: dict) -> dict[str, str]:
+    """Every local path the run's datasets name, mapped to that text's content hash."""
+    columns = [*results.get("datasets", []), *results.get("dev_datasets", [])]
+    return {**{c["source"]: c["identity"] for c in columns if c.get("identity")}, **results.get("texts", {})}
+
+
+def _result_settings(settings: dict, results: dict) -> dict:
+    # memory and checkpoint fields leave every result as it is: two runs that differ only there still merge; a
+    # dataset named by a path is named by its text
+    texts = _paths_as_texts(results)
+
+    def text(value):
+        if isinstance(value, list):
+            return [text(v) for v in value]
+        if isinstance(value, dict):
+            return {k: text(v) for k, v in value.items()}
+        return texts.get(value, value) if isinstance(value, str) else value
+
+    return {k: text(result_section(k, v)) if isinstance(v, dict) else text(v) for k, v in settings.items()}
 
 
 def _copy_missing(src_dir: Path, dest_dir: Path, folder: str | None) -> None:

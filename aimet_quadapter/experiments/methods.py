@@ -27,7 +27,7 @@ from aimet_torch.quantsim import QuantizationSimModel
 from aimet_quadapter import distributed
 from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.experiments.catalog import CATALOG, MethodInfo
+from aimet_quadapter.experiments.catalog import BC, CATALOG, MethodInfo
 from aimet_quadapter.experiments.plots import plot_channel_ranges, plot_phase1_curves
 from aimet_quadapter.models import PreparedLM, weight_sharing_copy
 from aimet_quadapter.quadapter.adapter import QuadapterSet, fold_alphas
@@ -43,6 +43,7 @@ from aimet_quadapter.quadapter.phase2 import phase2_loss, run_phase2
 from aimet_quadapter.quadapter.state import QuadapterState
 from aimet_quadapter.quant.baselines import apply_adaround, apply_seq_mse
 from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
+from aimet_quadapter.quant.llm_techniques import apply_adascale, apply_omniquant, fptquant_model, spinquant_model
 from aimet_quadapter.quant.policy import build_sim, calibrate
 
 
@@ -116,6 +117,44 @@ def _seq_mse(ctx: MethodContext) -> QuantizationSimModel:
     info = apply_seq_mse(sim, ctx.model, ctx.calibration, ctx.baselines)
     ctx.info["seq_mse"] = info
     return sim
+
+
+# --- AIMET's LLM techniques (quant/llm_techniques.py) ----------------------------------------------------
+
+
+def _transformed_ptq(ctx: MethodContext, name: str, model: PreparedLM) -> QuantizationSimModel:
+    """PTQ of ``model``, an FP-equivalent transform of the FP model; its state carries the transformed weights."""
+    sim = build_sim(model, ctx.policy, in_place=True)  # the transformed copy is this sim's alone
+    calibrate(sim, ctx.calibration)
+    _save(ctx, name, QuadapterState.from_sim(sim, {}, method=name).with_weights(sim.model, ctx.model))
+    return sim
+
+
+@method("spinquant")
+def _spinquant(ctx: MethodContext) -> QuantizationSimModel:
+    return _transformed_ptq(ctx, "spinquant", spinquant_model(ctx.model, ctx.baselines))
+
+
+@method("fptquant")
+def _fptquant(ctx: MethodContext) -> QuantizationSimModel:
+    return _transformed_ptq(ctx, "fptquant", fptquant_model(ctx.model, ctx.baselines))
+
+
+def _reconstructed(ctx: MethodContext, name: str, technique) -> QuantizationSimModel:
+    sim = build_sim(ctx.model, ctx.policy)  # weights of its own: AIMET writes the learned ones in place
+    ctx.info[name] = technique(sim, ctx.model, ctx.calibration, ctx.baselines)
+    _save(ctx, name, QuadapterState.from_sim(sim, {}, method=name).with_weights(sim.model, ctx.model))
+    return sim
+
+
+@method("adascale")
+def _adascale(ctx: MethodContext) -> QuantizationSimModel:
+    return _reconstructed(ctx, "adascale", apply_adascale)
+
+
+@method("omniquant")
+def _omniquant(ctx: MethodContext) -> QuantizationSimModel:
+    return _reconstructed(ctx, "omniquant", apply_omniquant)
 
 
 @method("cle")
@@ -197,6 +236,12 @@ def _phase2(ctx: MethodContext, name: str, checkpoint_sub: str | None = None, **
 
 
 def _quadapter_phase2(ctx: MethodContext, name: str, learn_ranges: bool | None) -> QuantizationSimModel:
+    return _run_quadapter(ctx, name, learn_ranges)[0]
+
+
+def _run_quadapter(
+    ctx: MethodContext, name: str, learn_ranges: bool | None
+) -> tuple[QuantizationSimModel, QuadapterResult]:
     changes = {} if learn_ranges is None else {"learn_ranges": learn_ranges}
     # "quadapter" keeps the checkpoint folder the eval command has always used
     params = _phase2(ctx, name, None if name == "quadapter" else name, **changes)
@@ -208,7 +253,7 @@ def _quadapter_phase2(ctx: MethodContext, name: str, learn_ranges: bool | None) 
         losses = "phase2_losses.json" if name == "quadapter" else f"{name}_phase2_losses.json"
         write_text_atomic(folder / losses, json.dumps(result.phase2.losses))
         _plot_head_site(ctx, result.state, folder / f"channel_ranges_{name}.png")
-    return sim
+    return sim, result
 
 
 @method("quadapter")
@@ -272,6 +317,46 @@ def _quadapter_bc_qat_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
     return _qat_on(ctx, quadapter_bc_start(ctx)[0], "quadapter_bc_qat_fixed_ranges", False)
 
 
+@method("spinquant_quadapter")
+def _spinquant_quadapter(ctx: MethodContext) -> QuantizationSimModel:
+    """Quadapter, both phases, on SpinQuant's rotated model: the rotated model is phase 1's FP reference (the same
+    function), and its weights are what the alphas fold into."""
+    name = "spinquant_quadapter"
+    _phase2(ctx, name)  # fail before rotating when there is no fine-tuning data
+    rotated = spinquant_model(ctx.model, ctx.baselines)
+    # its own phase 1 (of the rotated model) and checkpoints, in this cell's folder
+    inner = dataclasses.replace(ctx, model=rotated, bc_state=None, _bc=None, info={})
+    sim, result = _run_quadapter(inner, name, None)
+    ctx.info[name] = inner.info.get(BC, {})
+    _save(ctx, name, result.state.with_weights(rotated, ctx.model))
+    return sim
+
+
+def _after_quadapter(ctx: MethodContext, name: str, technique) -> QuantizationSimModel:
+    """Quadapter (both phases), then AIMET's ``technique(sim, folded_fp_model)`` on the weights of the folded
+    model; Quadapter's activation ranges stay as phase 2 left them."""
+    sim, result = _run_quadapter(ctx, name, None)
+    ctx.info[name] = technique(sim, result.state.folded_model(ctx.model, share_weights=True))
+    _save(ctx, name, QuadapterState.from_sim(sim, {}, method=name).with_weights(sim.model, ctx.model))
+    return sim
+
+
+@method("quadapter_seq_mse")
+def _quadapter_seq_mse(ctx: MethodContext) -> QuantizationSimModel:
+    def seq_mse(sim: QuantizationSimModel, folded: PreparedLM) -> dict:
+        return apply_seq_mse(sim, folded, ctx.calibration, ctx.baselines, calibrate_after=False)
+
+    return _after_quadapter(ctx, "quadapter_seq_mse", seq_mse)
+
+
+@method("quadapter_adaround")
+def _quadapter_adaround(ctx: MethodContext) -> QuantizationSimModel:
+    def adaround(sim: QuantizationSimModel, folded: PreparedLM) -> dict:
+        return apply_adaround(sim, folded, ctx.calibration, ctx.baselines, ctx.out_dir, calibrate_after=False)
+
+    return _after_quadapter(ctx, "quadapter_adaround", adaround)
+
+
 @method("fp_finetuned")
 def _fp_finetuned(ctx: MethodContext) -> PreparedLM:
     """The FP upper bound (the paper's Fig. 6): the FP weights fine-tuned on the same loop, no quantizer."""
@@ -295,6 +380,10 @@ def run_method(name: str, ctx: MethodContext):
     start = time.time()
     out = REGISTRY[name](ctx)
     ctx.timings[name] = time.time() - start
+    folder = _write_dir(ctx)
+    if isinstance(out, QuantizationSimModel) and folder is not None and not (folder / f"{name}.safetensors").exists():
+        # every quantized row can be exported: its ranges, and the weights it changed (AdaRound's, QAT's)
+        _save(ctx, name, QuadapterState.from_sim(out, {}, method=name).with_weights(out.model, ctx.model))
     return out
 
 

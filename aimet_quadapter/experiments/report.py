@@ -52,6 +52,12 @@ def ordered_rows(results: dict, seeds: bool = False) -> list[dict]:
 
 def _row_label(cell: dict) -> str:
     stopped = " (stopped: training diverged)" if cell.get("error") else ""
+    if cell.get("stopped_seeds"):
+        stopped = (
+            f" (seed {', '.join(map(str, cell['stopped_seeds']))} stopped: training diverged; the mean of the others)"
+        )
+    if cell.get("thread_counts"):
+        stopped += f" (seeds ran under {' and '.join(map(str, cell['thread_counts']))} threads)"
     other = " †" if cell.get("other_versions") else ""
     return cell["label"] + (f" (n={cell['size']})" if cell.get("size") else "") + stopped + other
 

@@ -33,8 +33,10 @@ def _finite(value) -> bool:
 
 def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
     """``cells`` (results.json's, by key) with the seeds of one cell merged into one row under the key without
-    ``#seed<N>``, in order of first appearance: its ``ppl`` and ``dev_ppl`` the mean over the seeds, ``spread``
-    their [min, max], ``seeds`` which ones. Cells without a seed are returned as they are."""
+    ``#seed<N>``, in order of first appearance: its ``ppl`` and ``dev_ppl`` the mean over the seeds that finished,
+    ``spread`` their [min, max], ``seeds`` which ones, ``stopped_seeds`` those whose training diverged, and
+    ``thread_counts`` the thread counts where the seeds ran under more than one. Cells without a seed are returned as
+    they are."""
     groups: dict[str, list[dict]] = {}
     for key, c in cells.items():
         groups.setdefault(key.rsplit("#seed", 1)[0] if c.get("seed") is not None else key, []).append(c)
@@ -43,14 +45,20 @@ def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
         if members[0].get("seed") is None:
             rows[key] = members[0]
             continue
-        row = {**members[0], "seeds": [m["seed"] for m in members], "spread": {}}
-        errors = [m["error"] for m in members if m.get("error")]
-        if errors:
-            row["error"] = errors[0]
+        # a seed whose training stopped has no perplexity: the row is the mean of the others, and says so
+        finished = [m for m in members if not m.get("error")]
+        row = {**(finished or members)[0], "seeds": [m["seed"] for m in finished], "spread": {}}
+        stopped = [m for m in members if m.get("error")]
+        if stopped:
+            row["error"] = stopped[0]["error"]
+            row["stopped_seeds"] = [m["seed"] for m in stopped]
+        threads = {m["threads"] for m in finished if m.get("threads") is not None}
+        if len(threads) > 1:  # Adam's sums run in another order: another measurement, not another seed alone
+            row["thread_counts"] = sorted(threads)
         for field in ("ppl", "dev_ppl"):
             row[field], row["spread"][field] = {}, {}
-            for col in dict.fromkeys(col for m in members for col in m.get(field, {})):
-                values = [m[field][col] for m in members if _finite(m.get(field, {}).get(col))]
+            for col in dict.fromkeys(col for m in finished for col in m.get(field, {})):
+                values = [m[field][col] for m in finished if _finite(m.get(field, {}).get(col))]
                 if values:
                     row[field][col] = sum(values) / len(values)
                     row["spread"][field][col] = [min(values), max(values)]

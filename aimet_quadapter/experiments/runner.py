@@ -22,6 +22,7 @@ deleted once their cell is recorded: the result and the Quadapter state are what
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import hashlib
 import json
@@ -31,7 +32,6 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +60,14 @@ class DatasetRef:
     spec: str  # as the recipe wrote it
     source: str  # corpus name or absolute path
     label: str  # table column / group name
+
+    @property
+    def identity(self) -> str:
+        """What fingerprints and merge compare: the corpus name, or a local text's content hash (not its path,
+        which differs between two checkouts of one recipe)."""
+        from aimet_quadapter.text.data import text_identity
+
+        return text_identity(self.source)
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,21 @@ def _safe(name: str) -> str:
 def _named(ref: DatasetRef) -> str:
     """A dataset as an error message names it: its label, and its file or folder when it is local."""
     return ref.label if ref.source == ref.spec and not Path(ref.source).exists() else f"{ref.label} ({ref.source})"
+
+
+def _per_run(method):
+    """``functools.cache`` kept on the instance: what one run computed (its seed's data and windows) goes with the
+    run, where a cache on the method would keep every seed's run and its tensors until the process ends."""
+
+    @functools.wraps(method)
+    def cached(self, *args):
+        memo = self.__dict__.setdefault("_memo", {})
+        key = (method.__name__, *args)
+        if key not in memo:
+            memo[key] = method(self, *args)
+        return memo[key]
+
+    return cached
 
 
 def _fingerprint(payload: dict) -> str:
@@ -260,7 +283,7 @@ class RecipeRun:
     def _base_payload(self) -> dict:
         # a start of 0 (every run folder's before the field existed) stays out of the fingerprint
         evals = [
-            (s.ref.source, s.ref.label, s.split, s.seq_len, s.max_tokens, s.stride, *([s.start] if s.start else []))
+            (s.ref.identity, s.ref.label, s.split, s.seq_len, s.max_tokens, s.stride, *([s.start] if s.start else []))
             for s in self.evals
         ]
         payload: dict = {"model": self.model_name, "eval": evals}
@@ -272,7 +295,7 @@ class RecipeRun:
         """What a dataset group contributes to a fingerprint: its sources, and how generated text is sampled."""
         from aimet_quadapter.experiments.generated import GENERATED
 
-        return [self._sections(("generated",)) if r.source == GENERATED else r.source for r in refs]
+        return [self._sections(("generated",)) if r.source == GENERATED else r.identity for r in refs]
 
     def _calibration_payload(self, cal: str) -> dict:
         sources = self._sources(self.calibration_sets[cal])
@@ -321,18 +344,33 @@ class RecipeRun:
         known = {c["label"] for c in columns}
         for s in self.evals:
             if s.ref.label not in known:
-                columns.append({"label": s.ref.label, "source": s.ref.source, "split": s.split})
+                columns.append(
+                    {"label": s.ref.label, "source": s.ref.source, "identity": s.ref.identity, "split": s.split}
+                )
         dev = results.setdefault("dev_datasets", [])
         known = {c["label"] for c in dev}
         for s in self.devs:
             if s.ref.label not in known:
-                dev.append({"label": s.ref.label, "source": s.ref.source, "split": s.split, "start": s.start})
+                dev.append(
+                    {
+                        "label": s.ref.label,
+                        "source": s.ref.source,
+                        "identity": s.ref.identity,
+                        "split": s.split,
+                        "start": s.start,
+                    }
+                )
         fids = results.setdefault("fids", {})
         for name, refs in self.fids.items():
             fids[name] = [r.label for r in refs]
         cals = results.setdefault("calibration_sets", {})
         for name, refs in self.calibration_sets.items():
             cals[name] = [r.label for r in refs]
+        # every local text by its content: merge reads a path of another checkout as the same text
+        refs = [s.ref for s in (*self.evals, *self.devs)]
+        refs += [r for group in (*self.calibration_sets.values(), *self.fids.values()) for r in group]
+        texts = results.setdefault("texts", {})
+        texts.update({r.source: r.identity for r in refs if r.identity != r.source})
         return results
 
     def is_done(self, results: dict, cell: Cell) -> bool:
@@ -351,6 +389,7 @@ class RecipeRun:
             self._model, self._tokenizer = load_model(self.model_name, quiet=True, device=self.device)
             self._check_lengths(self._model.max_positions)  # a hub model's limit is known only now
             self._check_sites(self._model)  # site names are known once the model is: before any cell's work
+            self._check_aimet_support(self.cells, self._model.arch.name)
             self._model.set_prefix(self.prefix_ids())
         return self._model
 
@@ -384,8 +423,9 @@ class RecipeRun:
         """Read, tokenize and cut every text ``cells`` need, before the model loads: a missing, binary or
         too-short text stops the run in seconds, not after minutes of loading and calibrating."""
         from aimet_quadapter.experiments.generated import GENERATED
-        from aimet_quadapter.models.loading import max_positions
+        from aimet_quadapter.models.loading import family_of, max_positions
 
+        self._check_aimet_support(cells, family_of(self.model_name))
         self._check_lengths(max_positions(self.model_name))
         self._check_counts(cells)
         self.eval_windows()
@@ -404,6 +444,18 @@ class RecipeRun:
                     self.validation_batches(cell.calibration)
             if cell.fid is not None:
                 self.finetune_batches(cell.fid, cell.size)
+
+    def _check_aimet_support(self, cells: list[Cell], family: str | None) -> None:
+        """Refuse a method whose AIMET technique AIMET refuses for this family (None: not known before the model
+        loads) or policy, with AIMET's reason."""
+        from aimet_quadapter.quant.llm_techniques import refusal
+
+        policy = self.recipe.quant_policy()
+        for method in dict.fromkeys(c.method for c in cells):
+            technique = self.catalog[method].aimet
+            reason = refusal(technique, family, policy) if technique else None
+            if reason:
+                raise QuadapterError(f"{self.recipe.where()}: method {method}: {reason}")
 
     def _check_counts(self, cells: list[Cell]) -> None:
         # the crop counts against the free memory, before any text is read (the texts can say more, later)
@@ -506,7 +558,7 @@ class RecipeRun:
             crops = crops[torch.randperm(len(crops), generator=torch.Generator().manual_seed(seed))]
         return crops
 
-    @cache  # noqa: B019
+    @_per_run
     def generated_samples(self) -> torch.Tensor:
         """The ``generated`` dataset: sampled from the FP model once, then read from the run folder."""
         from aimet_quadapter.experiments.generated import generate_samples
@@ -525,7 +577,7 @@ class RecipeRun:
             write_atomic(path, lambda tmp: torch.save(samples, tmp))
         return samples
 
-    @cache  # noqa: B019
+    @_per_run
     def calibration_batches(self, cal: str) -> list[torch.Tensor]:
         from aimet_quadapter.text.data import batches
 
@@ -533,7 +585,7 @@ class RecipeRun:
         crops = self._crops(self.calibration_sets[cal], c.samples, c.length, c.seed, "calibration.samples", True)
         return batches(crops, 1)
 
-    @cache  # noqa: B019
+    @_per_run
     def validation_batches(self, cal: str) -> list[torch.Tensor]:
         """Held-out crops of the calibration set (another seed), for phase 1's check against its start."""
         from aimet_quadapter.text.data import batches, holdout_seed
@@ -545,7 +597,7 @@ class RecipeRun:
             self._crops(self.calibration_sets[cal], n, c.length, holdout_seed(c.seed), "quadapter.holdout"), 1
         )
 
-    @cache  # noqa: B019
+    @_per_run
     def _finetune_pool(self, fid: str) -> torch.Tensor:
         size, seed = self._finetune_pool_size(), self.recipe.calibration.seed + 1
         return self._crops(self.fids[fid], size, self.recipe.phase2.seq_len, seed, self._finetune_setting())
@@ -556,12 +608,12 @@ class RecipeRun:
         pool = self._finetune_pool(fid)
         return batches(pool[:size] if size else pool, self.recipe.phase2.batch_size)
 
-    @cache  # noqa: B019
+    @_per_run
     def eval_windows(self) -> dict[str, list]:
         """The windows of the evaluation (test) texts, by column."""
         return self._windows(self.evals, "eval")
 
-    @cache  # noqa: B019
+    @_per_run
     def dev_windows(self) -> dict[str, list]:
         """The windows of the development texts, by column."""
         return self._windows(self.devs, "dev")
@@ -719,6 +771,9 @@ class RecipeRun:
             # not in the fingerprint (a version bump would recompute every run folder): the report marks a
             # cell computed under other versions than the newest cell's
             "versions": library_versions(),
+            # nor this (the same): torch's thread count orders Adam's and the matmuls' sums, so it changes what
+            # training ends at; the report says where the seeds of one row ran under different counts
+            "threads": torch.get_num_threads(),
             "fingerprint": self.fingerprint(cell),
             "folder": cell.folder,
         }

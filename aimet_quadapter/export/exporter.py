@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 from aimet_torch.quantsim import QuantizationSimModel
+from packaging.version import Version
 
 from aimet_quadapter.atomic import check_new_folder
 from aimet_quadapter.errors import QuadapterError
@@ -509,6 +510,12 @@ def check_free_disk(out_dir: str | Path, model: torch.nn.Module) -> None:
         )
 
 
+def int32_bias(encoding_version: str) -> bool:
+    """Whether AIMET writes int32 biases for ``encoding_version``: from 2.0.0 on (compared as versions, not as
+    text, which would put "10.0.0" below "2.0.0")."""
+    return Version(encoding_version) >= Version("2.0.0")
+
+
 def export_quantized(
     sim: QuantizationSimModel,
     out_dir: str | Path,
@@ -603,7 +610,7 @@ def export_quantized(
             "method": method,
             "policy": policy,
             "encodings_version": encoding_version,
-            "export_int32_bias": encoding_version >= "2.0.0",  # AIMET's default for the FP export, kept
+            "export_int32_bias": int32_bias(encoding_version),  # AIMET's default for the FP export, kept
             "seq_len": seq_len,
             "dynamic_length": dynamic_length,
             # the graphs hold the prefix's keys and values as constants: input_ids are the tokens after it

@@ -108,7 +108,21 @@ def load_manifest(path: str | Path) -> tuple[dict, Path]:
             f"{path}: no {MANIFEST} found beside it; evaluate an export folder written by `aimet-quadapter export` "
             f"(the manifest names the tokenizer and the sequence length)"
         )
-    return json.loads(manifest.read_text()), manifest.parent
+    try:
+        content = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise QuadapterError(f"{manifest} is not an export manifest: it cannot be read as JSON ({error})") from None
+    # what the evaluation reads of it: a foreign JSON file of that name lacks these
+    role = content.get("files_role") if isinstance(content, dict) else None
+    if (
+        not isinstance(role, dict)
+        or not isinstance(role.get("qdq_onnx"), str)
+        or not isinstance(content.get("model"), str)
+    ):
+        raise QuadapterError(
+            f"{manifest} is not a manifest of `aimet-quadapter export`: it lacks the model or files_role.qdq_onnx"
+        )
+    return content, manifest.parent
 
 
 def qdq_model_of(path: str | Path) -> tuple[Path, dict]:

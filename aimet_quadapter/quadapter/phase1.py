@@ -37,6 +37,7 @@ import dataclasses
 import fnmatch
 import hashlib
 import json
+import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -56,6 +57,8 @@ from aimet_quadapter.models import FixedPrefixCache, PreparedLM, Site, device_of
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quadapter.config import Phase1Parameters
 from aimet_quadapter.quant.quantizers import DynamicRanges, plain_tensors, quantizers_in, refresh_prefix
+
+log = logging.getLogger(__name__)
 
 Captured = tuple[tuple, dict]  # (args, kwargs) of one call
 
@@ -343,7 +346,10 @@ class _Checkpoint:
             return set()
         try:
             state = torch.load(self.path, map_location="cpu", weights_only=True)
-        except Exception:  # written atomically, so only a foreign file gets here: start over
+        except Exception as error:  # written atomically, so only a foreign file gets here: start over
+            log.warning(
+                "phase 1: the checkpoint %s cannot be read (%s); every site is calibrated again", self.path, error
+            )
             return set()
         if state.get("key") != self.key:
             return set()

@@ -10,6 +10,7 @@ the first seconds of a command.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,20 @@ class QuadapterState:
     policy: QuantPolicy = field(default_factory=QuantPolicy)
     metadata: dict = field(default_factory=dict)
     source: Path | None = field(default=None, compare=False)  # the file it was read from, for messages
+    # parameter name -> value, for the weights a method changed beyond the alphas (a rotation, rounding, a learned
+    # transform): they replace the FP model's before the alphas are folded in; empty for most methods
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def with_weights(self, model: torch.nn.Module, fp_model: PreparedLM) -> QuadapterState:
+        """This state with every parameter of ``model`` (an FP model the alphas are relative to, or a sim's model
+        with no alpha folded in) that differs from ``fp_model``'s."""
+        reference = dict(fp_model.named_parameters())
+        changed = {
+            name: p.detach().clone()
+            for name, p in model.named_parameters()
+            if name in reference and not torch.equal(p.detach().to(reference[name].device), reference[name].detach())
+        }
+        return dataclasses.replace(self, weights=changed)
 
     @classmethod
     def from_sim(cls, sim: QuantizationSimModel, alphas: dict[str, torch.Tensor], **metadata) -> QuadapterState:
@@ -56,6 +71,7 @@ class QuadapterState:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {f"alpha/{k}": v.contiguous() for k, v in self.alphas.items()}
+        tensors.update({f"weight/{k}": v.contiguous() for k, v in self.weights.items()})
         for k, (lo, hi) in self.ranges.items():
             tensors[f"min/{k}"] = lo.contiguous()
             tensors[f"max/{k}"] = hi.contiguous()
@@ -77,6 +93,7 @@ class QuadapterState:
             policy = QuantPolicy(**json.loads(meta.get("policy", "{}")))
             metadata = json.loads(meta.get("metadata", "{}"))
             alphas = {k.removeprefix("alpha/"): v for k, v in tensors.items() if k.startswith("alpha/")}
+            weights = {k.removeprefix("weight/"): v for k, v in tensors.items() if k.startswith("weight/")}
             ranges = {
                 k.removeprefix("min/"): (v, tensors["max/" + k.removeprefix("min/")])
                 for k, v in tensors.items()
@@ -87,7 +104,7 @@ class QuadapterState:
         except Exception as exc:  # safetensors, json and the dataclass raise their own types
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise QuadapterError(f"{path} is not a Quadapter state file (corrupt or truncated?): {reason}") from None
-        return cls(alphas, ranges, policy, metadata, source=path)
+        return cls(alphas, ranges, policy, metadata, source=path, weights=weights)
 
     def folded_model(self, fp_model: PreparedLM, in_place: bool = False, share_weights: bool = False) -> PreparedLM:
         """A copy of ``fp_model`` (``in_place``: the model itself) with every alpha folded into its weights (Eq. 3);
@@ -99,6 +116,16 @@ class QuadapterState:
             model = fp_model
         else:
             model = cast(PreparedLM, weight_sharing_copy(fp_model) if share_weights else copy.deepcopy(fp_model))
+        if self.weights:
+            params = dict(model.named_parameters())
+            with torch.no_grad():
+                for name, value in self.weights.items():
+                    if params[name].shape != value.shape:
+                        raise QuadapterError(
+                            f"{self._name()}'s weight {name} has shape {tuple(value.shape)}, this model's "
+                            f"{tuple(params[name].shape)}: the state was trained on another model"
+                        )
+                    params[name].data = value.to(params[name].device)  # new data: the copy may share the FP storage
         sites = model.sites(extra=True)
         for site in sites:
             alpha = self.alphas.get(site.name)
@@ -118,6 +145,7 @@ class QuadapterState:
         missing = sorted(set(self.alphas) - {s.name for s in fp_model.sites(extra=True)})
         modules = {name for name, _ in fp_model.named_modules()}
         missing += sorted({key.rsplit(".", 1)[0] for key in self.ranges} - modules)
+        missing += sorted(set(self.weights) - {name for name, _ in fp_model.named_parameters()})
         if missing:
             raise QuadapterError(
                 f"{self._name()} was trained on another model: this one has no {', '.join(missing[:3])}"

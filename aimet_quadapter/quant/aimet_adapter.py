@@ -106,6 +106,91 @@ def qdq_weights_module_by_module(after_each: Callable[[], None]) -> Iterator[Non
         QuantizationSimModel._apply_qdq_to_model_parameters = original  # type: ignore[method-assign]
 
 
+# Hadamard orders AIMET lacks, as factors of factor x 2^n (AIMET: 12, 20, 28): a Kronecker product of Hadamard
+# matrices is one. 144 = 12 x 12 gives SmolLM2's hidden size, 576 = 144 x 4.
+EXTRA_HADAMARD_FACTORS = {144: (12, 12)}
+
+
+@contextmanager
+def extra_hadamard_orders() -> Iterator[None]:
+    """While inside, AIMET's Hadamard builder (SpinQuant's and FPTQuant's) also knows the orders
+    :data:`EXTRA_HADAMARD_FACTORS` give, each a true Hadamard matrix (entries +-1, H H^T = n I); the orders it
+    knows are built as before."""
+    import numpy as np
+    from aimet_torch.common.hadamard import hadamard_utils
+
+    known = hadamard_utils.SUPPORTED_FACTORS
+    added = {}
+    for order, (a, b) in EXTRA_HADAMARD_FACTORS.items():
+        if order not in known:
+            added[order] = lambda a=a, b=b: np.kron(np.array(known[a]()), np.array(known[b]()))
+    known.update(added)
+    try:
+        yield
+    finally:
+        for order in added:
+            known.pop(order, None)
+
+
+@contextmanager
+def fptquant(iterations: int) -> Iterator[Any]:
+    """AIMET's FPTQuant class with its mergeable transforms only (the online Hadamard on down_proj's input stays
+    a graph op after merging, which the export does not hold) and ``iterations`` steps of its local optimiser;
+    both are class attributes of AIMET's, put back on exit."""
+    from aimet_torch.experimental.fptquant.fptquant_local_transform_optimizer import LocalTransformOptimizer
+    from aimet_torch.experimental.fptquant.fptquant_optimizer import FPTQuant
+
+    saved = FPTQuant._enable_down_project_transform, LocalTransformOptimizer.num_iterations
+    FPTQuant._enable_down_project_transform = False
+    LocalTransformOptimizer.num_iterations = iterations
+    try:
+        yield FPTQuant
+    finally:
+        FPTQuant._enable_down_project_transform, LocalTransformOptimizer.num_iterations = saved
+
+
+@contextmanager
+def omniquant_view(sim: Any) -> Iterator[Callable[..., Any]]:
+    """AIMET's ``apply_omniquant``, with ``sim.model`` (a PreparedLM) showing it the attributes it reads of a
+    Hugging Face model (``model``: the decoder's backbone holder, ``device``) for as long as it runs."""
+    from aimet_torch.experimental.omniquant import apply_omniquant
+
+    from aimet_quadapter.models import device_of
+
+    model = sim.model
+    before = {
+        module: dict(module.param_quantizers.items())
+        for module in model.modules()
+        if hasattr(module, "param_quantizers")
+    }
+    object.__setattr__(model, "model", model.lm)  # a plain attribute: not a second registered child
+    object.__setattr__(model, "device", device_of(model))
+    try:
+        yield apply_omniquant
+    finally:
+        for name in ("model", "device"):
+            model.__dict__.pop(name, None)
+        _plain_weight_quantizers(before)
+
+
+def _plain_weight_quantizers(before: dict) -> None:
+    """AIMET's OmniQuant leaves its own quantizer class on every weight it touched (one that applies its scales,
+    folded by then), and one on weights that had none: each goes back to a plain ``QuantizeDequantize`` with the
+    learned range, or to none."""
+    from aimet_torch.experimental.omniquant.let_quantizer import OmqQuantizeDequantize
+
+    for module, quantizers in before.items():
+        for name, q in list(module.param_quantizers.items()):
+            if not isinstance(q, OmqQuantizeDequantize):
+                continue
+            if not isinstance(q, QuantizeDequantize) or quantizers.get(name) is None:
+                module.param_quantizers[name] = quantizers.get(name)
+                continue
+            plain = QuantizeDequantize(q.shape, q.bitwidth, q.symmetric, block_size=q.block_size).to(q.min.device)
+            plain.set_range(q.min.detach(), q.max.detach())
+            module.param_quantizers[name] = plain
+
+
 # The Hexagon (HTP) generation whose quantsim config the `htp` target uses: AIMET ships one per generation.
 HTP_VERSION = "v75"
 

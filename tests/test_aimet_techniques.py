@@ -1,0 +1,176 @@
+"""AIMET's LLM techniques as methods of the registry: each through AIMET's entry point, refused with AIMET's reason
+where AIMET refuses, composed with Quadapter, and exported as plain weights."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from aimet_quadapter.cli import main
+from aimet_quadapter.models import quiet_libraries
+from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
+from aimet_quadapter.quant.llm_techniques import AIMET_SUPPORT, refusal, spinquant_model
+from aimet_quadapter.testing import sample_corpus, toy_model
+
+quiet_libraries()
+ALL = "fp,ptq,spinquant,adascale,omniquant,fptquant,seq_mse,adaround,spinquant_quadapter,quadapter_seq_mse"
+TINY_BUDGET = [
+    "--phase1-steps", "2", "--phase2-steps", "2", "--phase2-batch-size", "1", "--phase2-seq-len", "32",
+    "--baselines-adascale-iterations", "2", "--baselines-omniquant-iterations", "2",
+    "--baselines-fptquant-iterations", "2", "--baselines-adaround-iterations", "2",
+    "--baselines-seq-mse-candidates", "2",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def checkpoint(request, tmp_path_factory, tiny_tokenizer):
+    """A tiny checkpoint of the family (planted outlier channels, untied head) with the test tokenizer."""
+    folder = tmp_path_factory.mktemp("models") / request.param
+    model = toy_model(request.param)
+    model.lm.config.tie_word_embeddings = False
+    model.lm.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return request.param, folder
+
+
+def test_every_aimet_technique_and_composition_runs_from_the_command_line(checkpoint, corpus_dir, tmp_path):
+    family, folder = checkpoint
+    out = tmp_path / "r.json"
+    argv = ["eval", "--model", str(folder), "--dataset", str(corpus_dir), "--methods", ALL, "--no-progress"]
+    argv += ["--seq-len", "32", "--max-tokens", "128", "--calib-samples", "2", "--calib-len", "32", *TINY_BUDGET]
+    # AdaScale and OmniQuant: AIMET's symmetric weights (asymmetric ones are refused, tested below)
+    argv += ["--policy-symmetric-weights", "--out", str(tmp_path / "run"), "--json", str(out)]
+    assert main(argv) == 0
+    cells = {c["method"]: c for c in json.loads(out.read_text())["cells"].values()}
+    assert set(cells) == set(ALL.split(","))
+    fp = cells["fp"]["ppl"][corpus_dir.stem]
+    for name, cell in cells.items():
+        ppl = cell["ppl"][corpus_dir.stem]
+        assert np.isfinite(ppl), name
+        if name != "fp":
+            assert ppl != fp, f"{name} computed the FP model"
+    # every quantized row left a state that exports: its weights where the technique changed them
+    states = {p.stem: p for p in (tmp_path / "run").rglob("*.safetensors")}
+    assert set(ALL.split(",")) - {"fp"} <= set(states)
+    from aimet_quadapter.quadapter.state import QuadapterState
+
+    for name in ("spinquant", "fptquant", "adascale", "omniquant", "spinquant_quadapter"):
+        assert QuadapterState.load(states[name]).weights, f"{name}'s state lost its weights"
+    assert not QuadapterState.load(states["ptq"]).weights
+
+
+@pytest.mark.parametrize("name", ["spinquant", "adascale"])
+def test_a_technique_state_exports_and_verifies(name, tmp_path):
+    """The export rebuilds the sim from the FP model and the state (the transformed weights, the ranges) and checks
+    in onnxruntime that its graphs compute what that sim computes; a rotation is plain weights once merged."""
+    from aimet_quadapter.experiments.methods import MethodContext, run_method
+    from aimet_quadapter.export.exporter import export_quantized
+    from aimet_quadapter.quadapter.state import QuadapterState
+    from aimet_quadapter.text.perplexity import perplexity
+
+    model = toy_model("llama")
+    corpus = sample_corpus(model, 6, 32, seed=1)
+    policy = QuantPolicy(symmetric_weights=True)
+    ctx = MethodContext(model, policy, [corpus[:2]], out_dir=tmp_path, progress=False)
+    ctx.baselines = BaselineParameters(adascale_iterations=2)
+    sim = run_method(name, ctx)
+    state = QuadapterState.load(tmp_path / f"{name}.safetensors")
+    rebuilt = state.build_sim(model)
+    from aimet_quadapter.text.data import eval_windows
+
+    windows = [w for row in corpus[2:4] for w in eval_windows(row, 32)]
+    assert perplexity(rebuilt.model, windows, progress=False).ppl == pytest.approx(
+        perplexity(sim.model, windows, progress=False).ppl, rel=1e-5
+    )
+    exported = export_quantized(rebuilt, tmp_path / "export", 32, verify_windows=list(corpus[4:6]))
+    assert exported.manifest["verification"]
+
+
+def test_an_order_576_hadamard_is_one_and_leaves_aimets_own_orders_alone():
+    """SmolLM2's hidden size (576) has no Hadamard matrix in AIMET: the package adds H144 = H12 x H12, a true
+    Hadamard matrix, through AIMET's own builder, which then gives every order it gave before unchanged."""
+    from aimet_torch.common.hadamard.hadamard_utils import get_hadamard_matrix
+
+    from aimet_quadapter.quant.aimet_adapter import extra_hadamard_orders
+
+    before = {n: get_hadamard_matrix(n) for n in (64, 96, 768)}
+    with pytest.raises(AssertionError, match="576 not supported"):
+        get_hadamard_matrix(576)
+    with extra_hadamard_orders():
+        h = get_hadamard_matrix(576)
+        assert all(np.array_equal(get_hadamard_matrix(n), m) for n, m in before.items())
+    assert set(np.unique(h)) == {-1.0, 1.0}
+    assert np.array_equal(h @ h.T, 576 * np.eye(576))
+    with pytest.raises(AssertionError):  # nothing left behind
+        get_hadamard_matrix(576)
+
+
+def test_spinquant_rotates_a_hidden_size_aimet_lacks_and_keeps_the_function():
+    """A hidden size of 144 (AIMET: unsupported) is rotated with the added order; where AIMET has the order (64),
+    the rotated weights are AIMET's own, bit for bit."""
+    from aimet_torch.spinquant import apply_spinquant
+
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    for hidden in (144, 64):
+        model = toy_model("llama", hidden=hidden, heads=4)
+        rotated = spinquant_model(model)
+        with torch.no_grad():
+            assert torch.allclose(rotated(ids), model(ids), atol=1e-3)
+        assert not torch.equal(rotated.lm.lm_head.weight, model.lm.lm_head.weight)
+    import copy
+
+    unpatched = copy.deepcopy(model)
+    apply_spinquant(unpatched.lm, enable_r1=True, enable_r2=False)
+    for (name, a), (_, b) in zip(rotated.named_parameters(), unpatched.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(
+    "method, family, reason",
+    [
+        ("spinquant", "gpt2", "method spinquant: AIMET's spinquant supports the families llama, qwen2, qwen3, phi3"),
+        ("adascale", "llama", "method adascale: AIMET's adascale quantizes weights symmetrically only"),
+        ("omniquant", "llama", "method omniquant: AIMET's omniquant quantizes weights symmetrically only"),
+    ],
+)
+def test_a_technique_aimet_refuses_is_one_line_before_the_model_loads(
+    method, family, reason, tiny_gpt2_dir, tiny_tokenizer, corpus_dir, tmp_path, capsys, never_load
+):
+    from conftest import hf_tiny
+
+    folder = tiny_gpt2_dir
+    if family != "gpt2":
+        folder = tmp_path / family
+        hf_tiny(family).save_pretrained(folder)
+        tiny_tokenizer.save_pretrained(folder)
+    argv = ["eval", "--model", str(folder), "--dataset", str(corpus_dir), "--methods", f"fp,{method}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("aimet-quadapter: error: ") and reason in err
+
+
+def test_the_support_table_is_aimets():
+    """AIMET_SUPPORT names the families whose backbone class AIMET's own registries hold."""
+    from aimet_torch.adascale.adascale_optimizer import adascale_model_config_dict
+    from aimet_torch.experimental.fptquant.fptquant_config import fptquant_model_config_dict
+    from aimet_torch.experimental.omniquant.decoder_processor import model_to_block_mapping
+    from aimet_torch.spinquant.spinquant_optimizer import SpinQuant
+
+    from aimet_quadapter.models import ARCHITECTURES
+
+    registries = {
+        "spinquant": SpinQuant.model_config_dict,
+        "fptquant": fptquant_model_config_dict,
+        "adascale": adascale_model_config_dict,
+        "omniquant": model_to_block_mapping,
+    }
+    for technique, registry in registries.items():
+        names = {cls.__name__.lower() for cls in registry}
+        for arch in ARCHITECTURES:
+            held = f"{arch.name}model" in names
+            assert held == (arch.name in AIMET_SUPPORT[technique].families), (technique, arch.name)
+    assert refusal("adascale", "llama", QuantPolicy())
+    assert not refusal("adascale", "llama", QuantPolicy(symmetric_weights=True))
