@@ -592,6 +592,24 @@ def test_runs_of_two_checkouts_merge_their_texts_by_content(world, tmp_path, cap
     assert "other datasets than the destination's" in capsys.readouterr().err
 
 
+def test_cells_fingerprinted_by_a_texts_path_stay_done(base_run, world, tmp_path, monkeypatch):
+    """Run folders from before content hashes name a local text by its path: their cells are not computed again."""
+    from aimet_quadapter.experiments.recipes import load_recipe
+    from aimet_quadapter.experiments.runner import RecipeRun
+
+    run = _copy(base_run, tmp_path)
+    planned = RecipeRun(load_recipe(world / "r.yaml"), run, progress=False)
+    results = _results(run)
+    for cell in planned.cells:
+        legacy = planned.fingerprint(cell, by_path=True)
+        assert legacy != planned.fingerprint(cell) or cell.method == "fp"
+        results["cells"][cell.key]["fingerprint"] = legacy
+    (run / "results.json").write_text(json.dumps(results))
+    calls = _count_calls(monkeypatch)
+    assert main(["run", str(world / "r.yaml"), "--out", str(run), "--no-progress"]) == 0
+    assert calls == {}
+
+
 def test_the_seeds_of_a_row_that_ran_under_other_thread_counts_are_marked(capsys):
     from aimet_quadapter.experiments.report import results_table
 

@@ -126,6 +126,10 @@ def _named(ref: DatasetRef) -> str:
     return ref.label if ref.source == ref.spec and not Path(ref.source).exists() else f"{ref.label} ({ref.source})"
 
 
+def _text(ref: DatasetRef, by_path: bool) -> str:
+    return ref.source if by_path else ref.identity
+
+
 def _per_run(method):
     """``functools.cache`` kept on the instance: what one run computed (its seed's data and windows) goes with the
     run, where a cache on the method would keep every seed's run and its tensors until the process ends."""
@@ -280,10 +284,18 @@ class RecipeRun:
     def _sections(self, names: tuple[str, ...]) -> dict:
         return {n: result_section(n, getattr(self.recipe, n).model_dump(mode="json")) for n in names}
 
-    def _base_payload(self) -> dict:
+    def _base_payload(self, by_path: bool = False) -> dict:
         # a start of 0 (every run folder's before the field existed) stays out of the fingerprint
         evals = [
-            (s.ref.identity, s.ref.label, s.split, s.seq_len, s.max_tokens, s.stride, *([s.start] if s.start else []))
+            (
+                _text(s.ref, by_path),
+                s.ref.label,
+                s.split,
+                s.seq_len,
+                s.max_tokens,
+                s.stride,
+                *([s.start] if s.start else []),
+            )
             for s in self.evals
         ]
         payload: dict = {"model": self.model_name, "eval": evals}
@@ -291,26 +303,28 @@ class RecipeRun:
             payload["prefix"] = self.recipe.prefix
         return payload
 
-    def _sources(self, refs: list[DatasetRef]) -> list:
+    def _sources(self, refs: list[DatasetRef], by_path: bool = False) -> list:
         """What a dataset group contributes to a fingerprint: its sources, and how generated text is sampled."""
         from aimet_quadapter.experiments.generated import GENERATED
 
-        return [self._sections(("generated",)) if r.source == GENERATED else r.identity for r in refs]
+        return [self._sections(("generated",)) if r.source == GENERATED else _text(r, by_path) for r in refs]
 
-    def _calibration_payload(self, cal: str) -> dict:
-        sources = self._sources(self.calibration_sets[cal])
+    def _calibration_payload(self, cal: str, by_path: bool = False) -> dict:
+        sources = self._sources(self.calibration_sets[cal], by_path)
         return {"policy": self._sections(("policy",))["policy"], "calibration": [sources, self._cal_settings()]}
 
     def _cal_settings(self) -> dict:
         c = self.recipe.calibration
         return {"samples": c.samples, "length": c.length, "seed": c.seed}
 
-    def fingerprint(self, cell: Cell) -> str:
+    def fingerprint(self, cell: Cell, by_path: bool = False) -> str:
+        """What ``cell`` is computed from; ``by_path``: as run folders before content hashes named a local text (by
+        its path), under which their cells stay done."""
         info = self.catalog[cell.method]
-        payload = {"method": cell.method, **self._base_payload()}
+        payload = {"method": cell.method, **self._base_payload(by_path)}
         if not info.calibrates:
             return _fingerprint(payload)
-        payload.update(self._calibration_payload(cell.calibration_set))
+        payload.update(self._calibration_payload(cell.calibration_set, by_path))
         payload.update(self._sections(info.reads))
         for unused in info.unused:
             section, _, field = unused.partition(".")
@@ -319,12 +333,13 @@ class RecipeRun:
             else:
                 payload.pop(section, None)
         if info.finetunes:
-            payload["fid"] = self._sources(self.fids[cell.fid_name])
+            payload["fid"] = self._sources(self.fids[cell.fid_name], by_path)
             payload["size"] = cell.size
         return _fingerprint(payload)
 
-    def bc_fingerprint(self, cal: str) -> str:
-        payload = {"model": self.model_name, **self._calibration_payload(cal), **self._sections(self.catalog[BC].reads)}
+    def bc_fingerprint(self, cal: str, by_path: bool = False) -> str:
+        payload = {"model": self.model_name, **self._calibration_payload(cal, by_path)}
+        payload.update(self._sections(self.catalog[BC].reads))
         return _fingerprint(payload)
 
     # --- results file ---------------------------------------------------------------------------------
@@ -375,7 +390,10 @@ class RecipeRun:
 
     def is_done(self, results: dict, cell: Cell) -> bool:
         record = results["cells"].get(cell.key)
-        if not record or record.get("fingerprint") != self.fingerprint(cell):
+        if not record or record.get("fingerprint") not in (
+            self.fingerprint(cell),
+            self.fingerprint(cell, by_path=True),
+        ):
             return False
         return all(s.ref.label in record.get("ppl", {}) for s in self.evals) and all(
             s.ref.label in record.get("dev_ppl", {}) for s in self.devs
@@ -693,7 +711,8 @@ class RecipeRun:
         folder = self._bc_dir(cal)
         stamp = folder / "bc_fingerprint.txt"
         state_file = folder / "quadapter_bc.safetensors"
-        if state_file.is_file() and stamp.is_file() and stamp.read_text().strip() == self.bc_fingerprint(cal):
+        stamps = (self.bc_fingerprint(cal), self.bc_fingerprint(cal, by_path=True))
+        if state_file.is_file() and stamp.is_file() and stamp.read_text().strip() in stamps:
             self._bc[cal] = QuadapterState.load(state_file)
             return self._bc[cal]
         self._say(f"phase 1 (Quadapter BC) on calibration set {cal}, shared by the methods that continue from it")
