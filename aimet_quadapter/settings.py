@@ -1,7 +1,7 @@
 """Settings declared once: a parameter dataclass's fields carry their default, bounds, choices and help, and
 whether they change a result.
 
-The dataclass checks itself with :func:`check_fields`; the recipe schema (``experiments/recipes.py``), the
+The dataclass checks itself with :func:`check_fields`; the recipe schema (``running/recipes.py``), the
 command line and the run fingerprints (:func:`result_view`) are derived from the same fields, so a bound, a
 help text or a field's part in a result is written in one place.
 """

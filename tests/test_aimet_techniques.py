@@ -66,8 +66,8 @@ def test_every_aimet_technique_and_composition_runs_from_the_command_line(checkp
 def test_a_technique_state_exports_and_verifies(name, tmp_path):
     """The export rebuilds the sim from the FP model and the state (the transformed weights, the ranges) and checks
     in onnxruntime that its graphs compute what that sim computes; a rotation is plain weights once merged."""
-    from aimet_quadapter.experiments.methods import MethodContext, run_method
     from aimet_quadapter.export.exporter import export_quantized
+    from aimet_quadapter.methods.registry import MethodContext, run_method
     from aimet_quadapter.quadapter.state import QuadapterState
     from aimet_quadapter.text.perplexity import perplexity
 

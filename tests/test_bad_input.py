@@ -267,7 +267,7 @@ def _cli(argv: list[str]) -> subprocess.CompletedProcess:
 def test_importing_the_package_raises_no_future_warning():
     """aimet's `aimet_common` package warns on import; the package imports AIMET where it does not."""
     code = (
-        "import aimet_quadapter.cli, aimet_quadapter.experiments.methods, aimet_quadapter.export.exporter, "
+        "import aimet_quadapter.cli, aimet_quadapter.methods.registry, aimet_quadapter.export.exporter, "
         "aimet_quadapter.quant.baselines"
     )
     env = {**os.environ, "PYTHONWARNINGS": "error::FutureWarning"}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from aimet_quadapter.cli.app import build_parser
-from aimet_quadapter.experiments.recipes import load_recipe
+from aimet_quadapter.running.recipes import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.experiments.generated import GenerationParameters, generate_samples, sample_crops
+from aimet_quadapter.methods.generated import GenerationParameters, generate_samples, sample_crops
 from aimet_quadapter.testing import toy_model
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "aimet_quadapter"
 # top-level modules (errors, settings, ...) come first; testing.py builds tiny models for tests and benchmarks
-ROOMS = ["models", "quant", "text", "quadapter", "export", "experiments", "testing", "cli"]
+ROOMS = ["models", "quant", "text", "quadapter", "export", "methods", "running", "reporting", "testing", "cli"]
 
 
 def _room(module: str) -> int:

@@ -9,14 +9,14 @@ import time
 
 from test_bad_input import RECIPE, _cli
 
-from aimet_quadapter.experiments.lock import HOLDER, RunLock
+from aimet_quadapter.running.lock import HOLDER, RunLock
 
 # Waits for the file `go`, then takes the lock and holds it for a while, or reports whom it was refused for.
 RACER = """
 import os, sys, time
 from pathlib import Path
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.experiments.lock import RunLock
+from aimet_quadapter.running.lock import RunLock
 folder, go = Path(sys.argv[1]), Path(sys.argv[2])
 while not go.exists():
     time.sleep(0.001)

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from aimet_quadapter.experiments.catalog import CATALOG
-from aimet_quadapter.experiments.methods import REGISTRY, MethodContext, run_method
+from aimet_quadapter.methods.catalog import CATALOG
+from aimet_quadapter.methods.registry import REGISTRY, MethodContext, run_method
 from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.api import QuadapterParameters
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters
@@ -175,7 +175,7 @@ def test_methods_from_bc_continue_from_a_saved_state_exactly(toy):
     with torch.no_grad():
         expected = bc_sim.model(toy[1][0])
 
-    from aimet_quadapter.experiments.methods import quadapter_bc_start
+    from aimet_quadapter.methods.registry import quadapter_bc_start
 
     ctx = _ctx(toy, bc_state=bc_ctx.bc_state)
     sim, result = quadapter_bc_start(ctx)
@@ -186,7 +186,7 @@ def test_methods_from_bc_continue_from_a_saved_state_exactly(toy):
         assert torch.equal(q.folded, bc_ctx.bc_state.alphas[q.site.name])
 
     # quadapter_bc_qat and quadapter continue from it without running phase 1 again
-    import aimet_quadapter.experiments.methods as methods
+    import aimet_quadapter.methods.registry as methods
 
     def no_phase1(*a, **k):
         raise AssertionError("phase 1 ran again")

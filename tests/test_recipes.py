@@ -8,7 +8,7 @@ import pytest
 
 from aimet_quadapter.cli import main
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.experiments.recipes import DATA_ENV, load_recipe
+from aimet_quadapter.running.recipes import DATA_ENV, load_recipe
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 SHIPPED = sorted(p for p in RECIPES.glob("*.yaml") if not p.name.startswith("_"))

@@ -14,7 +14,7 @@ from conftest import make_corpus
 from test_bad_input import _error_line
 
 from aimet_quadapter.cli import main
-from aimet_quadapter.experiments.roles import RUN, shared_run
+from aimet_quadapter.methods.roles import RUN, shared_run
 
 DEMO = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
 

@@ -15,14 +15,14 @@ import pytest
 import torch
 from conftest import hf_tiny
 
-import aimet_quadapter.experiments.methods as methods
+import aimet_quadapter.methods.registry as methods
 from aimet_quadapter.cli import main
-from aimet_quadapter.experiments.figures import perplexity_bars
-from aimet_quadapter.experiments.recipes import load_recipe
-from aimet_quadapter.experiments.report import matched_comparisons, ordered_rows
-from aimet_quadapter.experiments.runner import RecipeRun
 from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.state import QuadapterState
+from aimet_quadapter.reporting.figures import perplexity_bars
+from aimet_quadapter.reporting.report import matched_comparisons, ordered_rows
+from aimet_quadapter.running.recipes import load_recipe
+from aimet_quadapter.running.runner import RecipeRun
 
 quiet_libraries()
 VOCAB = 512  # the tiny GPT-2 config's vocabulary
@@ -236,7 +236,7 @@ def test_changed_settings_recompute_only_the_cells_they_affect(base_run, world, 
 @pytest.fixture
 def toy_method():
     """A method added the way every method is: one catalog entry and one function under @method."""
-    from aimet_quadapter.experiments.catalog import CATALOG, MethodInfo
+    from aimet_quadapter.methods.catalog import CATALOG, MethodInfo
     from aimet_quadapter.quant.policy import build_sim, calibrate
 
     @methods.method("ptq_one_batch", MethodInfo("PTQ, one calibration batch", reads=("baselines",)))
@@ -273,7 +273,7 @@ def test_a_method_added_as_one_entry_runs_is_reported_and_fingerprinted_by_what_
 def test_a_function_without_a_catalog_entry_is_refused():
     from aimet_quadapter.errors import QuadapterError
 
-    with pytest.raises(QuadapterError, match="no entry in experiments/catalog.py"):
+    with pytest.raises(QuadapterError, match="no entry in methods/catalog.py"):
         methods.method("not_in_the_catalog")(lambda ctx: ctx.model)
 
 
@@ -396,7 +396,7 @@ def test_settings_a_method_does_not_read_leave_its_cells_alone(tmp_path):
 
 
 def test_the_report_shows_the_phase1_check_to_the_decimal_that_decides_it():
-    from aimet_quadapter.experiments.report import info_text
+    from aimet_quadapter.reporting.report import info_text
 
     text = info_text({"validation_start": 4.343764, "validation_end": 4.341449, "validation_kept": "end"})
     assert "4.3438" in text and "4.3414" in text and "kept the end" in text
@@ -407,7 +407,7 @@ def test_the_report_shows_the_phase1_check_to_the_decimal_that_decides_it():
 
 
 def test_generated_text_is_sampled_once_kept_and_part_of_the_fingerprint(world, tmp_path, monkeypatch):
-    import aimet_quadapter.experiments.generated as generated
+    import aimet_quadapter.methods.generated as generated
 
     sampled = []
     original = generated.generate_samples
@@ -594,8 +594,8 @@ def test_runs_of_two_checkouts_merge_their_texts_by_content(world, tmp_path, cap
 
 def test_cells_fingerprinted_by_a_texts_path_stay_done(base_run, world, tmp_path, monkeypatch):
     """Run folders from before content hashes name a local text by its path: their cells are not computed again."""
-    from aimet_quadapter.experiments.recipes import load_recipe
-    from aimet_quadapter.experiments.runner import RecipeRun
+    from aimet_quadapter.running.recipes import load_recipe
+    from aimet_quadapter.running.runner import RecipeRun
 
     run = _copy(base_run, tmp_path)
     planned = RecipeRun(load_recipe(world / "r.yaml"), run, progress=False)
@@ -611,7 +611,7 @@ def test_cells_fingerprinted_by_a_texts_path_stay_done(base_run, world, tmp_path
 
 
 def test_the_seeds_of_a_row_that_ran_under_other_thread_counts_are_marked(capsys):
-    from aimet_quadapter.experiments.report import results_table
+    from aimet_quadapter.reporting.report import results_table
 
     cells = {
         f"calib:a/ptq#seed{s}": {"method": "ptq", "label": "PTQ", "group": "calib:a", "seed": s, "ppl": {"a": 10.0 + s}}
@@ -623,7 +623,7 @@ def test_the_seeds_of_a_row_that_ran_under_other_thread_counts_are_marked(capsys
 
 
 def test_a_row_with_a_stopped_seed_is_the_mean_of_the_others_and_says_so():
-    from aimet_quadapter.experiments.results_file import merge_seeds
+    from aimet_quadapter.running.results_file import merge_seeds
 
     cells = {
         f"g/quadapter#seed{s}": {"method": "quadapter", "label": "Quadapter", "group": "g", "seed": s, "ppl": {"a": v}}
@@ -664,8 +664,8 @@ def test_a_finished_run_and_its_data_are_freed(world, tmp_path):
     import gc
     import weakref
 
-    from aimet_quadapter.experiments.recipes import load_recipe
-    from aimet_quadapter.experiments.runner import RecipeRun
+    from aimet_quadapter.running.recipes import load_recipe
+    from aimet_quadapter.running.runner import RecipeRun
 
     run = RecipeRun(load_recipe(world / "r.yaml"), tmp_path / "out", progress=False)
     windows = run.eval_windows()

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.experiments.recipes import parameter_sections
 from aimet_quadapter.quadapter.config import Phase1Parameters, Phase2Parameters
+from aimet_quadapter.running.recipes import parameter_sections
 from aimet_quadapter.settings import result_view
 
 

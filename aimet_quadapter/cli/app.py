@@ -28,7 +28,7 @@ from aimet_quadapter.settings import default_of
 from aimet_quadapter.text import EVAL_SEQ_LEN
 
 if TYPE_CHECKING:  # for the annotation only
-    from aimet_quadapter.experiments.recipes import Recipe
+    from aimet_quadapter.running.recipes import Recipe
 
 _PREFIX = "section:"
 
@@ -36,7 +36,7 @@ _PREFIX = "section:"
 def _sections() -> list[tuple[str, type, tuple[str, ...]]]:
     """The recipe's parameter sections, less the fields that are no option (the runner puts checkpoints in
     the run folder)."""
-    from aimet_quadapter.experiments.recipes import parameter_sections
+    from aimet_quadapter.running.recipes import parameter_sections
 
     not_options = {"phase1": ("checkpoint_dir",), "phase2": ("checkpoint_dir",)}
     return [(name, source, exclude + not_options.get(name, ())) for name, source, exclude in parameter_sections()]
@@ -124,7 +124,7 @@ def _calibration_values(args: argparse.Namespace, *extra: tuple[str, Any]) -> tu
 
 
 def _calibration_defaults() -> dict[str, Any]:
-    from aimet_quadapter.experiments.recipes import CalibrationSection
+    from aimet_quadapter.running.recipes import CalibrationSection
 
     return {name: f.default for name, f in CalibrationSection.model_fields.items()}
 
@@ -139,7 +139,7 @@ def _add_calibration_options(p: argparse.ArgumentParser) -> None:
 
 def _eval_recipe(args: argparse.Namespace) -> Recipe:
     """The recipe ``eval``'s options describe, validated like a file's (errors name the recipe field)."""
-    from aimet_quadapter.experiments.recipes import validate_recipe
+    from aimet_quadapter.running.recipes import validate_recipe
 
     methods = [m.strip() for m in (args.methods or "fp,ptq").split(",") if m.strip()]
     calib = args.calib_dataset or args.dataset[0]
@@ -192,8 +192,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.state:
         return _eval_state(args)
     recipe = _eval_recipe(args)  # validated before the heavy imports below
-    from aimet_quadapter.experiments.report import results_table
-    from aimet_quadapter.experiments.runner import run_recipe
+    from aimet_quadapter.reporting.report import results_table
+    from aimet_quadapter.running.runner import run_recipe
 
     with tempfile.TemporaryDirectory(prefix="aimet-quadapter-eval-") as tmp:
         folder, results = run_recipe(recipe, args.out or tmp, progress=not args.no_progress)
@@ -215,7 +215,7 @@ def _eval_state(args: argparse.Namespace) -> int:
     state = QuadapterState.load(path)
     args.methods = "fp"  # the recipe's eval section and model are all that is used
     recipe = _eval_recipe(args)
-    from aimet_quadapter.experiments.runner import score_state
+    from aimet_quadapter.running.runner import score_state
 
     ppl = score_state(recipe, state, progress=not args.no_progress)
     method = state.metadata.get("method") or "state"
@@ -227,7 +227,7 @@ def _eval_state(args: argparse.Namespace) -> int:
 
 def _write_results(args: argparse.Namespace, results: dict) -> None:
     """``results`` to ``--json`` and to ``--out``/results.json, where given."""
-    from aimet_quadapter.experiments.results_file import write_json_atomic
+    from aimet_quadapter.running.results_file import write_json_atomic
 
     paths = [Path(args.json)] if args.json else []
     if args.out:
@@ -240,10 +240,10 @@ def _write_results(args: argparse.Namespace, results: dict) -> None:
 def _eval_export(args: argparse.Namespace) -> int:
     from datetime import datetime, timezone
 
-    from aimet_quadapter.experiments.recipes import EvalSection
-    from aimet_quadapter.experiments.report import results_table
-    from aimet_quadapter.experiments.results_file import FORMAT
     from aimet_quadapter.export.onnx_eval import eval_exported
+    from aimet_quadapter.reporting.report import results_table
+    from aimet_quadapter.running.recipes import EvalSection
+    from aimet_quadapter.running.results_file import FORMAT
 
     defaults = EvalSection.model_fields
     score = eval_exported(
@@ -473,12 +473,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from aimet_quadapter.experiments.recipes import load_recipe
+    from aimet_quadapter.running.recipes import load_recipe
 
     overrides = [*args.overrides, *([f"device={args.device}"] if args.device else [])]
     recipe = load_recipe(args.recipe, overrides)  # validated before the heavy imports below
-    from aimet_quadapter.experiments.report import results_table
-    from aimet_quadapter.experiments.runner import run_recipe
+    from aimet_quadapter.reporting.report import results_table
+    from aimet_quadapter.running.runner import run_recipe
 
     folder, results = run_recipe(recipe, args.out, progress=not args.no_progress)
     print(results_table(results))
@@ -495,7 +495,7 @@ def _stopped_cells(results: dict) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from aimet_quadapter.experiments.report import write_report
+    from aimet_quadapter.reporting.report import write_report
 
     path, text = write_report(args.run_dir)
     print(text)
@@ -504,9 +504,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
-    from aimet_quadapter.experiments.merge import merge_runs
-    from aimet_quadapter.experiments.report import results_table
-    from aimet_quadapter.experiments.results_file import merge_seeds
+    from aimet_quadapter.reporting.report import results_table
+    from aimet_quadapter.running.merge import merge_runs
+    from aimet_quadapter.running.results_file import merge_seeds
 
     results, added = merge_runs(args.run_dir, args.others)
     print(results_table(results))

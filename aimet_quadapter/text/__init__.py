@@ -1,6 +1,6 @@
 """Text and how a model is scored on it: corpora, tokenization, windows and crops, perplexity.
 
-Below both :mod:`aimet_quadapter.experiments` and :mod:`aimet_quadapter.export`, which each score models on
+Below :mod:`aimet_quadapter.running` and :mod:`aimet_quadapter.export`, which each score models on
 text; it knows nothing of recipes, runs or exported files.
 """
 

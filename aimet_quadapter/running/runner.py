@@ -41,11 +41,11 @@ from tqdm.auto import tqdm
 from aimet_quadapter import distributed
 from aimet_quadapter.atomic import write_atomic, write_text_atomic
 from aimet_quadapter.errors import QuadapterError, TrainingDiverged
-from aimet_quadapter.experiments.catalog import BC, CATALOG
-from aimet_quadapter.experiments.lock import RunLock
-from aimet_quadapter.experiments.recipes import Recipe, result_section
-from aimet_quadapter.experiments.results_file import FORMAT, RESULTS, load_results, write_results
 from aimet_quadapter.logs import log, log_file
+from aimet_quadapter.methods.catalog import BC, CATALOG
+from aimet_quadapter.running.lock import RunLock
+from aimet_quadapter.running.recipes import Recipe, result_section
+from aimet_quadapter.running.results_file import FORMAT, RESULTS, load_results, write_results
 from aimet_quadapter.versions import library_versions
 
 if TYPE_CHECKING:  # imported when a run starts: the model code pulls in AIMET
@@ -221,7 +221,7 @@ class RecipeRun:
 
     def _eval_specs(self, section: str) -> list[EvalSpec]:
         """The texts the ``eval`` (test text) or ``dev`` (development text) section scores."""
-        from aimet_quadapter.experiments.generated import GENERATED
+        from aimet_quadapter.methods.generated import GENERATED
 
         e = getattr(self.recipe, section)
         if e is None:
@@ -305,7 +305,7 @@ class RecipeRun:
 
     def _sources(self, refs: list[DatasetRef], by_path: bool = False) -> list:
         """What a dataset group contributes to a fingerprint: its sources, and how generated text is sampled."""
-        from aimet_quadapter.experiments.generated import GENERATED
+        from aimet_quadapter.methods.generated import GENERATED
 
         return [self._sections(("generated",)) if r.source == GENERATED else _text(r, by_path) for r in refs]
 
@@ -440,7 +440,7 @@ class RecipeRun:
     def check_data(self, cells: list[Cell]) -> None:
         """Read, tokenize and cut every text ``cells`` need, before the model loads: a missing, binary or
         too-short text stops the run in seconds, not after minutes of loading and calibrating."""
-        from aimet_quadapter.experiments.generated import GENERATED
+        from aimet_quadapter.methods.generated import GENERATED
         from aimet_quadapter.models.loading import family_of, max_positions
 
         self._check_aimet_support(cells, family_of(self.model_name))
@@ -533,7 +533,7 @@ class RecipeRun:
                 )
 
     def _uses_generated(self) -> bool:
-        from aimet_quadapter.experiments.generated import GENERATED
+        from aimet_quadapter.methods.generated import GENERATED
 
         groups = [*self.fids.values(), *self.calibration_sets.values()]
         return any(r.source == GENERATED for refs in groups for r in refs)
@@ -559,7 +559,7 @@ class RecipeRun:
     ) -> torch.Tensor:
         """``num`` crops of the train split(s), shared out evenly over the datasets of an expanded F-ID; with
         ``distinct``, no more than a text holds without overlap (refused naming ``setting``)."""
-        from aimet_quadapter.experiments.generated import GENERATED, sample_crops
+        from aimet_quadapter.methods.generated import GENERATED, sample_crops
         from aimet_quadapter.text.data import random_crops
 
         parts = []
@@ -579,7 +579,7 @@ class RecipeRun:
     @_per_run
     def generated_samples(self) -> torch.Tensor:
         """The ``generated`` dataset: sampled from the FP model once, then read from the run folder."""
-        from aimet_quadapter.experiments.generated import generate_samples
+        from aimet_quadapter.methods.generated import generate_samples
 
         params = self.recipe.generation_parameters()
         key = _fingerprint({"model": self.model_name, **self._sections(("generated",))})
@@ -653,9 +653,9 @@ class RecipeRun:
         return out
 
     def check_roles(self) -> None:
-        """Refuse tuning or development text that reads an evaluation text (experiments/roles.py)."""
-        from aimet_quadapter.experiments.generated import GENERATED
-        from aimet_quadapter.experiments.roles import TextUse, check_roles
+        """Refuse tuning or development text that reads an evaluation text (methods/roles.py)."""
+        from aimet_quadapter.methods.generated import GENERATED
+        from aimet_quadapter.methods.roles import TextUse, check_roles
 
         def use(role: str, what: str, s: EvalSpec) -> TextUse:
             span = f"tokens {s.start}.." + ("" if s.stop is None else str(s.stop))
@@ -680,7 +680,7 @@ class RecipeRun:
 
     # --- execution ----------------------------------------------------------------------------------
     def _context(self, cell_dir: Path | None, cal: str | None, fid: str | None, size: int | None):
-        from aimet_quadapter.experiments.methods import MethodContext
+        from aimet_quadapter.methods.registry import MethodContext
 
         p2 = self.recipe.phase2
         ctx = MethodContext(
@@ -703,7 +703,7 @@ class RecipeRun:
 
     def _bc_state(self, cal: str, info: dict):
         """Quadapter BC's state for calibration set ``cal``: in memory, saved by an earlier cell, or computed now."""
-        from aimet_quadapter.experiments.methods import run_method
+        from aimet_quadapter.methods.registry import run_method
         from aimet_quadapter.quadapter.state import QuadapterState
 
         if cal in self._bc:
@@ -727,7 +727,7 @@ class RecipeRun:
         return ctx.bc_state
 
     def run_cell(self, cell: Cell) -> dict:
-        from aimet_quadapter.experiments.methods import run_method
+        from aimet_quadapter.methods.registry import run_method
 
         spec = self.catalog[cell.method]
         cell_dir = self.out_dir / cell.folder

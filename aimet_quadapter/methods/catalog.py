@@ -1,6 +1,6 @@
 """The methods a recipe can name, one entry each: its table label and everything the runner derives from it.
 
-A new method is one entry here and one function in :mod:`aimet_quadapter.experiments.methods` under
+A new method is one entry here and one function in :mod:`aimet_quadapter.methods.registry` under
 ``@method("name")``. The entries live apart from the functions (which import AIMET) so that a recipe's
 method names and needs are checked in the first seconds of a command.
 """

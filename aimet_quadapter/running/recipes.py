@@ -31,7 +31,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic import create_model as _create_model
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.experiments.catalog import CATALOG
+from aimet_quadapter.methods.catalog import CATALOG
 from aimet_quadapter.models import EXTRA_SITE_GROUPS
 from aimet_quadapter.models.devices import DEVICE_CHOICES, DEVICE_PATTERN
 from aimet_quadapter.settings import bounds, default_of, result_view
@@ -86,7 +86,7 @@ def _has_float(annotation: Any) -> bool:
 def parameter_sections() -> list[tuple[str, type, tuple[str, ...]]]:
     """(recipe section, the parameter dataclass it mirrors, fields that are not part of it): the recipe
     schema and the command-line options are both built from this list."""
-    from aimet_quadapter.experiments.generated import GenerationParameters
+    from aimet_quadapter.methods.generated import GenerationParameters
     from aimet_quadapter.quadapter.config import Phase1Parameters, Phase2Parameters, QuadapterParameters
     from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
 
@@ -215,7 +215,7 @@ class Recipe(_Section):
     phase2: Phase2Section = Field(default_factory=Phase2Section)
     quadapter: QuadapterSection = Field(default_factory=QuadapterSection)
     baselines: BaselinesSection = Field(default_factory=BaselinesSection)
-    # the dataset `generated`: text sampled from the FP model (experiments/generated.py)
+    # the dataset `generated`: text sampled from the FP model (methods/generated.py)
     generated: GeneratedSection = Field(default_factory=GeneratedSection)
     methods: list[MethodName] = Field(min_length=1)
     # Each entry is one F-ID: a dataset, or a list of datasets (the paper's Table 2 "expanded F-ID").
@@ -230,7 +230,7 @@ class Recipe(_Section):
     eval: EvalSection
     # Development text: every cell is also scored on it, so that settings are chosen there and never on the
     # evaluation texts. Tuning and development text must not read any part of an evaluation text
-    # (experiments/roles.py).
+    # (methods/roles.py).
     dev: DevSection | None = None
     # Text whose tokens every sequence follows, their keys and values computed once in full precision and
     # held as a KV cache (PrefixQuant): the first token draws the attention sinks' outsized activations,
@@ -256,7 +256,7 @@ class Recipe(_Section):
         )
 
     def generation_parameters(self):
-        from aimet_quadapter.experiments.generated import GenerationParameters
+        from aimet_quadapter.methods.generated import GenerationParameters
 
         return GenerationParameters(**self.generated.model_dump())
 
@@ -304,7 +304,7 @@ class Recipe(_Section):
 
     def resolve_dataset(self, name: str) -> str:
         """A corpus name as is; a local path as an absolute path found as the module docstring says."""
-        from aimet_quadapter.experiments.generated import GENERATED
+        from aimet_quadapter.methods.generated import GENERATED
         from aimet_quadapter.text.data import ALIASES, CORPORA
 
         if ALIASES.get(name.lower(), name.lower()) in CORPORA or name == GENERATED:

@@ -27,8 +27,8 @@ from aimet_torch.quantsim import QuantizationSimModel
 from aimet_quadapter import distributed
 from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.experiments.catalog import BC, CATALOG, MethodInfo
-from aimet_quadapter.experiments.plots import plot_channel_ranges, plot_phase1_curves
+from aimet_quadapter.methods.catalog import BC, CATALOG, MethodInfo
+from aimet_quadapter.methods.plots import plot_channel_ranges, plot_phase1_curves
 from aimet_quadapter.models import PreparedLM, weight_sharing_copy
 from aimet_quadapter.quadapter.adapter import QuadapterSet, fold_alphas
 from aimet_quadapter.quadapter.api import (
@@ -81,7 +81,7 @@ def method(name: str, info: MethodInfo | None = None) -> Callable[[Method], Meth
         if info is not None:
             CATALOG[name] = info
         if name not in CATALOG:
-            raise QuadapterError(f"method {name!r} has no entry in experiments/catalog.py (or pass its MethodInfo)")
+            raise QuadapterError(f"method {name!r} has no entry in methods/catalog.py (or pass its MethodInfo)")
         REGISTRY[name] = fn
         return fn
 

@@ -15,9 +15,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.experiments.lock import RunLock
-from aimet_quadapter.experiments.recipes import result_section
-from aimet_quadapter.experiments.results_file import load_results, write_results
+from aimet_quadapter.running.lock import RunLock
+from aimet_quadapter.running.recipes import result_section
+from aimet_quadapter.running.results_file import load_results, write_results
 
 # what two runs of one recipe may differ in: where a run writes, which seeds and methods, and the device (as in
 # the fingerprints: a GPU's result and a CPU's are the same measurement up to float rounding)

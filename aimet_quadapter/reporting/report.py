@@ -18,8 +18,8 @@ import math
 from pathlib import Path
 
 from aimet_quadapter.atomic import write_text_atomic
-from aimet_quadapter.experiments.catalog import CATALOG
-from aimet_quadapter.experiments.results_file import load_results, merge_seeds
+from aimet_quadapter.methods.catalog import CATALOG
+from aimet_quadapter.running.results_file import load_results, merge_seeds
 
 
 def _fmt(value) -> str:
@@ -297,7 +297,7 @@ def _images(run_dir: Path, pattern: str) -> list[str]:
 
 
 def build_report(run_dir: str | Path) -> str:
-    from aimet_quadapter.experiments.figures import plot_data_size, plot_fp_comparison, plot_perplexities
+    from aimet_quadapter.reporting.figures import plot_data_size, plot_fp_comparison, plot_perplexities
 
     run_dir = Path(run_dir)
     results = load_results(run_dir)

@@ -1,1 +1,0 @@
-"""Running the paper's experiments: data, perplexity, methods, recipes, the runner, reports and figures."""
