@@ -1,94 +1,159 @@
-"""Settings declared once: a parameter dataclass's fields carry their default, bounds, choices and help, and
-whether they change a result.
+"""Settings declared once: each parameter class is a pydantic model whose fields carry their default, bounds,
+choices and help, and whether they change a result.
 
-The dataclass checks itself with :func:`check_fields`; the recipe schema (``running/recipes.py``), the
-command line and the run fingerprints (:func:`result_view`) are derived from the same fields, so a bound, a
-help text or a field's part in a result is written in one place.
+A recipe's sections are these classes (``running/recipes.py``), the command line's options are generated from
+their fields (``cli/app.py``) and the run fingerprints read them (:func:`result_view`): a bound, a help text or a
+field's part in a result is written in one place. Built in Python with a bad value, a class raises
+:class:`QuadapterError` naming ``section.field``, as a recipe names it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Mapping
-from typing import Any
+import typing
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, ClassVar, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 
 from aimet_quadapter.errors import QuadapterError
 
 _BOUNDS = {"ge": ">=", "gt": ">", "le": "<="}
+_MISSING = object()
+S = TypeVar("S", bound="Settings")
+_in_schema: ContextVar[bool] = ContextVar("in_schema", default=False)
+
+
+@contextmanager
+def validating_a_schema() -> Iterator[None]:
+    """While inside, a bad value of these classes raises pydantic's ``ValidationError``, whose location a larger
+    schema (a recipe) names, instead of :class:`QuadapterError`."""
+    token = _in_schema.set(True)
+    try:
+        yield
+    finally:
+        _in_schema.reset(token)
 
 
 def setting(
-    default: Any = dataclasses.MISSING,
+    default: Any = _MISSING,
     *,
     help: str = "",  # noqa: A002 - argparse's name for it
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
-    choices: tuple[Any, ...] | None = None,
     result: bool = True,
-    before: Any = dataclasses.MISSING,
+    before: Any = _MISSING,
     finite: bool = True,
+    default_factory: Any = None,
 ) -> Any:
-    """A dataclass field with its bounds (``None`` always allowed), allowed values and help text.
+    """A field with its bounds (``None`` always allowed) and help text; choices are the field's ``Literal`` type.
 
     ``result=False``: the field changes how a result is computed (memory, checkpoints), not the result, so
     it stays out of run fingerprints. ``before``: for a field added after run folders existed, the value
     that computes what those runs computed; at that value the field stays out of fingerprints too, so the
     old folders' cells are not computed again. ``finite=False`` admits an infinite or NaN float.
     """
-    metadata = {
-        "help": help,
-        "choices": choices,
-        "result": result,
-        "before": before,
-        "finite": finite,
-        **{k: v for k, v in (("ge", ge), ("gt", gt), ("le", le))},
-    }
-    return dataclasses.field(default=default, metadata=metadata)
+    extra = {"result": result, "finite": finite, **({"before": before} if before is not _MISSING else {})}
+    kwargs: dict[str, Any] = {"description": help or None, "ge": ge, "gt": gt, "le": le, "json_schema_extra": extra}
+    if default_factory is not None:
+        return Field(default_factory=default_factory, **kwargs)
+    return Field(default, **kwargs) if default is not _MISSING else Field(**kwargs)
 
 
-def default_of(f: dataclasses.Field) -> Any:
-    """The default value of field ``f`` (a fresh one when it has a factory)."""
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+class Settings(BaseModel):
+    """A section of settings (``section`` names it in recipes, options and errors)."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=False)
+    section: ClassVar[str] = "settings"
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as error:
+            if _in_schema.get():  # a section of a larger schema (a recipe): pydantic reports the field's path
+                raise
+            raise QuadapterError(_first_error(self.section, error)) from None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _finite(cls, value: Any, info: ValidationInfo) -> Any:
+        # before the bounds, which a NaN fails with a misleading message
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, float) and not math.isfinite(value) and field and extra_of(field).get("finite", True):
+            raise PydanticCustomError("finite_number", "Input should be a finite number")
+        return value
+
+    def replace(self: S, **changes: Any) -> S:
+        """A copy with ``changes``, checked as a new instance is."""
+        return type(self)(**{**{name: getattr(self, name) for name in type(self).model_fields}, **changes})
 
 
-def bounds(f: dataclasses.Field) -> dict[str, float]:
-    """The bounds of field ``f`` that are set, as pydantic ``Field`` keyword arguments."""
-    return {k: f.metadata[k] for k in _BOUNDS if f.metadata.get(k) is not None}
+def _first_error(section: str, error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in (section, *first["loc"]))
+    value = first.get("input")
+    kind = first["type"]
+    if kind == "finite_number":
+        return f"{where} must be a finite number, got {value!r}"
+    context = first.get("ctx") or {}
+    for key, sign in (("ge", ">="), ("gt", ">"), ("le", "<=")):
+        if key in context:
+            return f"{where} must be {sign} {context[key]}, got {value!r}"
+    if kind == "literal_error":
+        return f"{where} must be one of {context.get('expected', '').replace(' or ', ', ')}, got {value!r}"
+    if kind.endswith(("_type", "_parsing", "_from_float")):
+        what = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string"}
+        return f"{where} must be {what.get(kind.split('_')[0], 'a ' + kind.split('_')[0])}, got {value!r}"
+    message = first["msg"].removeprefix("Value error, ")
+    if not first["loc"]:  # a check of the whole section: its message starts with the field it names
+        return f"{section}.{message}"
+    return f"{where}{message}" if message.startswith("[") else f"{where}: {message}"
 
 
-def check_fields(obj: Any, section: str) -> None:
-    """Raise :class:`QuadapterError` naming ``section.field`` for the first value outside its bounds or choices."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if value is None:
-            continue
-        choices = f.metadata.get("choices")
-        if choices is not None and value not in choices:
-            allowed = ", ".join(repr(c) for c in choices)
-            raise QuadapterError(f"{section}.{f.name} must be one of {allowed}, got {value!r}")
-        if isinstance(value, float) and not math.isfinite(value) and f.metadata.get("finite", True):
-            raise QuadapterError(f"{section}.{f.name} must be a finite number, got {value!r}")
-        limits = bounds(f)
-        if limits and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise QuadapterError(f"{section}.{f.name} must be a number, got {value!r}")
-        for key, limit in limits.items():
-            ok = {"ge": value >= limit, "gt": value > limit, "le": value <= limit}[key]
-            if not ok:
-                raise QuadapterError(f"{section}.{f.name} must be {_BOUNDS[key]} {limit}, got {value!r}")
+def extra_of(field: FieldInfo) -> Mapping[str, Any]:
+    extra = field.json_schema_extra
+    return extra if isinstance(extra, Mapping) else {}
 
 
-def result_view(source: type, values: Mapping[str, Any]) -> dict[str, Any]:
-    """``values`` (a section of dataclass ``source``'s fields) less what leaves a result unchanged: the fields
-    declared ``result=False``, and those added later that hold their ``before`` value."""
-    meta: dict[str, Mapping[str, Any]] = {f.name: f.metadata for f in dataclasses.fields(source)}
+def default_of(field: FieldInfo) -> Any:
+    """The default value of ``field`` (a fresh one when it has a factory)."""
+    return field.get_default(call_default_factory=True)
+
+
+def bounds(field: FieldInfo) -> dict[str, float]:
+    """The bounds of ``field`` that are set, by pydantic's names (``ge``, ``gt``, ``le``)."""
+    out = {}
+    for item in field.metadata:
+        for key in _BOUNDS:
+            value = getattr(item, key, None)
+            if value is not None:
+                out[key] = value
+    return out
+
+
+def choices(field: FieldInfo) -> tuple[Any, ...] | None:
+    """The values a ``Literal`` field allows (None for any other)."""
+    annotation = field.annotation
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    return None
+
+
+def result_view(source: type[BaseModel], values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` (a section of ``source``'s fields) less what leaves a result unchanged: the fields declared
+    ``result=False``, and those added later that hold their ``before`` value."""
+    extras = {name: extra_of(f) for name, f in source.model_fields.items()}
     out = {}
     for name, value in values.items():
-        m = meta.get(name, {})
-        if not m.get("result", True):
+        extra = extras.get(name, {})
+        if not extra.get("result", True):
             continue
-        if m.get("before", dataclasses.MISSING) is not dataclasses.MISSING and value == m["before"]:
+        if "before" in extra and value == extra["before"]:
             continue
         out[name] = value
     return out

@@ -144,10 +144,8 @@ def test_eval_bad_setting_names_its_field(tiny_gpt2_dir, corpus_dir, capsys, opt
     assert f"field {field}" in line and value in line
 
 
-def test_eval_options_are_the_dataclass_fields(capsys, monkeypatch):
-    """Every field of the parameter dataclasses has its option, with the dataclass default in its help."""
-    import dataclasses
-
+def test_eval_options_are_the_parameter_fields(capsys, monkeypatch):
+    """Every field of the parameter classes has its option, with the class's default in its help."""
     from aimet_quadapter.quadapter import Phase1Parameters
 
     monkeypatch.setenv("COLUMNS", "1000")  # no help text wrapped
@@ -155,10 +153,10 @@ def test_eval_options_are_the_dataclass_fields(capsys, monkeypatch):
         main(["eval", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--phase1-checkpoint-dir" not in text  # the runner puts checkpoints in the run folder
-    for f in dataclasses.fields(Phase1Parameters):
-        if f.name == "checkpoint_dir":
+    for name, f in Phase1Parameters.model_fields.items():
+        if name == "checkpoint_dir":
             continue
-        flag = f"--phase1-{f.name.replace('_', '-')}"
+        flag = f"--phase1-{name.replace('_', '-')}"
         found = re.search(rf" {flag}(?:, --no-{flag[2:]}| VALUE) (.*?)(?= --|$)", text)
         assert found, flag
         assert f"(default: {f.default})" in found.group(1), (flag, found.group(1))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 
 import pytest
@@ -734,9 +733,7 @@ def test_phase2_resumes_only_its_own_checkpoint(setup, tmp_path, caplog):
         sim = build_sim(model)
         calibrate(sim, calib)
         params = Phase2Parameters(steps=2, checkpoint_every=1, checkpoint_dir=str(tmp_path), micro_batch_size=4)
-        return run_phase2(
-            sim.model, attach_quadapters(sim), train, dataclasses.replace(params, **changes), progress=False
-        )
+        return run_phase2(sim.model, attach_quadapters(sim), train, params.replace(**changes), progress=False)
 
     run()
     assert run().resumed_from == 2  # the same run: resumed at its end

@@ -1,8 +1,8 @@
-"""Setting metadata: bounds and finiteness checked where a dataclass is built, and what enters a fingerprint."""
+"""Settings declared once: bounds and finiteness checked where a parameter class is built (in Python or as a
+recipe section), what enters a fingerprint, and the recipe sections that are the classes themselves."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -10,7 +10,7 @@ import pytest
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.quadapter.config import Phase1Parameters, Phase2Parameters
 from aimet_quadapter.running.recipes import parameter_sections
-from aimet_quadapter.settings import result_view
+from aimet_quadapter.settings import extra_of, result_view
 
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
@@ -22,7 +22,7 @@ def test_a_float_setting_is_finite_unless_it_says_otherwise(value):
 
 
 def test_the_fingerprint_view_leaves_out_what_does_not_change_a_result():
-    defaults = dataclasses.asdict(Phase2Parameters())
+    defaults = Phase2Parameters().model_dump()
     view = result_view(Phase2Parameters, defaults)
     # memory and checkpoint settings never; settings added later only at the value that computes what runs
     # before them computed
@@ -34,8 +34,23 @@ def test_the_fingerprint_view_leaves_out_what_does_not_change_a_result():
 
 
 def test_every_setting_declares_its_part_in_a_result():
-    for section, source, nested in parameter_sections():
-        for f in dataclasses.fields(source):
-            if f.name in nested:  # a section of its own
-                continue
-            assert "result" in f.metadata, f"{section}.{f.name} is not declared with settings.setting()"
+    for section, source in parameter_sections():
+        for name, f in source.model_fields.items():
+            assert "result" in extra_of(f), f"{section}.{name} is not declared with settings.setting()"
+
+
+def test_a_recipe_section_is_the_parameter_class_itself():
+    """One schema: the recipe's sections are the classes the package computes with, so a recipe and a Python
+    caller are checked by the same fields, and a recipe hands its objects over as they are."""
+    from aimet_quadapter.running.recipes import Recipe, validate_recipe
+
+    recipe = validate_recipe({"model": "gpt2", "methods": ["ptq"], "fid": ["ptb"], "eval": {"datasets": ["ptb"]},
+                              "phase1": {"steps": 7}, "policy": {"weight_bits": 4}}, "r")  # fmt: skip
+    for section, source in parameter_sections():
+        field = Recipe.model_fields[section].annotation
+        assert isinstance(field, type) and issubclass(field, source), section
+    assert recipe.quadapter_parameters().phase1 is recipe.phase1 and recipe.quant_policy() is recipe.policy
+    with pytest.raises(QuadapterError, match=r"field phase1\.steps"):
+        validate_recipe(
+            {"model": "gpt2", "methods": ["ptq"], "eval": {"datasets": ["ptb"]}, "phase1": {"steps": -1}}, "r"
+        )

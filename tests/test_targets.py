@@ -124,7 +124,13 @@ def test_every_registered_method_runs_under_htp(tmp_path):
     held_out = corpus[4:]
     params = QuadapterParameters(phase1=Phase1Parameters(steps=2), phase2=Phase2Parameters(steps=2, batch_size=2))
     baselines = BaselineParameters(adaround_iterations=4, seq_mse_candidates=3)
+    from aimet_quadapter.methods.catalog import CATALOG
+    from aimet_quadapter.quant.llm_techniques import refusal
+
     for name in REGISTRY:
+        technique = CATALOG[name].aimet
+        if technique and refusal(technique, model.arch.name, HTP):  # AIMET refuses GPT-2 (test_aimet_techniques)
+            continue
         ctx = MethodContext(
             model, HTP, [corpus[:1], corpus[1:2]], [corpus[2:4]], params, progress=False, baselines=baselines
         )

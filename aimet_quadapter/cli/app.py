@@ -9,17 +9,16 @@ runner as ``run``, so both validate, run and write ``results.json`` the same way
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shutil
 import sys
 import tempfile
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
+from pydantic import BaseModel
 
 from aimet_quadapter import logs
 from aimet_quadapter.cli.export import add_export_command
@@ -33,13 +32,13 @@ if TYPE_CHECKING:  # for the annotation only
 _PREFIX = "section:"
 
 
-def _sections() -> list[tuple[str, type, tuple[str, ...]]]:
+def _sections() -> list[tuple[str, type[BaseModel], tuple[str, ...]]]:
     """The recipe's parameter sections, less the fields that are no option (the runner puts checkpoints in
     the run folder)."""
     from aimet_quadapter.running.recipes import parameter_sections
 
     not_options = {"phase1": ("checkpoint_dir",), "phase2": ("checkpoint_dir",)}
-    return [(name, source, exclude + not_options.get(name, ())) for name, source, exclude in parameter_sections()]
+    return [(name, source, not_options.get(name, ())) for name, source in parameter_sections()]
 
 
 def _yaml_value(text: str) -> Any:
@@ -49,19 +48,20 @@ def _yaml_value(text: str) -> Any:
         raise argparse.ArgumentTypeError(f"not a valid YAML value: {text!r}") from None
 
 
-def _add_section_options(p: argparse.ArgumentParser, section: str, source: type, exclude: tuple[str, ...]) -> None:
-    """``--SECTION-FIELD`` for every field of the section's dataclass; given ones override the recipe's value."""
-    hints = typing.get_type_hints(source)
-    # the dataclass's own summary says where its defaults come from (the paper's, AIMET's, ...)
+def _add_section_options(
+    p: argparse.ArgumentParser, section: str, source: type[BaseModel], exclude: tuple[str, ...]
+) -> None:
+    """``--SECTION-FIELD`` for every field of the section's class; given ones override the recipe's value."""
+    # the class's own summary says where its defaults come from (the paper's, AIMET's, ...)
     summary = (source.__doc__ or "").strip().splitlines()[0].replace("``", "`").replace("%", "%%")
     g = p.add_argument_group(f"{section} (recipe section `{section}`)", summary or None)
-    for f in dataclasses.fields(source):
-        if f.name in exclude:
+    for name, f in source.model_fields.items():
+        if name in exclude:
             continue
-        flag = f"--{section}-{f.name.replace('_', '-')}"
-        dest = f"{_PREFIX}{section}.{f.name}"
-        text = f"{f.metadata.get('help', '')} (default: {default_of(f)})".replace("%", "%%")  # argparse %-formats help
-        if hints[f.name] is bool:
+        flag = f"--{section}-{name.replace('_', '-')}"
+        dest = f"{_PREFIX}{section}.{name}"
+        text = f"{f.description or ''} (default: {default_of(f)})".replace("%", "%%")  # argparse %-formats help
+        if f.annotation is bool:
             g.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
             g.add_argument(flag, dest=dest, type=_yaml_value, default=None, metavar="VALUE", help=text)

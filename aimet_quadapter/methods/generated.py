@@ -10,12 +10,12 @@ token is never drawn, so a sample is one stretch of running text, as a crop of a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from pydantic import ConfigDict
 
-from aimet_quadapter.settings import check_fields, setting
+from aimet_quadapter.settings import Settings, setting
 
 if TYPE_CHECKING:
     from aimet_quadapter.models import PreparedLM
@@ -23,18 +23,17 @@ if TYPE_CHECKING:
 GENERATED = "generated"
 
 
-@dataclass(frozen=True)
-class GenerationParameters:
+class GenerationParameters(Settings):
     """How the ``generated`` dataset is sampled from the FP model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    section = "generated"
 
     samples: int = setting(16, ge=1, help="sequences sampled; crops cycle through them when more are asked for")
     length: int = setting(512, ge=2, help="tokens per sequence: the longest crop the recipe can take")
     temperature: float = setting(1.0, gt=0, help="softmax temperature of the sampling (1: the model's own)")
     seed: int = setting(0, help="seed of the sampling")
     batch_size: int = setting(16, ge=1, help="sequences sampled at once (another size draws other text)")
-
-    def __post_init__(self) -> None:
-        check_fields(self, "generated")
 
 
 def _start_token(model: PreparedLM) -> int:

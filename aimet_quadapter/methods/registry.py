@@ -171,7 +171,7 @@ def _quadapter_bc(ctx: MethodContext) -> QuantizationSimModel:
     params = ctx.params
     checkpoints = ctx.out_dir / "checkpoints" / "phase1" if ctx.out_dir is not None else None
     if checkpoints is not None and params.phase1.checkpoint_dir is None:  # a killed phase 1 resumes by site
-        params = dataclasses.replace(params, phase1=dataclasses.replace(params.phase1, checkpoint_dir=str(checkpoints)))
+        params = params.replace(phase1=params.phase1.replace(checkpoint_dir=str(checkpoints)))
     result = apply_phase1(sim, ctx.model, ctx.calibration, params, ctx.progress, ctx.validation)
     ctx._bc = (sim, result)
     ctx.bc_state = result.state
@@ -232,7 +232,7 @@ def _phase2(ctx: MethodContext, name: str, checkpoint_sub: str | None = None, **
     if ctx.out_dir is not None and ctx.checkpoints and params.checkpoint_dir is None:
         folder = ctx.out_dir / "checkpoints"
         changes["checkpoint_dir"] = str(folder / checkpoint_sub if checkpoint_sub else folder)
-    return dataclasses.replace(params, **changes)
+    return params.replace(**changes)
 
 
 def _quadapter_phase2(ctx: MethodContext, name: str, learn_ranges: bool | None) -> QuantizationSimModel:

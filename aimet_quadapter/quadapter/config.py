@@ -1,21 +1,23 @@
-"""Quadapter's settings: plain dataclasses, apart from the code that uses them.
-
-The recipe schema and the command-line options are built from these fields, so a bad value is refused
-before torch, transformers or AIMET are imported.
+"""Quadapter's settings, apart from the code that uses them: the recipe sections ``phase1``, ``phase2`` and
+``quadapter`` are these classes, and the command-line options are built from their fields, so a bad value is
+refused before torch, transformers or AIMET are imported.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from typing import Literal
 
-from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.settings import check_fields, setting
+from pydantic import Field, field_validator
+
+from aimet_quadapter.models import EXTRA_SITE_GROUPS
+from aimet_quadapter.settings import Settings, setting
 
 
-@dataclass
-class Phase1Parameters:
+class Phase1Parameters(Settings):
     """Phase-1 settings; defaults are the paper's (Appendix, "Block-wise Calibration")."""
+
+    section = "phase1"
 
     steps: int = setting(500, ge=0, help="Adam steps per site (the paper: 500)")
     lr: float = setting(0.1, gt=0, help="learning rate of log alpha (the paper's, for its 500 steps; see reach_steps)")
@@ -29,7 +31,7 @@ class Phase1Parameters:
     lr_decay: float = setting(0.2, gt=0, help="the learning rate is multiplied by this at each stage")
     lr_stages: int = setting(5, ge=1, help="lr_stages - 1 equal intervals of decay (the paper: every 100 of 500)")
     range_gradient: bool = setting(True, help="min/max seen by autograd; False: AIMET's no-gradient ranges")
-    input_source: str = setting("fp", choices=("fp", "quantized"), help="where a site's input comes from")
+    input_source: Literal["fp", "quantized"] = setting("fp", help="where a site's input comes from")
     loss_tokens: int | None = setting(
         None, ge=1, help="token-wise sites: the loss on this many calibration tokens (None: all)"
     )
@@ -49,12 +51,13 @@ class Phase1Parameters:
         None, result=False, help="folder of the checkpoint written after every site (resumable)"
     )
 
-    def __post_init__(self):
-        self.check_points = tuple(self.check_points)
-        check_fields(self, "phase1")
-        for i, t in enumerate(self.check_points):
+    @field_validator("check_points", mode="before")
+    @classmethod
+    def _fractions(cls, values):
+        for i, t in enumerate(values or ()):
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1:
-                raise QuadapterError(f"phase1.check_points[{i}] must be a number between 0 and 1 (excluded), got {t!r}")
+                raise ValueError(f"[{i}] must be a number between 0 and 1 (excluded), got {t!r}")
+        return values
 
     @property
     def first_lr(self) -> float:
@@ -67,9 +70,10 @@ class Phase1Parameters:
         return max(1, math.ceil(self.steps / self.lr_stages))
 
 
-@dataclass
-class Phase2Parameters:
+class Phase2Parameters(Settings):
     """Phase-2 settings; defaults are the paper's (Appendix, "End-to-end Fine-tuning")."""
+
+    section = "phase2"
 
     steps: int = setting(10_000, ge=0, help="training steps (0: Quadapter BC alone)")
     batch_size: int = setting(4, ge=1, help="sequences per step")
@@ -102,9 +106,8 @@ class Phase2Parameters:
     )
     # Distillation needs no labels, so it does not pull the model toward the fine-tuning text's own
     # next-token statistics: only toward the FP model's behaviour on it.
-    loss: str = setting(
+    loss: Literal["lm", "kd"] = setting(
         "lm",
-        choices=("lm", "kd"),
         before="lm",
         help="lm: next-token cross entropy on the fine-tuning text (the paper); kd: KL divergence to the FP "
         "model's next-token distribution on it (FP fine-tuning always uses lm)",
@@ -125,21 +128,21 @@ class Phase2Parameters:
     checkpoint_every: int = setting(200, ge=1, result=False, help="steps between checkpoints (with checkpoint_dir)")
     checkpoint_dir: str | None = setting(None, result=False, help="folder of the resumable checkpoint")
 
-    def __post_init__(self):
-        check_fields(self, "phase2")
 
+class AdapterParameters(Settings):
+    """The adapter's own settings: where its sites are and where phase 1 starts (the recipe section ``quadapter``)."""
 
-@dataclass
-class QuadapterParameters:
-    """All of Quadapter's settings. Defaults are the paper's; ``phase2.steps = 0`` gives Quadapter BC."""
+    section = "quadapter"
 
-    phase1: Phase1Parameters = field(default_factory=Phase1Parameters)
-    phase2: Phase2Parameters = field(default_factory=Phase2Parameters)
-    init: str = setting("ones", choices=("ones", "cle"), help="phase 1's start: alpha = 1 (the paper) or CLE's")
-    extra_sites: bool | list[str] | None = setting(
+    init: Literal["ones", "cle"] = setting("ones", help="phase 1's start: alpha = 1 (the paper) or CLE's")
+    extra_sites: bool | list[Literal[EXTRA_SITE_GROUPS]] | None = setting(  # type: ignore[valid-type]
         None,
         help="beyond-paper site groups (linear: v->o, up->down; qk: Q.K^T), true for all; None: the family's default",
     )
 
-    def __post_init__(self):
-        check_fields(self, "quadapter")
+
+class QuadapterParameters(AdapterParameters):
+    """All of Quadapter's settings. Defaults are the paper's; ``phase2.steps = 0`` gives Quadapter BC."""
+
+    phase1: Phase1Parameters = Field(default_factory=Phase1Parameters)
+    phase2: Phase2Parameters = Field(default_factory=Phase2Parameters)

@@ -33,7 +33,6 @@ before it would be.
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import hashlib
 import json
@@ -332,7 +331,7 @@ class _Checkpoint:
 
     def __init__(self, folder: str, params: Phase1Parameters, qset: QuadapterSet, fp_call: Captured):
         self.path = Path(folder) / "phase1.pt"
-        settings = {k: v for k, v in dataclasses.asdict(params).items() if k != "checkpoint_dir"}
+        settings = params.model_dump(exclude={"checkpoint_dir"})
         digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
         for q in qset:
             digest.update(q.site.name.encode())

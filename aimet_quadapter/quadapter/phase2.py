@@ -9,14 +9,13 @@ loses at most one interval.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -206,8 +205,7 @@ def for_device(params: Phase2Parameters, device: torch.device) -> Phase2Paramete
     """``params`` with the memory and speed settings left at None decided for ``device``: a GPU has the memory to
     keep a whole batch's activations and pays for every extra pass in kernel launches; a CPU keeps the memory."""
     gpu = device.type == "cuda"
-    return replace(
-        params,
+    return params.replace(
         micro_batch_size=params.micro_batch_size if params.micro_batch_size is not None else (None if gpu else 1),
         recompute_blocks=params.recompute_blocks if params.recompute_blocks is not None else not gpu,
         fused_fake_quant=params.fused_fake_quant if params.fused_fake_quant is not None else gpu,
@@ -245,7 +243,7 @@ def _checkpoint_key(
 ) -> str:
     """What a phase-2 run computes from: the settings that change a result, the start of everything it trains
     (alphas and their folded part, ranges, weights) and its data. A checkpoint of another key is not resumed."""
-    settings = result_view(Phase2Parameters, dataclasses.asdict(params))
+    settings = result_view(Phase2Parameters, params.model_dump())
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
     start = [(f"qset.{k}", v) for k, v in (qset.state_dict() if qset is not None else {}).items()]
     start += [(k, p) for k, p in model.named_parameters() if p.requires_grad]

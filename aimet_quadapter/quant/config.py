@@ -1,15 +1,15 @@
-"""The quantization policy and the baseline techniques' settings: plain dataclasses, apart from AIMET.
-
-The recipe schema and the command-line options are built from these fields, so a bad value is refused
-before AIMET is imported.
+"""The quantization policy and the baseline techniques' settings, apart from AIMET: the recipe sections
+``policy`` and ``baselines`` are these classes, and the command-line options are built from their fields, so a
+bad value is refused before AIMET is imported.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from typing import Annotated, Literal
 
-from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.settings import check_fields, setting
+from pydantic import ConfigDict, Strict, field_validator, model_validator
+
+from aimet_quadapter.settings import Settings, setting
 
 # quant_scheme's names -> the member of AIMET's QuantScheme each stands for (resolved in quant.policy)
 QUANT_SCHEMES: dict[str, str] = {
@@ -30,26 +30,26 @@ TARGETS: dict[str, str] = {
 _PAPER_ONLY = ("per_channel_weights", "symmetric_weights", "quantize_norm_weights", "quantize_logits")
 
 
-@dataclass(frozen=True)
-class QuantPolicy:
+class QuantPolicy(Settings):
     """Which tensors are quantized, to how many bits, and how their ranges are set. Defaults: the paper's W8A8."""
 
-    target: str = setting(
+    model_config = ConfigDict(extra="forbid", frozen=True)  # hashable, a default argument
+    section = "policy"
+
+    target: Literal[tuple(TARGETS)] = setting(  # type: ignore[valid-type]
         "paper",
-        choices=tuple(TARGETS),
         help="where quantizers sit: paper (the inputs of every Linear and attention matmul) or htp "
         "(AIMET's own HTP config: every op output, as the device quantizes)",
     )
-    weight_bits: int = setting(8, ge=2, le=16, help="weight bit-width")
-    activation_bits: int = setting(8, ge=2, le=16, help="activation bit-width")
+    weight_bits: Annotated[int, Strict()] = setting(8, ge=2, le=16, help="weight bit-width")  # 8.0 is no width
+    activation_bits: Annotated[int, Strict()] = setting(8, ge=2, le=16, help="activation bit-width")
     per_channel_weights: bool = setting(False, help="per-output-channel weight ranges")
     symmetric_weights: bool = setting(False, help="symmetric weight ranges")
     # the paper's W1 of the LayerNorm -> Linear block
     quantize_norm_weights: bool = setting(True, help="quantize the norms' gamma")
     quantize_logits: bool = setting(False, help="quantize the lm_head output too (a choice the paper leaves open)")
-    quant_scheme: str = setting(
+    quant_scheme: Literal[tuple(QUANT_SCHEMES)] = setting(  # type: ignore[valid-type]
         "min_max",
-        choices=tuple(QUANT_SCHEMES),
         help="how compute_encodings sets ranges: min_max (alias tf), tf_enhanced (SQNR) or percentile",
     )
     percentile: float = setting(99.99, ge=50, le=100, help="the kept share of values under 'percentile', in %")
@@ -62,39 +62,40 @@ class QuantPolicy:
         "the bits of any of its readers",
     )
 
-    def __post_init__(self):
-        # JSON and YAML give lists; a frozen policy keeps a tuple (hashable, as its other fields)
-        overrides = self.bit_overrides
-        object.__setattr__(self, "bit_overrides", (overrides,) if isinstance(overrides, str) else tuple(overrides))
-        check_fields(self, "policy")
-        for name in ("weight_bits", "activation_bits"):
-            if not isinstance(getattr(self, name), int):
-                raise QuadapterError(f"policy.{name} must be an integer, got {getattr(self, name)!r}")
+    @field_validator("bit_overrides", mode="before")
+    @classmethod
+    def _entries(cls, value):
+        return (value,) if isinstance(value, str) else value  # one entry given as a string
+
+    @model_validator(mode="after")
+    def _consistent(self) -> QuantPolicy:
         self.overrides()
         if self.target != "paper":
             # these four place quantizers the paper's way; under another target its config decides
-            changed = [f.name for f in fields(self) if f.name in _PAPER_ONLY and getattr(self, f.name) != f.default]
+            fields = type(self).model_fields
+            changed = [n for n in _PAPER_ONLY if getattr(self, n) != fields[n].default]
             if changed:
-                raise QuadapterError(
-                    f"policy.{changed[0]} applies to target 'paper' only: under target {self.target!r} AIMET's "
+                raise ValueError(
+                    f"{changed[0]} applies to target 'paper' only: under target {self.target!r} AIMET's "
                     f"config places the quantizers (use bit_overrides for bit-widths)"
                 )
+        return self
 
     def overrides(self) -> list[tuple[str, int]]:
         """``bit_overrides`` as (pattern, bits) pairs, in order; a malformed entry is refused by its index."""
         pairs = []
         for i, entry in enumerate(self.bit_overrides):
             pattern, sep, bits = str(entry).rpartition("=")
-            where = f"policy.bit_overrides[{i}]"
+            where = f"bit_overrides[{i}]"
             if not sep or not pattern.strip():
-                raise QuadapterError(f"{where}: {entry!r} is not PATTERN=BITS (e.g. '*.mlp.down_proj.input*=16')")
+                raise ValueError(f"{where}: {entry!r} is not PATTERN=BITS (e.g. '*.mlp.down_proj.input*=16')")
             if not bits.strip().isdigit() or not 2 <= int(bits) <= 16:
-                raise QuadapterError(f"{where}: bits must be an integer from 2 to 16, got {bits.strip()!r}")
+                raise ValueError(f"{where}: bits must be an integer from 2 to 16, got {bits.strip()!r}")
             pairs.append((pattern.strip(), int(bits)))
         return pairs
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return self.model_dump()
 
     def label(self) -> str:
         if self.target != "paper":
@@ -106,9 +107,10 @@ class QuantPolicy:
         return label + "".join(f", {bits} bits at {pattern}" for pattern, bits in self.overrides())
 
 
-@dataclass
-class BaselineParameters:
+class BaselineParameters(Settings):
     """Settings of the non-Quadapter rows. AIMET's own AdaRound default is 10,000 iterations per layer."""
+
+    section = "baselines"
 
     adaround_iterations: int = setting(10_000, ge=1, help="AdaRound optimisation steps per layer")
     adaround_reg_param: float = setting(0.01, ge=0, help="AdaRound's rounding regulariser weight")
@@ -126,6 +128,3 @@ class BaselineParameters:
     adascale_iterations: int = setting(1500, ge=1, before=1500, help="AdaScale optimisation steps per block")
     omniquant_iterations: int = setting(800, ge=1, before=800, help="OmniQuant optimisation steps per block")
     fptquant_iterations: int = setting(200, ge=1, before=200, help="FPTQuant's local transform optimisation steps")
-
-    def __post_init__(self):
-        check_fields(self, "baselines")

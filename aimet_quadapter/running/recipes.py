@@ -17,24 +17,23 @@ directory. A model folder written ``./...`` or ``../...`` in a file is relative 
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import os
 import re
-import types
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError
-from pydantic import create_model as _create_model
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.methods.catalog import CATALOG
-from aimet_quadapter.models import EXTRA_SITE_GROUPS
+from aimet_quadapter.methods.generated import GenerationParameters
 from aimet_quadapter.models.devices import DEVICE_CHOICES, DEVICE_PATTERN
-from aimet_quadapter.settings import bounds, default_of, result_view
+from aimet_quadapter.quadapter.config import AdapterParameters, Phase1Parameters, Phase2Parameters, QuadapterParameters
+from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
+from aimet_quadapter.settings import Settings, result_view, validating_a_schema
 from aimet_quadapter.text import EVAL_SEQ_LEN
 
 DATA_ENV = "AIMET_QUADAPTER_DATA"
@@ -44,93 +43,24 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def _mirror(source: type, name: str, exclude: tuple[str, ...] = (), **narrow: Any) -> type[BaseModel]:
-    """A pydantic model with the fields of dataclass ``source``: defaults, bounds, choices and help are read from
-    the fields (:func:`aimet_quadapter.settings.setting`), so the schema cannot drift from the dataclass.
-
-    ``narrow[field]`` replaces a field's type where the schema can be stricter than the dataclass.
-    """
-    hints = typing.get_type_hints(source)
-    fields: dict[str, Any] = {}
-    for f in dataclasses.fields(source):
-        if f.name in exclude:
-            continue
-        annotation = narrow.get(f.name, hints[f.name])
-        choices = f.metadata.get("choices")
-        if choices is not None:
-            annotation = Literal[choices]  # type: ignore[valid-type]
-        default = default_of(f)
-        description = f.metadata.get("help") or None
-        limits = bounds(f)
-        finite = False if f.metadata.get("finite", True) and _has_float(annotation) else None
-        field = Field(
-            default,
-            description=description,
-            ge=limits.get("ge"),
-            gt=limits.get("gt"),
-            le=limits.get("le"),
-            allow_inf_nan=finite,
-        )
-        fields[f.name] = (annotation, field)
-    return _create_model(name, __base__=_Section, **fields)
-
-
-def _has_float(annotation: Any) -> bool:
-    """A float field, or an optional one: the values pydantic's finiteness check applies to (not a tuple's)."""
-    if annotation is float:
-        return True
-    is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-    return is_union and float in typing.get_args(annotation)
-
-
-def parameter_sections() -> list[tuple[str, type, tuple[str, ...]]]:
-    """(recipe section, the parameter dataclass it mirrors, fields that are not part of it): the recipe
-    schema and the command-line options are both built from this list."""
-    from aimet_quadapter.methods.generated import GenerationParameters
-    from aimet_quadapter.quadapter.config import Phase1Parameters, Phase2Parameters, QuadapterParameters
-    from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
-
+def parameter_sections() -> list[tuple[str, type[Settings]]]:
+    """(recipe section, the parameter class it is): the recipe schema, the command-line options and the
+    fingerprints all read these classes."""
     return [
-        ("policy", QuantPolicy, ()),
-        ("quadapter", QuadapterParameters, ("phase1", "phase2")),  # those two are sections of their own
-        ("phase1", Phase1Parameters, ()),
-        ("phase2", Phase2Parameters, ()),
-        ("baselines", BaselineParameters, ()),
-        ("generated", GenerationParameters, ()),
+        ("policy", QuantPolicy),
+        ("quadapter", AdapterParameters),  # phase1 and phase2 are sections of their own
+        ("phase1", Phase1Parameters),
+        ("phase2", Phase2Parameters),
+        ("baselines", BaselineParameters),
+        ("generated", GenerationParameters),
     ]
 
 
 def result_section(section: str, values: dict) -> dict:
     """A recipe section's values less the fields that change no result (:func:`result_view`); what runs'
-    fingerprints and ``merge`` compare. A section that mirrors no parameter dataclass comes back as it is."""
-    sources = {name: source for name, source, _ in parameter_sections()}
+    fingerprints and ``merge`` compare. A section that is no parameter class comes back as it is."""
+    sources = dict(parameter_sections())
     return result_view(sources[section], values) if section in sources else values
-
-
-def _sections() -> dict[str, type[BaseModel]]:
-    # the schema can be stricter than the dataclass: extra_sites takes only known site groups
-    narrow = {"quadapter": {"extra_sites": bool | list[Literal[EXTRA_SITE_GROUPS]] | None}}  # type: ignore[valid-type]
-    return {
-        section: _mirror(source, f"{section.capitalize()}Section", exclude, **narrow.get(section, {}))
-        for section, source, exclude in parameter_sections()
-    }
-
-
-if TYPE_CHECKING:  # built at run time from the dataclasses: a type checker cannot follow create_model
-    PolicySection: TypeAlias = Any
-    Phase1Section: TypeAlias = Any
-    Phase2Section: TypeAlias = Any
-    BaselinesSection: TypeAlias = Any
-    GeneratedSection: TypeAlias = Any
-    _QuadapterBase: TypeAlias = Any
-else:
-    _SECTIONS = _sections()
-    PolicySection = _SECTIONS["policy"]
-    Phase1Section = _SECTIONS["phase1"]
-    Phase2Section = _SECTIONS["phase2"]
-    BaselinesSection = _SECTIONS["baselines"]
-    GeneratedSection = _SECTIONS["generated"]
-    _QuadapterBase = _SECTIONS["quadapter"]
 
 
 def _as_list(value: Any) -> Any:
@@ -154,7 +84,7 @@ DatasetGroup = Annotated[list[str], BeforeValidator(_as_list), Field(min_length=
 MethodName = Annotated[str, AfterValidator(_known_method)]
 
 
-class QuadapterSection(_QuadapterBase):
+class QuadapterSection(AdapterParameters):
     # crops of the calibration length drawn from the calibration set's train split with another seed: phase 1
     # keeps its result only if the LM loss there (static ranges) is no worse than its start's; 0: no check.
     # Too few crops make the check a coin toss on a real model (docs/method.md, phase 1).
@@ -209,14 +139,14 @@ class Recipe(_Section):
     # result is the same within float rounding
     device: DeviceName = "auto"
     data_dirs: list[str] = Field(default_factory=list)
-    policy: PolicySection = Field(default_factory=PolicySection)
+    policy: QuantPolicy = Field(default_factory=QuantPolicy)
     calibration: CalibrationSection = Field(default_factory=CalibrationSection)
-    phase1: Phase1Section = Field(default_factory=Phase1Section)
-    phase2: Phase2Section = Field(default_factory=Phase2Section)
+    phase1: Phase1Parameters = Field(default_factory=Phase1Parameters)
+    phase2: Phase2Parameters = Field(default_factory=Phase2Parameters)
     quadapter: QuadapterSection = Field(default_factory=QuadapterSection)
-    baselines: BaselinesSection = Field(default_factory=BaselinesSection)
+    baselines: BaselineParameters = Field(default_factory=BaselineParameters)
     # the dataset `generated`: text sampled from the FP model (methods/generated.py)
-    generated: GeneratedSection = Field(default_factory=GeneratedSection)
+    generated: GenerationParameters = Field(default_factory=GenerationParameters)
     methods: list[MethodName] = Field(min_length=1)
     # Each entry is one F-ID: a dataset, or a list of datasets (the paper's Table 2 "expanded F-ID").
     # Its train split gives the fine-tuning data (and the calibration data unless calibration.dataset is set).
@@ -239,31 +169,20 @@ class Recipe(_Section):
 
     _path: Path | None = PrivateAttr(default=None)
 
-    # --- conversions to the package's parameter objects -----------------------------------------------
-    def quant_policy(self):
-        from aimet_quadapter.quant.config import QuantPolicy
+    # --- the package's parameter objects ----------------------------------------------------------------
+    def quant_policy(self) -> QuantPolicy:
+        return self.policy
 
-        return QuantPolicy(**self.policy.model_dump())
-
-    def quadapter_parameters(self):
-        from aimet_quadapter.quadapter.config import Phase1Parameters, Phase2Parameters, QuadapterParameters
-
+    def quadapter_parameters(self) -> QuadapterParameters:
         return QuadapterParameters(
-            phase1=Phase1Parameters(**self.phase1.model_dump()),
-            phase2=Phase2Parameters(**self.phase2.model_dump()),
-            init=self.quadapter.init,
-            extra_sites=self.quadapter.extra_sites,
+            phase1=self.phase1, phase2=self.phase2, init=self.quadapter.init, extra_sites=self.quadapter.extra_sites
         )
 
-    def generation_parameters(self):
-        from aimet_quadapter.methods.generated import GenerationParameters
+    def generation_parameters(self) -> GenerationParameters:
+        return self.generated
 
-        return GenerationParameters(**self.generated.model_dump())
-
-    def baseline_parameters(self):
-        from aimet_quadapter.quant.config import BaselineParameters
-
-        return BaselineParameters(**self.baselines.model_dump())
+    def baseline_parameters(self) -> BaselineParameters:
+        return self.baselines
 
     def for_seed(self, seed: int) -> Recipe:
         """This recipe with ``seed`` in every seed it has, and no ``seeds`` list: one seed's run."""
@@ -436,15 +355,10 @@ def _merge(base: dict, top: dict) -> dict:
 
 def validate_recipe(raw: dict, where: str = "recipe", overridden: list[str] | None = None) -> Recipe:
     try:
-        recipe = Recipe.model_validate(raw)
+        with validating_a_schema():
+            recipe = Recipe.model_validate(raw)
     except ValidationError as exc:
         raise QuadapterError(f"{where}: {_describe(exc, overridden or [])}") from None
-    try:  # the package's own checks (dataclass __post_init__), for anything the bounds above let through
-        recipe.quant_policy()
-        recipe.quadapter_parameters()
-        recipe.baseline_parameters()
-    except QuadapterError as exc:
-        raise QuadapterError(f"{where}: {exc}") from None
     calibrated = [m for m in recipe.methods if CATALOG[m].calibrates]
     if calibrated and recipe.calibration.dataset is None and not recipe.fid:
         raise QuadapterError(
