@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.formats import ENCODING_VERSION, ENCODING_VERSIONS, SEQ_LEN
@@ -102,12 +103,29 @@ def add_export_command(subparsers) -> None:
 
 
 def _cmd_export(args) -> int:
-    from aimet_quadapter.atomic import check_new_folder
-    from aimet_quadapter.models.devices import resolve_device
     from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
 
-    # everything a user can get wrong is checked before the model loads
     start = time.time()
+    state_path = resolve_state(args.state)
+    state = QuadapterState.load(state_path)
+    kv = _checked_before_loading(args, state)
+    result = _export(args, state, state_path, kv)
+    _print_summary(args, result, len(state.metadata.get("prefix") or []))
+    print(f"export time {result.manifest['export_time_s']:.1f} s (total {time.time() - start:.1f} s)")
+    return 0
+
+
+def _prefix_words(prefix: int) -> str:
+    return f"--seq-len {{}} + the state's {prefix} prefix tokens =" if prefix else "--seq-len"
+
+
+def _checked_before_loading(args, state) -> Any:
+    """Everything a user can get wrong, checked before the model loads; the KV graphs' format, if asked for."""
+    from aimet_quadapter.atomic import check_new_folder
+    from aimet_quadapter.models.devices import resolve_device
+    from aimet_quadapter.models.loading import check_length, max_positions
+    from aimet_quadapter.text import data
+
     kv = None
     if args.kv_graphs:
         from aimet_quadapter.export.kv import KVGraphs
@@ -115,9 +133,7 @@ def _cmd_export(args) -> int:
         if args.kv_prefill >= args.kv_context:
             raise QuadapterError(f"--kv-prefill {args.kv_prefill} must be below --kv-context {args.kv_context}")
         kv = KVGraphs(args.kv_context, (args.kv_prefill, 1), "int32" if args.kv_int32_ids else "int64")
-    device = resolve_device(args.device)
-    state_path = resolve_state(args.state)
-    state = QuadapterState.load(state_path)
+    resolve_device(args.device)
     # a state trained with a prefix is exported with it: every sequence, the verification's too, follows it
     prefix = len(state.metadata.get("prefix") or [])
     after = f" after the state's {prefix} prefix tokens" if prefix else ""
@@ -126,23 +142,24 @@ def _cmd_export(args) -> int:
             f"--seq-len {args.seq_len}: the verification windows{after} must fit --kv-context {kv.context}"
         )
     check_new_folder(Path(args.out).expanduser().absolute(), args.force)
-    from aimet_quadapter.text import data
-
     data.load_text(args.verify_dataset, args.verify_split)  # read again below, once the tokenizer is there
-    from aimet_quadapter.models.loading import check_length, max_positions
-
-    length = f"--seq-len {args.seq_len} + the state's {prefix} prefix tokens =" if prefix else "--seq-len"
-    check_length(max_positions(args.model), prefix + args.seq_len, length)
+    check_length(max_positions(args.model), prefix + args.seq_len, _prefix_words(prefix).format(args.seq_len))
     if kv is not None:
         check_length(max_positions(args.model), kv.context, "--kv-context")
+    return kv
 
+
+def _export(args, state, state_path: Path, kv) -> Any:
+    """The model loaded, the state's sim built on it, verification windows cut, and the export written."""
     from aimet_quadapter.export.exporter import check_free_disk, export_quantized, sha256_file
     from aimet_quadapter.export.formats import ExtraFormat
     from aimet_quadapter.models import load_model
+    from aimet_quadapter.models.devices import resolve_device
     from aimet_quadapter.text.perplexity import eval_windows_for
 
-    model, tokenizer = load_model(args.model, quiet=True, device=device)
-    model.check_length(prefix + args.seq_len, length)
+    prefix = len(state.metadata.get("prefix") or [])
+    model, tokenizer = load_model(args.model, quiet=True, device=resolve_device(args.device))
+    model.check_length(prefix + args.seq_len, _prefix_words(prefix).format(args.seq_len))
     check_free_disk(args.out, model)  # the weights' size is known now, before the sim is built
     # in place: the FP weights are not needed again, no copy of them
     sim = state.build_sim(model, in_place=True, merge_shared_ranges=args.merge_shared_ranges)
@@ -159,14 +176,13 @@ def _cmd_export(args) -> int:
 
         formats.append(HFCheckpoint(tokenizer))
     local = Path(args.model).expanduser()
-    model_name = str(local.resolve()) if local.exists() else args.model
-    result = export_quantized(
+    return export_quantized(
         sim,
         args.out,
         args.seq_len,
         args.encodings_version,
         verify_windows=windows,
-        model_name=model_name,
+        model_name=str(local.resolve()) if local.exists() else args.model,
         method=state.metadata.get("method"),
         dynamic_length=args.dynamic_length,
         opset=args.opset,
@@ -179,6 +195,9 @@ def _cmd_export(args) -> int:
         progress=not args.no_progress,
         formats=formats,
     )
+
+
+def _print_summary(args, result, prefix: int) -> None:
     m, v = result.manifest, result.verification
     print(f"exported {m['method'] or 'state'} of {args.model} to {result.out_dir}:")
     for name, info in m["files"].items():
@@ -188,6 +207,19 @@ def _cmd_export(args) -> int:
         print(f"  the prefix's {prefix} tokens: keys and values inside the graphs, which read the text after{where}")
     if m["shared_ranges_merged"]:
         print(f"  merged the ranges of {len(m['shared_ranges_merged'])} shared tensor(s) (see manifest.json)")
+    _print_verification(v)
+    if "kv" in m:
+        _print_kv(m["kv"])
+    if "hf" in m:
+        print("Hugging Face checkpoint (hf/), loaded again with from_pretrained into a fresh sim, ranges from")
+        for a in m["hf"]["verification"]:
+            print(
+                f"  {a['ranges_from']:<22} perplexity {a['reloaded_ppl']:.4f} vs sim {a['sim_ppl']:.4f} (rel. diff "
+                f"{a['ppl_rel_diff']:.1e}), max |logit diff| {a['max_abs_logit_diff']:.3g}"
+            )
+
+
+def _print_verification(v) -> None:
     print(
         f"verified on {v.windows} window(s), {v.tokens} scored tokens: sim perplexity {v.sim_ppl:.4f}; "
         f"{v.quantizers} quantizers, {v.encoding_entries} encodings entries"
@@ -213,23 +245,16 @@ def _cmd_export(args) -> int:
             f"positions. No other runtime will reproduce the sim token by token; compare devices by perplexity "
             f"(see docs/export.md)"
         )
-    if "kv" in m:
-        a = m["kv"]["verification"]
-        print(
-            f"KV graphs ({', '.join(m['kv']['graphs'])} over {m['kv']['context']} tokens): prefill then decode "
-            f"against the sim: perplexity {a['graphs_ppl']:.4f} vs {a['sim_ppl']:.4f} (rel. diff "
-            f"{a['ppl_rel_diff']:.1e}), max |logit diff| {a['max_abs_logit_diff']:.3g} (against the full-sequence "
-            f"graph {a['vs_full_graph_max_abs_logit_diff']:.3g}), same top-1 {a['top1_agreement']:.4f}; greedy "
-            f"generation: {a['greedy_agreement']:.1%} of {a['greedy_tokens']} tokens as the sim's, the first "
-            f"{a['greedy_common_prefix']:.1f} of each prompt's alike on average (the sim against itself with "
-            f"one-ulp inputs: {a['greedy_floor_agreement']:.1%}, the first {a['greedy_floor_common_prefix']:.1f})"
-        )
-    if "hf" in m:
-        print("Hugging Face checkpoint (hf/), loaded again with from_pretrained into a fresh sim, ranges from")
-        for a in m["hf"]["verification"]:
-            print(
-                f"  {a['ranges_from']:<22} perplexity {a['reloaded_ppl']:.4f} vs sim {a['sim_ppl']:.4f} (rel. diff "
-                f"{a['ppl_rel_diff']:.1e}), max |logit diff| {a['max_abs_logit_diff']:.3g}"
-            )
-    print(f"export time {m['export_time_s']:.1f} s (total {time.time() - start:.1f} s)")
-    return 0
+
+
+def _print_kv(kv: dict) -> None:
+    a = kv["verification"]
+    print(
+        f"KV graphs ({', '.join(kv['graphs'])} over {kv['context']} tokens): prefill then decode "
+        f"against the sim: perplexity {a['graphs_ppl']:.4f} vs {a['sim_ppl']:.4f} (rel. diff "
+        f"{a['ppl_rel_diff']:.1e}), max |logit diff| {a['max_abs_logit_diff']:.3g} (against the full-sequence "
+        f"graph {a['vs_full_graph_max_abs_logit_diff']:.3g}), same top-1 {a['top1_agreement']:.4f}; greedy "
+        f"generation: {a['greedy_agreement']:.1%} of {a['greedy_tokens']} tokens as the sim's, the first "
+        f"{a['greedy_common_prefix']:.1f} of each prompt's alike on average (the sim against itself with "
+        f"one-ulp inputs: {a['greedy_floor_agreement']:.1%}, the first {a['greedy_floor_common_prefix']:.1f})"
+    )

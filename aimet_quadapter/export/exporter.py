@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ from aimet_quadapter.export.onnx_eval import (
     qdq_graph_encodings,
     read_encodings,
 )
+from aimet_quadapter.export.verification import Agreement, Tolerance, Verification
 from aimet_quadapter.memory import release_freed_memory
 from aimet_quadapter.models import device_of, parameter_bytes
 from aimet_quadapter.quant.policy import sim_policy
@@ -75,86 +76,12 @@ from aimet_quadapter.text.data import Window
 from aimet_quadapter.text.perplexity import window_nll
 from aimet_quadapter.versions import library_versions
 
-
-@dataclass(frozen=True)
-class Tolerance:
-    """How far onnxruntime's output may be from the sim's, over the verification windows.
-
-    A quantized model cannot be reproduced bit for bit by another runtime: onnxruntime sums in float32
-    in another order than torch (about 1e-6 relative), and wherever that moves a value across a rounding
-    boundary one activation moves by a whole quantization step; over many layers these flips add up.
-    How much they add up to depends on the model, so it is measured, not guessed: the QDQ graph is run by
-    onnxruntime as written (no graph optimizations) and as a user runs it (all optimizations), and the sim
-    is run again (``SIM_NOISE_DRAWS`` times) with every tensor its activation quantizers read moved by one
-    float32 ulp, up or down at random, as another runtime's summation order moves it. Each pair is two
-    correct executions of one model that differ only in float32 rounding; the largest difference is this
-    model's float32 noise floor. The onnxruntime pair alone can underestimate it: its two runs share most
-    of their kernels, and which values sit on a rounding boundary is a matter of chance. Each ONNX form
-    must then agree with the sim within
-
-    - perplexity: ``ppl_rtol + floor_factor * floor``, relative;
-    - every scored logit: ``logit_rtol * max |sim logit| + floor_factor * floor``, absolute.
-
-    Where the floor is tiny the fixed terms decide (perplexity within ``ppl_rtol``, logits within
-    ``logit_rtol`` of the largest one). A wrong, missing or requantized encoding is far outside both (a
-    tensor quantized twice moves logits by more than their range); and the encodings themselves are
-    checked exactly, by value, before any of this. A real W8A8 model can have a floor of whole percents
-    in perplexity (docs/export.md gives SmolLM2-135M's): the bounds widen with it, and the CLI says so.
-    """
-
-    ppl_rtol: float = 1e-3
-    logit_rtol: float = 1e-2
-    floor_factor: float = 3.0  # two independent roundings of one graph differ by about the floor each
-
-    def ppl_bound(self, floor: Agreement) -> float:
-        return self.ppl_rtol + self.floor_factor * floor.ppl_rel_diff
-
-    def logit_bound(self, floor: Agreement, max_abs_logit: float) -> float:
-        return self.logit_rtol * max_abs_logit + self.floor_factor * floor.max_abs_logit_diff
-
-
-@dataclass(frozen=True)
-class Agreement:
-    """One ONNX form of the model against the sim (or, for the floor, against the other onnxruntime run)."""
-
-    graph: str
-    ppl: float
-    ppl_rel_diff: float
-    max_abs_logit_diff: float
-    top1_agreement: float  # fraction of scored positions whose most likely next token is the same
-
-
 # The forms compared with the sim: (name, file or "fp+encodings", onnxruntime graph optimizations)
 FORMS = (
     ("qdq/unoptimized", QDQ_ONNX, False),  # node by node, as written
     ("qdq", QDQ_ONNX, True),  # as `eval` and a user run it
     ("fp+encodings", "fp+encodings", False),  # model.onnx with model.encodings applied, as written
 )
-
-
-@dataclass(frozen=True)
-class Verification:
-    windows: int
-    window_lengths: list[int]
-    tokens: int
-    sim_ppl: float
-    max_abs_sim_logit: float
-    agreements: list[Agreement]  # each form of FORMS against the sim
-    floor: Agreement  # "qdq" against "qdq/unoptimized": float32 reordering alone
-    sim_floor: Agreement  # the sim against itself with one-ulp quantizer inputs (the largest draw): rounding alone
-    # model.onnx + model.encodings against AIMET's QDQ graph, both run as written: equal where the encodings file
-    # says exactly what AIMET's QDQ graph does (so far always to the bit), whatever the floor
-    encodings_vs_qdq: Agreement
-    ppl_bound: float  # the relative perplexity difference allowed (Tolerance.ppl_bound)
-    logit_bound: float  # the absolute logit difference allowed (Tolerance.logit_bound)
-    quantizers: int  # quantizers in the sim, each matched by an entry of the encodings file and of the QDQ graph
-    encoding_entries: int  # entries in the encodings file, every one naming a tensor of model.onnx
-    entries_applied: int  # entries applied to model.onnx for the fp+encodings check (int32 biases are not)
-    tolerance: Tolerance
-    seconds: float
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
@@ -346,12 +273,61 @@ def verify_export(
        optimizations) and of ``model.onnx`` with ``model.encodings`` applied (see
        :func:`~aimet_quadapter.export.onnx_eval.apply_encodings`) agree with the sim's within ``tolerance``.
     """
-    import onnx
     from tqdm.auto import tqdm
 
     start = time.time()
     folder = Path(folder)
     windows = _as_windows(windows)
+    entries, n_quantizers = _check_encodings_exactly(sim, folder)
+    # The sim first, then one onnxruntime session at a time: a 1024-token window of a 50k-vocabulary model
+    # has 200 MB of logits, and each session holds a copy of the weights and its own activation arena.
+    scored = [slice(w.first_target - 1, len(w.ids) - 1) for w in windows]  # logits that predict a scored token
+    runs = len(windows) * (1 + SIM_NOISE_DRAWS + len(FORMS))
+    bar = tqdm(total=runs, desc="verify export", unit="run", disable=not progress)
+    sim_run = _run_sim(sim, windows, scored, bar.update)
+    forms, floor, encodings_vs_qdq, applied = _run_forms(sim, folder, entries, windows, scored, sim_run, bar.update)
+    bar.close()
+
+    def ppl(nll: torch.Tensor) -> float:
+        return math.exp(nll.item() / sim_run.tokens)
+
+    sim_ppl = ppl(sim_run.nll)
+    agreements = [c.agreement(name, ppl(c.nll), sim_ppl) for name, c in forms.items()]
+    unoptimized = ppl(forms["qdq/unoptimized"].nll)
+    floor_row = floor.agreement("qdq vs qdq/unoptimized", ppl(floor.nll), unoptimized)
+    encodings_row = encodings_vs_qdq.agreement(
+        "fp+encodings vs qdq/unoptimized", ppl(encodings_vs_qdq.nll), unoptimized
+    )
+    draws = [c.agreement("sim vs sim, one-ulp inputs", ppl(c.nll), sim_ppl) for c in sim_run.noise]
+    sim_floor_row = max(draws, key=lambda a: (a.ppl_rel_diff, a.max_abs_logit_diff))
+    noise = _larger(floor_row, sim_floor_row)
+    report = Verification(
+        windows=len(windows),
+        window_lengths=sorted({len(w.ids) for w in windows}),
+        tokens=sim_run.tokens,
+        sim_ppl=sim_ppl,
+        max_abs_sim_logit=sim_run.max_abs_logit,
+        agreements=agreements,
+        floor=floor_row,
+        sim_floor=sim_floor_row,
+        encodings_vs_qdq=encodings_row,
+        ppl_bound=tolerance.ppl_bound(noise),
+        logit_bound=tolerance.logit_bound(noise, sim_run.max_abs_logit),
+        quantizers=n_quantizers,
+        encoding_entries=len(entries),
+        entries_applied=applied,
+        tolerance=tolerance,
+        seconds=time.time() - start,
+    )
+    _refuse_disagreement(report)
+    return report
+
+
+def _check_encodings_exactly(sim: QuantizationSimModel, folder: Path) -> tuple[list[Encoding], int]:
+    """Every encodings entry names a tensor of the FP graph; every quantizer of the sim has its encoding in the
+    encodings file and in the QDQ graph. The entries, and how many quantizers the sim has."""
+    import onnx
+
     fp_model = onnx.load(str(folder / FP_ONNX), load_external_data=False)
     entries = read_encodings(json.loads((folder / ENCODINGS).read_text()))
     check_encoding_names(fp_model, entries)
@@ -362,30 +338,52 @@ def verify_export(
     check_quantizer_coverage(sim, qdq_graph_encodings(qdq_model, folder), where=f"the QDQ graph {QDQ_ONNX}")
     del qdq_model
     release_freed_memory()
+    return entries, n_quantizers
 
-    # The sim first, then one onnxruntime session at a time: a 1024-token window of a 50k-vocabulary model
-    # has 200 MB of logits, and each session holds a copy of the weights and its own activation arena.
-    scored = [slice(w.first_target - 1, len(w.ids) - 1) for w in windows]  # logits that predict a scored token
-    runs = len(windows) * (1 + SIM_NOISE_DRAWS + len(FORMS))
-    bar = tqdm(total=runs, desc="verify export", unit="run", disable=not progress)
-    references, sim_nll, max_sim, tokens = [], torch.zeros((), dtype=torch.float64), 0.0, 0
+
+@dataclass
+class _SimRun:
+    references: list[torch.Tensor]  # the sim's scored logits, window by window
+    nll: torch.Tensor
+    max_abs_logit: float
+    tokens: int
+    noise: list[_Comparison]  # the sim against itself with one-ulp quantizer inputs, one draw each
+
+
+def _run_sim(sim: QuantizationSimModel, windows: list[Window], scored: list[slice], tick) -> _SimRun:
+    references, nll, max_sim, tokens = [], torch.zeros((), dtype=torch.float64), 0.0, 0
     with torch.no_grad(), fast_inference(sim.model):
         device = device_of(sim.model)
         for window, keep in zip(windows, scored):
             logits = sim.model(window.ids.reshape(1, -1).to(device)).float().cpu()
-            sim_nll += window_nll(logits, window)
+            nll += window_nll(logits, window)
             references.append(logits[0, keep].clone())
             max_sim = max(max_sim, float(references[-1].abs().max()))
             tokens += window.n_targets
-            bar.update()
-        sim_noise = [_Comparison() for _ in range(SIM_NOISE_DRAWS)]
-        for seed, comparison in enumerate(sim_noise):
+            tick()
+        noise = [_Comparison() for _ in range(SIM_NOISE_DRAWS)]
+        for seed, comparison in enumerate(noise):
             with one_ulp_inputs(sim.model, seed):
                 for window, keep, reference in zip(windows, scored, references):
                     logits = sim.model(window.ids.reshape(1, -1).to(device)).float().cpu()
                     comparison.add(logits, reference, window, keep)
-                    bar.update()
-    del logits
+                    tick()
+    return _SimRun(references, nll, max_sim, tokens, noise)
+
+
+def _run_forms(
+    sim: QuantizationSimModel,
+    folder: Path,
+    entries: list[Encoding],
+    windows: list[Window],
+    scored: list[slice],
+    sim_run: _SimRun,
+    tick,
+) -> tuple[dict[str, _Comparison], _Comparison, _Comparison, int]:
+    """Each ONNX form of :data:`FORMS` in onnxruntime against the sim; the two runs of the QDQ graph against each
+    other (the floor), and the FP graph with the encodings against the QDQ graph. Also the entries applied."""
+    import onnx
+
     vs_sim = {name: _Comparison() for name, _, _ in FORMS}
     floor, encodings_vs_qdq, unoptimized_logits, applied = _Comparison(), _Comparison(), [], 0
     # each session holds the weights once more: the sim's, not read again, wait on disk meanwhile
@@ -406,65 +404,38 @@ def verify_export(
                 lm = OnnxLM(folder / source, optimize=optimize, low_memory=True)
             for i, (window, keep) in enumerate(zip(windows, scored)):
                 logits = lm(window.ids.reshape(1, -1))
-                vs_sim[name].add(logits, references[i], window, keep)
+                vs_sim[name].add(logits, sim_run.references[i], window, keep)
                 if name == "qdq/unoptimized":  # kept for the floor, and to compare the encodings file with AIMET's QDQ
                     unoptimized_logits.append(logits[0, keep].clone())
                 elif name == "qdq":
                     floor.add(logits, unoptimized_logits[i], window, keep)
                 else:
                     encodings_vs_qdq.add(logits, unoptimized_logits[i], window, keep)
-                bar.update()
+                tick()
             del lm, logits
             release_freed_memory()
-    bar.close()
-    del references, unoptimized_logits
+    return vs_sim, floor, encodings_vs_qdq, applied
 
-    def ppl(nll: torch.Tensor) -> float:
-        return math.exp(nll.item() / tokens)
 
-    sim_ppl = ppl(sim_nll)
-    agreements = [c.agreement(name, ppl(c.nll), sim_ppl) for name, c in vs_sim.items()]
-    unoptimized = ppl(vs_sim["qdq/unoptimized"].nll)
-    floor_row = floor.agreement("qdq vs qdq/unoptimized", ppl(floor.nll), unoptimized)
-    encodings_row = encodings_vs_qdq.agreement(
-        "fp+encodings vs qdq/unoptimized", ppl(encodings_vs_qdq.nll), unoptimized
-    )
-    draws = [c.agreement("sim vs sim, one-ulp inputs", ppl(c.nll), sim_ppl) for c in sim_noise]
-    sim_floor_row = max(draws, key=lambda a: (a.ppl_rel_diff, a.max_abs_logit_diff))
-    noise = _larger(floor_row, sim_floor_row)
-    ppl_bound, logit_bound = tolerance.ppl_bound(noise), tolerance.logit_bound(noise, max_sim)
-    report = Verification(
-        windows=len(windows),
-        window_lengths=sorted({len(w.ids) for w in windows}),
-        tokens=tokens,
-        sim_ppl=sim_ppl,
-        max_abs_sim_logit=max_sim,
-        agreements=agreements,
-        floor=floor_row,
-        sim_floor=sim_floor_row,
-        encodings_vs_qdq=encodings_row,
-        ppl_bound=ppl_bound,
-        logit_bound=logit_bound,
-        quantizers=n_quantizers,
-        encoding_entries=len(entries),
-        entries_applied=applied,
-        tolerance=tolerance,
-        seconds=time.time() - start,
-    )
-    bad = [a for a in agreements if not (a.ppl_rel_diff <= ppl_bound and a.max_abs_logit_diff <= logit_bound)]
+def _refuse_disagreement(report: Verification) -> None:
+    floor, sim_floor = report.floor, report.sim_floor
+    bad = [
+        a
+        for a in report.agreements
+        if not (a.ppl_rel_diff <= report.ppl_bound and a.max_abs_logit_diff <= report.logit_bound)
+    ]
     if bad:
         detail = "; ".join(
-            f"{a.graph}: perplexity {a.ppl:.4f} vs sim {sim_ppl:.4f} (rel. diff {a.ppl_rel_diff:.2e}, allowed "
-            f"{ppl_bound:.2e}), max |logit diff| {a.max_abs_logit_diff:.3g} (allowed {logit_bound:.3g})"
+            f"{a.graph}: perplexity {a.ppl:.4f} vs sim {report.sim_ppl:.4f} (rel. diff {a.ppl_rel_diff:.2e}, allowed "
+            f"{report.ppl_bound:.2e}), max |logit diff| {a.max_abs_logit_diff:.3g} (allowed {report.logit_bound:.3g})"
             for a in bad
         )
         raise QuadapterError(
             f"the exported model does not compute what the sim computes: {detail}; float32 noise floor: perplexity "
-            f"rel. diff {floor_row.ppl_rel_diff:.2e} (onnxruntime with vs without graph optimizations), "
-            f"{sim_floor_row.ppl_rel_diff:.2e} (the sim with one-ulp quantizer inputs), max |logit diff| "
-            f"{floor_row.max_abs_logit_diff:.3g}, {sim_floor_row.max_abs_logit_diff:.3g}"
+            f"rel. diff {floor.ppl_rel_diff:.2e} (onnxruntime with vs without graph optimizations), "
+            f"{sim_floor.ppl_rel_diff:.2e} (the sim with one-ulp quantizer inputs), max |logit diff| "
+            f"{floor.max_abs_logit_diff:.3g}, {sim_floor.max_abs_logit_diff:.3g}"
         )
-    return report
 
 
 # --- the export ---------------------------------------------------------------------------------------
@@ -516,6 +487,103 @@ def int32_bias(encoding_version: str) -> bool:
     return Version(encoding_version) >= Version("2.0.0")
 
 
+def _checked_windows(
+    sim: QuantizationSimModel,
+    seq_len: int,
+    encoding_version: str,
+    verify_windows: Sequence[Window | torch.Tensor],
+    dynamic_length: bool,
+    formats: Sequence[ExtraFormat],
+) -> tuple[list[Window], int]:
+    """The verification windows and the prefix's length, every argument checked before any work."""
+    if encoding_version not in ENCODING_VERSIONS:
+        raise QuadapterError(
+            f"encodings version must be one of {', '.join(ENCODING_VERSIONS)}, got {encoding_version!r}"
+        )
+    if seq_len < 2:
+        raise QuadapterError(f"sequence length must be at least 2, got {seq_len}")
+    windows = _as_windows(verify_windows)
+    too_long = [len(w.ids) for w in windows if len(w.ids) > seq_len]
+    if too_long:
+        raise QuadapterError(f"verification windows of {max(too_long)} tokens exceed the export length {seq_len}")
+    prefix = getattr(sim.model, "prefix_length", 0)  # a sim of something else than a PreparedLM has none
+    if prefix:
+        sim.model.check_length(prefix + seq_len, f"the export length {seq_len} + {prefix} prefix tokens =")
+    keys = [f.key for f in formats]
+    if len(set(keys)) != len(keys):
+        raise QuadapterError(f"each export format once: got {', '.join(keys)}")
+    for extra in formats:
+        extra.check(windows, prefix)
+    if dynamic_length:
+        # prove the dynamic axis too: the same text at another length
+        windows.append(Window(windows[0].ids[: max(2, len(windows[0].ids) // 2)], 1))
+    return windows, prefix
+
+
+def _partial_folder(out_dir: Path) -> Path:
+    """A new folder beside ``out_dir`` for the export until it is complete."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private (0700); the export folder is an ordinary one
+    return tmp
+
+
+def _export_graphs(
+    sim: QuantizationSimModel, folder: Path, seq_len: int, encoding_version: str, dynamic_length: bool, opset
+) -> None:
+    """The FP graph with its encodings, and the QDQ graph, of ``sim`` (on the CPU) into ``folder``."""
+    dummy = torch.zeros((1, seq_len), dtype=torch.long)
+    common: dict[str, Any] = {"input_names": [INPUT_NAME], "output_names": [OUTPUT_NAME], "dynamo": False}
+    if dynamic_length:
+        common["dynamic_axes"] = {INPUT_NAME: {1: "sequence"}, OUTPUT_NAME: {1: "sequence"}}
+    sim.model.eval()
+    export_sim_graphs(sim, (dummy,), folder, Path(FP_ONNX).stem, encoding_version, "the model", opset, **common)
+
+
+def _graph_description(
+    sim: QuantizationSimModel, folder: Path, seq_len: int, encoding_version: str, dynamic_length: bool, prefix: int
+) -> dict:
+    """What the manifest says of the graphs: the policy, the encodings, the input and output, the files' roles."""
+    vocab = getattr(getattr(sim.model, "config", None), "vocab_size", None)
+    length = "sequence" if dynamic_length else seq_len
+    return {
+        "policy": sim_policy(sim).to_dict(),
+        "encodings_version": encoding_version,
+        "export_int32_bias": int32_bias(encoding_version),  # AIMET's default for the FP export, kept
+        "seq_len": seq_len,
+        "dynamic_length": dynamic_length,
+        # the graphs hold the prefix's keys and values as constants: input_ids are the tokens after it
+        "prefix": {"ids": sim.model.prefix_ids[0].tolist(), "tokens": prefix} if prefix else None,
+        "input": {"name": INPUT_NAME, "dtype": "int64", "shape": [1, length]},
+        "output": {"name": OUTPUT_NAME, "dtype": "float32", "shape": [1, length, vocab]},
+        "opset": {FP_ONNX: _opset(folder / FP_ONNX), QDQ_ONNX: _opset(folder / QDQ_ONNX)},
+        "files_role": {"fp_onnx": FP_ONNX, "encodings": ENCODINGS, "qdq_onnx": QDQ_ONNX},
+        # model_qdq.onnx keeps float weights behind QuantizeLinear/DequantizeLinear pairs, with AIMET's
+        # layout (a Transpose may sit between a weight's DequantizeLinear and its MatMul, which a device
+        # runtime need not fuse: aimet issue 4105); the device route is the FP graph plus the encodings
+        "files_use": {
+            FP_ONNX: "device: the FP graph for a converter (with model.encodings as quantization overrides)",
+            data_file(FP_ONNX): f"the weights of {FP_ONNX} (ONNX external data: keep it beside the graph)",
+            ENCODINGS: "device: the encodings of every quantized tensor",
+            QDQ_ONNX: "onnxruntime only: the quantized model as float QDQ, for `eval` and the verification",
+            data_file(QDQ_ONNX): f"the weights of {QDQ_ONNX}",
+        },
+    }
+
+
+def _put_in_place(tmp: Path, out_dir: Path) -> None:
+    """The complete export in ``tmp`` becomes ``out_dir``; an export already there is replaced only now."""
+    if out_dir.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        out_dir.rename(old / out_dir.name)
+        tmp.rename(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out_dir)
+
+
 def export_quantized(
     sim: QuantizationSimModel,
     out_dir: str | Path,
@@ -547,51 +615,21 @@ def export_quantized(
     """
     start = time.time()
     check_free_disk(out_dir, sim.model)
-    if encoding_version not in ENCODING_VERSIONS:
-        raise QuadapterError(
-            f"encodings version must be one of {', '.join(ENCODING_VERSIONS)}, got {encoding_version!r}"
-        )
-    if seq_len < 2:
-        raise QuadapterError(f"sequence length must be at least 2, got {seq_len}")
-    windows = _as_windows(verify_windows)
-    too_long = [len(w.ids) for w in windows if len(w.ids) > seq_len]
-    if too_long:
-        raise QuadapterError(f"verification windows of {max(too_long)} tokens exceed the export length {seq_len}")
-    prefix = getattr(sim.model, "prefix_length", 0)  # a sim of something else than a PreparedLM has none
-    if prefix:
-        sim.model.check_length(prefix + seq_len, f"the export length {seq_len} + {prefix} prefix tokens =")
-    keys = [f.key for f in formats]
-    if len(set(keys)) != len(keys):
-        raise QuadapterError(f"each export format once: got {', '.join(keys)}")
-    for extra in formats:
-        extra.check(windows, prefix)
-    if dynamic_length:
-        # prove the dynamic axis too: the same text at another length
-        windows.append(Window(windows[0].ids[: max(2, len(windows[0].ids) // 2)], 1))
+    windows, prefix = _checked_windows(sim, seq_len, encoding_version, verify_windows, dynamic_length, formats)
     out_dir = Path(out_dir).expanduser().absolute()
     check_new_folder(out_dir, overwrite)
     n_quantizers = _check_calibrated(sim)
     # a state of separate shared ranges was merged as it was loaded (QuadapterState.build_sim); a sim built
     # elsewhere, with AIMET's own one quantizer per reader, is checked and merged here
     merged = [*getattr(sim, "quadapter_merged_ranges", []), *reconcile_shared_ranges(sim, merge=merge_shared_ranges)]
-
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private (0700); the export folder is an ordinary one
+    tmp = _partial_folder(out_dir)
     # Traced and verified on the CPU, where onnxruntime runs: on CUDA, TorchScript's constant folding met
     # CPU constants beside CUDA weights (Llama's rotary embedding), and the verification would measure
     # CUDA-vs-CPU rounding on top of the export's own. The sim goes back to its device afterwards.
     device = device_of(sim.model)
     sim.model.to("cpu")
     try:
-        dummy = torch.zeros((1, seq_len), dtype=torch.long)
-        common: dict[str, Any] = {"input_names": [INPUT_NAME], "output_names": [OUTPUT_NAME], "dynamo": False}
-        if dynamic_length:
-            common["dynamic_axes"] = {INPUT_NAME: {1: "sequence"}, OUTPUT_NAME: {1: "sequence"}}
-        sim.model.eval()
-        export_sim_graphs(sim, (dummy,), tmp, Path(FP_ONNX).stem, encoding_version, "the model", opset, **common)
+        _export_graphs(sim, tmp, seq_len, encoding_version, dynamic_length, opset)
         report = verify_export(sim, tmp, windows, tolerance, progress=progress)
         extras = {}
         for extra in formats:
@@ -600,36 +638,12 @@ def export_quantized(
             entry["files"] = _file_table(tmp / extra.key)
             extras[extra.key] = entry
             release_freed_memory()
-        policy = sim_policy(sim).to_dict()
-        files = _file_table(tmp)
-        vocab = getattr(getattr(sim.model, "config", None), "vocab_size", None)
-        length = "sequence" if dynamic_length else seq_len
         manifest = {
             "format": "aimet-quadapter export 1",
             "model": model_name,
             "method": method,
-            "policy": policy,
-            "encodings_version": encoding_version,
-            "export_int32_bias": int32_bias(encoding_version),  # AIMET's default for the FP export, kept
-            "seq_len": seq_len,
-            "dynamic_length": dynamic_length,
-            # the graphs hold the prefix's keys and values as constants: input_ids are the tokens after it
-            "prefix": {"ids": sim.model.prefix_ids[0].tolist(), "tokens": prefix} if prefix else None,
-            "input": {"name": INPUT_NAME, "dtype": "int64", "shape": [1, length]},
-            "output": {"name": OUTPUT_NAME, "dtype": "float32", "shape": [1, length, vocab]},
-            "opset": {FP_ONNX: _opset(tmp / FP_ONNX), QDQ_ONNX: _opset(tmp / QDQ_ONNX)},
-            "files_role": {"fp_onnx": FP_ONNX, "encodings": ENCODINGS, "qdq_onnx": QDQ_ONNX},
-            # model_qdq.onnx keeps float weights behind QuantizeLinear/DequantizeLinear pairs, with AIMET's
-            # layout (a Transpose may sit between a weight's DequantizeLinear and its MatMul, which a device
-            # runtime need not fuse: aimet issue 4105); the device route is the FP graph plus the encodings
-            "files_use": {
-                FP_ONNX: "device: the FP graph for a converter (with model.encodings as quantization overrides)",
-                data_file(FP_ONNX): f"the weights of {FP_ONNX} (ONNX external data: keep it beside the graph)",
-                ENCODINGS: "device: the encodings of every quantized tensor",
-                QDQ_ONNX: "onnxruntime only: the quantized model as float QDQ, for `eval` and the verification",
-                data_file(QDQ_ONNX): f"the weights of {QDQ_ONNX}",
-            },
-            "files": files,
+            **_graph_description(sim, tmp, seq_len, encoding_version, dynamic_length, prefix),
+            "files": _file_table(tmp),
             "quantizers": n_quantizers,
             "shared_ranges_merged": merged,
             "verification": report.to_dict(),
@@ -640,13 +654,7 @@ def export_quantized(
             **(extra_manifest or {}),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            out_dir.rename(old / out_dir.name)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
+        _put_in_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

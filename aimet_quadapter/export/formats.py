@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
-    from aimet_quadapter.export.exporter import Verification
+    from aimet_quadapter.export.verification import Verification
     from aimet_quadapter.text.data import Window
 
 ENCODING_VERSIONS = ("1.0.0", "2.0.0")  # AIMET encodings JSON formats a converter takes

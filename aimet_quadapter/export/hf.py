@@ -35,7 +35,7 @@ from aimet_quadapter.text.data import Window
 from aimet_quadapter.text.perplexity import window_nll
 
 if TYPE_CHECKING:
-    from aimet_quadapter.export.exporter import Verification
+    from aimet_quadapter.export.verification import Verification
 
 TORCH_ENCODINGS = "model_torch.encodings"  # AIMET's suffix for encodings keyed by module names
 QUANTIZER_STATE = "quantizer_state.pt"

@@ -44,7 +44,7 @@ from aimet_quadapter.text.data import Window
 from aimet_quadapter.text.perplexity import window_nll
 
 if TYPE_CHECKING:
-    from aimet_quadapter.export.exporter import Verification
+    from aimet_quadapter.export.verification import Verification
 
 ID_DTYPES = ("int64", "int32")
 MASKED = float(np.finfo(np.float32).min)  # what the sim's attention takes as a masked score

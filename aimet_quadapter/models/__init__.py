@@ -4,19 +4,13 @@ from __future__ import annotations
 
 from .base import (
     Architecture,
-    FixedPrefixCache,
     PreparedLM,
     Site,
     SiteSpec,
     device_of,
     is_tied,
-    own_storage,
-    parameter_bytes,
-    reset_to,
-    shares_storage,
     tensor_of,
     untie_lm_head,
-    weight_sharing_copy,
 )
 from .devices import resolve_device
 from .gemma import GEMMA, GEMMA2, GEMMA3
@@ -24,6 +18,8 @@ from .gpt2 import GPT2
 from .llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from .loading import load_model, load_tokenizer, quiet_libraries
 from .phi3 import PHI3
+from .prefix import FixedPrefixCache
+from .storage import own_storage, parameter_bytes, reset_to, shares_storage, weight_sharing_copy
 
 ARCHITECTURES: tuple[Architecture, ...] = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GEMMA2, GEMMA3)
 # Every beyond-paper site group any family has (SiteSpec.extra): what extra_sites may name.

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from .prefix import causal_mask, prefix_cache, prefix_keys_values
+
 
 @dataclass(frozen=True)
 class SiteSpec:
@@ -116,55 +118,6 @@ def tensor_of(module: nn.Module, name: str = "weight") -> torch.Tensor:
     return value
 
 
-# On a parameter of a weight-sharing copy: the address of the storage it shares with the original model.
-_SHARED_WITH = "_aimet_quadapter_shared_storage"
-
-
-def weight_sharing_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` whose parameters are new parameters on the original's storage: a second model
-    for the memory of its buffers. Its weights are changed by giving a parameter new data (``p.data = ...``),
-    which leaves the original as it was; a write in place would reach the original too (:func:`own_storage`
-    first)."""
-    import copy
-
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        twin = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
-        setattr(twin, _SHARED_WITH, p.untyped_storage().data_ptr())
-        memo[id(p)] = twin
-    return copy.deepcopy(model, memo)
-
-
-def parameter_bytes(model: nn.Module) -> int:
-    """The bytes of ``model``'s parameters as they are held (each Parameter once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def shares_storage(p: torch.Tensor) -> bool:
-    """Whether ``p``, a parameter of a :func:`weight_sharing_copy`, still holds the original's storage."""
-    return getattr(p, _SHARED_WITH, None) == p.untyped_storage().data_ptr()
-
-
-@torch.no_grad()
-def reset_to(p: torch.Tensor, source: torch.Tensor) -> None:
-    """Give ``p`` the values of ``source``, a tensor of the original model: its storage where ``p`` belongs to a
-    :func:`weight_sharing_copy`, else a copy (a sim that owns its weights keeps owning them)."""
-    if hasattr(p, _SHARED_WITH):
-        p.data = source.detach()
-        setattr(p, _SHARED_WITH, source.untyped_storage().data_ptr())
-    else:
-        p.data = source.detach().clone()
-
-
-@torch.no_grad()
-def own_storage(params: Iterable[torch.Tensor]) -> None:
-    """Give each of ``params`` that shares the original model's storage a copy of its own, before a write in
-    place (an optimizer's step)."""
-    for p in params:
-        if shares_storage(p):
-            p.data = p.detach().clone()
-
-
 class PreparedLM(nn.Module):
     """``forward(input_ids) -> logits``: the shape of model ``QuantizationSimModel`` accepts.
 
@@ -203,10 +156,10 @@ class PreparedLM(nn.Module):
         # ONNX cannot export) out of the graph.
         past = self.prefix_cache()
         if past is None:
-            mask = _causal_mask(input_ids.shape[-1], 0, input_ids.device)
+            mask = causal_mask(input_ids.shape[-1], 0, input_ids.device)
             return self.lm(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
         start, length = past.get_seq_length(), input_ids.shape[-1]
-        mask = _causal_mask(length, start, input_ids.device)
+        mask = causal_mask(length, start, input_ids.device)
         positions = torch.arange(start, start + length, device=input_ids.device)[None]
         out = self.lm(
             input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True
@@ -239,12 +192,7 @@ class PreparedLM(nn.Module):
         too: ``aimet_quadapter.quant.quantizers.refresh_prefix`` takes them out first)."""
         if self.prefix_ids is None:
             raise ValueError("the model has no prefix")
-        device = device_of(self)
-        ids = self.prefix_ids.to(device)
-        cache = DynamicCache(config=self.config)
-        mask = _causal_mask(ids.shape[-1], 0, device)
-        self.lm(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-        return [(layer.keys.detach(), layer.values.detach()) for layer in _layers(cache)]
+        return prefix_keys_values(self.lm, self.config, self.prefix_ids.to(device_of(self)))
 
     def prefix_cache(self, growing: bool = False, batch: int = 1) -> DynamicCache | None:
         """The prefix's keys and values as a cache (None without a prefix): one that every call attends to
@@ -253,12 +201,7 @@ class PreparedLM(nn.Module):
             return None
         if self.prefix_kv is None:
             raise ValueError("the model has a prefix but no keys and values for it: call set_prefix")
-        if not growing:
-            return FixedPrefixCache(self.config, self.prefix_kv)
-        cache = DynamicCache(config=self.config)
-        for layer, (k, v) in enumerate(self.prefix_kv):
-            cache.update(k.expand(batch, -1, -1, -1).clone(), v.expand(batch, -1, -1, -1).clone(), layer)
-        return cache
+        return prefix_cache(self.config, self.prefix_kv, growing, batch)
 
     def step(self, input_ids: torch.Tensor, cache: Any = None) -> tuple[torch.Tensor, Any]:
         """Logits of ``input_ids`` as the tokens after those ``cache`` holds, and the cache with them added: a
@@ -270,7 +213,7 @@ class PreparedLM(nn.Module):
             cache = self.prefix_cache(growing=True, batch=input_ids.shape[0])
         if cache is None:
             cache = DynamicCache(config=self.config)
-        mask = _causal_mask(input_ids.shape[-1], cache.get_seq_length(), input_ids.device)
+        mask = causal_mask(input_ids.shape[-1], cache.get_seq_length(), input_ids.device)
         out = self.lm(input_ids=input_ids, attention_mask=mask, past_key_values=cache, use_cache=True)
         return out.logits, out.past_key_values
 
@@ -327,37 +270,6 @@ class PreparedLM(nn.Module):
                 out.append(_resolve(spec, block, expand, self.arch.norm_offset))
         out.append(_resolve(self.arch.head_site, "lm", None, self.arch.norm_offset))
         return out
-
-
-class FixedPrefixCache(DynamicCache):
-    """A prefix's keys and values that every call attends to and no call extends: a call's own keys and
-    values come back after the prefix's and are not kept, so that one cache serves any number of calls
-    (phase 1 reruns a block on the arguments it captured, this cache among them)."""
-
-    def __init__(self, config: Any, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]):
-        super().__init__(config=config)
-        for layer, (k, v) in enumerate(kv):
-            super().update(k, v, layer)
-
-    def update(  # type: ignore[override]
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        layer: Any = self.layers[layer_idx]
-        batch = key_states.shape[0]
-        keys = layer.keys.to(key_states).expand(batch, -1, -1, -1)
-        values = layer.values.to(value_states).expand(batch, -1, -1, -1)
-        return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
-
-
-def _layers(cache: DynamicCache) -> list[Any]:
-    return list(cache.layers)  # a DynamicCache's layers hold keys and values (transformers types them loosely)
-
-
-def _causal_mask(length: int, past: int, device: torch.device) -> torch.Tensor:
-    """The additive mask (1, 1, length, past + length) under which new token i sees the ``past`` cached tokens
-    and new tokens 0..i; a finite minimum keeps fully-masked rows free of NaN."""
-    mask = torch.full((length, past + length), torch.finfo(torch.float32).min, device=device)
-    return torch.triu(mask, diagonal=past + 1)[None, None]
 
 
 def extra_groups(arch: Architecture, extra: bool | Iterable[str] | None) -> frozenset[str]:

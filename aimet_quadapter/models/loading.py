@@ -18,8 +18,8 @@ import torch
 
 from ..errors import QuadapterError
 from ..memory import LARGE_WEIGHTS_BYTES, map_large_blocks
-from .base import parameter_bytes
 from .hub import local_files_only
+from .storage import parameter_bytes
 
 
 @dataclass(frozen=True)

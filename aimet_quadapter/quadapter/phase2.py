@@ -111,27 +111,7 @@ def run_phase2(
     if not batches:
         raise QuadapterError("phase 2 needs at least one fine-tuning batch")
     sim_model.eval()  # dropout off: the model is frozen, only its quantization is being trained
-    widths = range_parameter_widths(sim_model)
-    ranges = [p for p, _ in widths]
-    range_ids = {id(p) for p in ranges}
-    weights = [p for p in sim_model.parameters() if id(p) not in range_ids]
-    if params.lr_weights > 0:
-        own_storage(weights)  # the optimizer writes in place; the FP model's weights must stay
-    for p in weights:
-        p.requires_grad_(params.lr_weights > 0)
-    for p in ranges:
-        p.requires_grad_(params.learn_ranges)
-    groups: list[dict[str, Any]] = []
-    if qset is not None and len(qset):
-        groups.append({"params": [q.theta for q in qset], "lr": params.lr_alpha})
-    if params.learn_ranges and params.lr_ranges_relative:
-        groups += [{"params": [p], "lr": params.lr_ranges * width} for p, width in widths]
-    elif params.learn_ranges:
-        groups.append({"params": ranges, "lr": params.lr_ranges})
-    if params.lr_weights > 0:
-        groups.append({"params": weights, "lr": params.lr_weights})
-    if not groups:
-        raise QuadapterError("phase 2 has nothing to train: no Quadapter sites, ranges fixed and weights frozen")
+    groups = _trained_groups(sim_model, qset, params)
     optimizer = GroupedAdam(groups)
     total = max(params.steps, 1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1.0 - step / total))
@@ -185,20 +165,45 @@ def run_phase2(
                 bar.set_postfix(loss=f"{value:.4f}")
                 due = (step + 1) % params.checkpoint_every == 0 or step + 1 == params.steps
                 if ckpt is not None and due and distributed.is_main():
-                    ckpt.parent.mkdir(parents=True, exist_ok=True)
-                    state = {
-                        "key": key,
-                        "step": step + 1,
-                        "losses": result.losses,
-                        "optimizer": optimizer.state_dict(),
-                        "schedule": schedule.state_dict(),
-                        **_trainable_state(named, qset),
-                    }
-                    write_atomic(ckpt, partial(_save, state))
+                    saved = {"key": key, "step": step + 1, "losses": result.losses}
+                    saved |= {"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}
+                    _write_checkpoint(ckpt, saved | _trainable_state(named, qset))
     finally:
         for p in sim_model.parameters():
             p.requires_grad_(False)
     return result
+
+
+def _trained_groups(sim_model: nn.Module, qset: QuadapterSet | None, params: Phase2Parameters) -> list[dict[str, Any]]:
+    """The optimizer's groups: the alphas, the quantizer ranges (one group each where their rate is relative to
+    their width), the weights (QAT); what is not trained is frozen."""
+    widths = range_parameter_widths(sim_model)
+    ranges = [p for p, _ in widths]
+    range_ids = {id(p) for p in ranges}
+    weights = [p for p in sim_model.parameters() if id(p) not in range_ids]
+    if params.lr_weights > 0:
+        own_storage(weights)  # the optimizer writes in place; the FP model's weights must stay
+    for p in weights:
+        p.requires_grad_(params.lr_weights > 0)
+    for p in ranges:
+        p.requires_grad_(params.learn_ranges)
+    groups: list[dict[str, Any]] = []
+    if qset is not None and len(qset):
+        groups.append({"params": [q.theta for q in qset], "lr": params.lr_alpha})
+    if params.learn_ranges and params.lr_ranges_relative:
+        groups += [{"params": [p], "lr": params.lr_ranges * width} for p, width in widths]
+    elif params.learn_ranges:
+        groups.append({"params": ranges, "lr": params.lr_ranges})
+    if params.lr_weights > 0:
+        groups.append({"params": weights, "lr": params.lr_weights})
+    if not groups:
+        raise QuadapterError("phase 2 has nothing to train: no Quadapter sites, ranges fixed and weights frozen")
+    return groups
+
+
+def _write_checkpoint(ckpt: Path, state: dict) -> None:
+    ckpt.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(ckpt, partial(_save, state))
 
 
 def for_device(params: Phase2Parameters, device: torch.device) -> Phase2Parameters:
