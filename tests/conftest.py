@@ -143,3 +143,25 @@ def offline(monkeypatch):
     yield
     hub_reachable.cache_clear()
     local_files_only.cache_clear()
+
+
+# Twins of cases that stay in the quick suite (the README's test command): the same code path on the other
+# family or encodings version, run by `pytest -m slow` (CI runs both).
+TWINS = (
+    "test_export.py::test_export_after_quadapter[llama]",
+    "test_export.py::test_export_after_ptq_matches_the_sim[llama-1.0.0]",
+    "test_export.py::test_export_after_ptq_matches_the_sim[llama-2.0.0]",
+    "test_export.py::test_export_after_ptq_matches_the_sim[gpt2-2.0.0]",
+    "test_quadapter.py::test_phase2_lowers_training_loss_and_keeps_weights[llama]",
+    "test_quadapter.py::test_phase2_resume_continues_where_it_stopped[llama]",
+    "test_quadapter.py::test_gathered_embedding_quantization_is_exact[llama]",
+    "test_quadapter.py::test_phase2_resumes_only_its_own_checkpoint[llama]",
+    "test_quadapter.py::test_save_load_gives_the_same_perplexity[llama]",
+    "test_quadapter.py::test_perplexity_ordering_fp_quadapter_ptq[llama]",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("tests/")[-1] in TWINS:
+            item.add_marker(pytest.mark.slow)

@@ -68,6 +68,7 @@ def _no_corrupt_file(out: Path, temporary_ok: bool = False) -> None:
         QuadapterState.load(path)
 
 
+@pytest.mark.slow
 def test_killed_anywhere_resumes_to_the_uninterrupted_result(tmp_path, tiny_gpt2_dir, corpus_dir):
     recipe = _recipe(tmp_path, tiny_gpt2_dir, corpus_dir)
     whole_count = tmp_path / "whole.count"

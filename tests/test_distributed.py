@@ -80,6 +80,7 @@ def _diverging_worker(rank: int, world: int, init_file: str, out_dir: str) -> No
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
 def test_a_loss_not_finite_on_one_process_stops_every_process(tmp_path):
     ctx = mp.get_context("spawn")
@@ -96,6 +97,7 @@ def test_a_loss_not_finite_on_one_process_stops_every_process(tmp_path):
     assert lines[0] == lines[1] and "the loss is nan at step 1 of 2" in lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
 def test_two_gloo_processes_match_one(tmp_path):
     single = _run()

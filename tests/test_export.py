@@ -193,6 +193,7 @@ def _loaded(path: Path) -> bytes:
     return model.SerializeToString()
 
 
+@pytest.mark.slow
 def test_lean_export_writes_what_the_straightforward_one_writes(toy, tmp_path, monkeypatch):
     """Parking the sim's weights, torch's weights going straight to a data file and the streamed gathering
     change how much memory an export holds, not what the files hold."""
@@ -235,6 +236,7 @@ def test_aimet_swaps_in_its_weight_copies_one_module_at_a_time(toy, tmp_path):
     assert all(torch.equal(after[name], value) for name, value in before.items())
 
 
+@pytest.mark.slow
 def test_the_sims_weights_wait_on_disk_while_onnxruntime_runs(toy, tmp_path, monkeypatch):
     """The verification's onnxruntime sessions each hold the weights: the sim's, read no more, are on disk
     meanwhile, and back bit for bit after."""
@@ -307,6 +309,7 @@ def test_qdq_encodings_read_without_the_weights(tmp_path):
     assert uses_external_data(next(t for t in bare.graph.initializer if t.name == "w")), "the weight stays on disk"
 
 
+@pytest.mark.slow
 def test_a_state_of_separate_shared_ranges_is_refused_or_merged(tmp_path):
     """A state saved while q/k/v each had a range of its own (before they shared one) cannot be rebuilt as
     it was trained: refused by name, or merged to the union with ``merge_shared_ranges`` and recorded."""
@@ -419,6 +422,7 @@ def test_failed_verification_leaves_no_output(gpt2_export, tmp_path, monkeypatch
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_failed_verification_keeps_the_previous_export(gpt2_export, tmp_path):
     sim, out, windows = gpt2_export
     previous = shutil.copytree(out, tmp_path / "out")
@@ -432,6 +436,7 @@ def test_failed_verification_keeps_the_previous_export(gpt2_export, tmp_path):
         export_quantized(sim, previous, SEQ, verify_windows=windows)
 
 
+@pytest.mark.slow
 def test_dynamic_length(gpt2_export, tmp_path):
     sim, _, windows = gpt2_export
     out = tmp_path / "dyn"
@@ -474,6 +479,7 @@ def test_resolve_state(tmp_path):
         resolve_state(tmp_path / "nothing")
 
 
+@pytest.mark.slow
 def test_cli_export_then_eval(tiny_gpt2_dir, corpus_dir, tmp_path, capsys):
     from aimet_quadapter.models import load_model
     from aimet_quadapter.quant.policy import calibrate
@@ -543,6 +549,7 @@ def test_cli_export_then_eval(tiny_gpt2_dir, corpus_dir, tmp_path, capsys):
     assert "not the export's QDQ model" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_kv_graphs_prefill_then_decode_compute_what_the_sim_computes(toy, tmp_path):
     from aimet_quadapter.export.kv import KVGraphs
 
@@ -581,6 +588,7 @@ def test_kv_graphs_prefill_then_decode_compute_what_the_sim_computes(toy, tmp_pa
     assert entry["shared_encodings_checked"] > 0  # the two graphs' common tensors, one encoding each
 
 
+@pytest.mark.slow
 def test_kv_graphs_with_a_wrong_mask_fail_and_leave_nothing(tmp_path, monkeypatch):
     """A host that lets a token see one slot too many (the next token) computes something else: caught."""
     from aimet_quadapter.export import kv as kv_module

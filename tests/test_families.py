@@ -68,7 +68,14 @@ def test_prepared_model_computes_the_hf_model_and_every_site_folds_exactly(famil
     assert not torch.equal(model.lm.get_submodule(producer).weight, original.get_submodule(producer).weight)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# the whole command line per family takes a quarter of a minute: Qwen2 (biases, a sliding window) in the quick
+# suite, every family under -m slow
+QUICK_FAMILIES = ("qwen2",)
+
+
+@pytest.mark.parametrize(
+    "family", [f if f in QUICK_FAMILIES else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
+)
 def test_eval_and_export_of_a_saved_checkpoint(family, tiny_tokenizer, corpus_dir, tmp_path, capsys):
     folder = tmp_path / family
     hf = _randomized(family)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from test_bad_input import RECIPE, _cli
 
 from aimet_quadapter.running.lock import HOLDER, RunLock
@@ -34,6 +35,7 @@ def _racer(folder, go, hold: float) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_two_processes_started_at_the_same_instant_exactly_one_runs(tmp_path):
     folder, go = tmp_path / "run", tmp_path / "go"
     folder.mkdir()
@@ -53,6 +55,7 @@ def test_two_processes_started_at_the_same_instant_exactly_one_runs(tmp_path):
         assert not (folder / HOLDER).exists()
 
 
+@pytest.mark.slow
 def test_a_run_is_refused_while_the_folder_is_held_and_runs_once_its_holder_is_killed(
     tmp_path, tiny_gpt2_dir, corpus_dir
 ):

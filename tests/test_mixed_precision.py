@@ -77,6 +77,7 @@ def test_a_saved_state_rebuilds_the_same_bit_widths(llama, tmp_path):
         assert torch.equal(rebuilt.model(held_out), sim.model(held_out))
 
 
+@pytest.mark.slow
 def test_the_export_carries_the_overrides_and_verifies(llama, tmp_path):
     model, calib, held_out = llama
     sim = _sim(model, calib, ("*.down_proj.input*=16", *NORM_READERS))

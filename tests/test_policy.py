@@ -225,6 +225,7 @@ def test_building_and_calibrating_a_sim_shows_the_user_no_warning(arch, target):
     assert not shown, [f"{w.category.__name__}: {str(w.message)[:100]}" for w in shown]
 
 
+@pytest.mark.slow
 def test_quiet_libraries_keeps_aimets_log_lines_away_from_the_user(tiny_gpt2_dir):
     """:func:`quiet_libraries` (every command, ``load_model(quiet=True)``) silences AIMET's loggers for good:
     AIMET configures its logging, back to INFO, the first time one of its loggers is asked for, which a sim

@@ -113,6 +113,7 @@ def test_phase2_recomputes_the_prefix_cache_after_every_step():
         assert torch.allclose(sim.model(batches[0]), _one_pass(model, batches[0]), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_prefixed_sim_exports_with_its_prefix_and_each_form_computes_what_the_sim_computes(tmp_path):
     from aimet_quadapter.export.exporter import export_quantized
     from aimet_quadapter.export.formats import PREFIX_KV

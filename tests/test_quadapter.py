@@ -405,6 +405,7 @@ def test_phase2_lowers_training_loss_and_keeps_weights(setup):
             assert torch.equal(p, weights[n]), f"weight {n} changed in phase 2"
 
 
+@pytest.mark.slow
 def test_phase2_distillation_brings_the_sim_toward_the_fp_model(setup):
     """``phase2.loss = "kd"``: zero between the FP model and itself, positive for the quantized sim, and
     lowered by phase 2 (alpha and ranges) toward the FP model's next-token distribution."""

@@ -40,6 +40,7 @@ def test_a_copied_passage_is_found_and_independent_text_is_not():
     assert shared_run(a, one_short) is None
 
 
+@pytest.mark.slow
 def test_the_demo_scored_on_its_own_tuning_split_is_refused_before_the_model_loads(tmp_path, capsys, never_load):
     from aimet_quadapter.models.loading import OFFLINE_MODELS
 

@@ -406,6 +406,7 @@ def test_the_report_shows_the_phase1_check_to_the_decimal_that_decides_it():
     assert "kept the point 0.5 of the way (4.3381)" in text
 
 
+@pytest.mark.slow
 def test_generated_text_is_sampled_once_kept_and_part_of_the_fingerprint(world, tmp_path, monkeypatch):
     import aimet_quadapter.methods.generated as generated
 
@@ -634,6 +635,7 @@ def test_a_row_with_a_stopped_seed_is_the_mean_of_the_others_and_says_so():
     assert row["ppl"]["a"] == 11.0 and row["seeds"] == [0, 1] and row["stopped_seeds"] == [2]
 
 
+@pytest.mark.slow
 def test_a_prefix_precedes_every_sequence_and_is_part_of_the_fingerprint(base_run, world, tmp_path, capsys):
     run = tmp_path / "prefixed"
     args = ["run", str(world / "r.yaml"), "--out", str(run), "--no-progress", "--set", "methods=[fp,ptq,cle]"]

@@ -77,6 +77,7 @@ def test_the_softmax_input_range_stays_finite(toy):
     assert lows and all(HTP_MASK_FILL - 1 <= low < 0 for low in lows)
 
 
+@pytest.mark.slow
 def test_every_method_runs_under_htp_and_quadapter_recovers_the_planted_outliers(toy, tmp_path):
     family, model, calib, train, held_out = toy
     fp = _loss(model, held_out)
