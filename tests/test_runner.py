@@ -234,10 +234,15 @@ def test_changed_settings_recompute_only_the_cells_they_affect(base_run, world, 
 
 
 @pytest.fixture
-def toy_method():
+def toy_method(monkeypatch):
     """A method added the way every method is: one catalog entry and one function under @method."""
     from aimet_quadapter.methods.catalog import CATALOG, MethodInfo
     from aimet_quadapter.quant.policy import build_sim, calibrate
+
+    # Recorded as absent through monkeypatch, whose undo runs last-in first-out: a test that wraps the method
+    # with monkeypatch too (_count_calls) gets its wrapper undone before the name itself is removed.
+    monkeypatch.setitem(CATALOG, "ptq_one_batch", None)
+    monkeypatch.setitem(methods.REGISTRY, "ptq_one_batch", None)
 
     @methods.method("ptq_one_batch", MethodInfo("PTQ, one calibration batch", reads=("baselines",)))
     def ptq_one_batch(ctx):
@@ -245,8 +250,7 @@ def toy_method():
         calibrate(sim, ctx.calibration[:1])
         return sim
 
-    yield "ptq_one_batch"
-    del CATALOG["ptq_one_batch"], methods.REGISTRY["ptq_one_batch"]
+    return "ptq_one_batch"
 
 
 def test_a_method_added_as_one_entry_runs_is_reported_and_fingerprinted_by_what_it_reads(
