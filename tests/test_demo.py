@@ -11,17 +11,24 @@ import pytest
 from aimet_quadapter.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
-# FP32 is evaluated in float32 only: another CPU's BLAS moves it in the fourth digit at most. PTQ rounds every
-# activation, so that float32 noise flips roundings: two 2-core CPUs gave it 0.3 % and 0.8 % apart (README).
+# FP32 is evaluated in float32 only: another CPU's BLAS moves it in the fourth digit at most. PTQ calibrates on
+# text the model samples, so each seed has its own: seed 0 has to land within the README's range over the
+# seeds, widened by what another CPU moves a rounded row (two 2-core CPUs gave the same PTQ 0.3 % and 0.8 % apart).
 FP32_REL, PTQ_REL = 1e-3, 0.01
 
 
-def _readme_row(label: str) -> tuple[float, float]:
-    """(PTB test, Austen) of the README table's row that starts with ``label``."""
+def _readme_row(label: str) -> tuple[tuple[float, float, float], ...]:
+    """(mean, min, max) of PTB test and of Austen in the README table's row that starts with ``label``; a row
+    without a range (FP32) gives its one number three times."""
+
+    def spread(cell: str) -> tuple[float, float, float]:
+        numbers = [float(x) for x in re.findall(r"\d+\.\d+", cell)]
+        return (numbers[0], numbers[0], numbers[0]) if len(numbers) == 1 else (numbers[0], numbers[1], numbers[2])
+
     for line in (ROOT / "README.md").read_text().splitlines():
         cells = [c.strip().strip("*") for c in line.strip().strip("|").split("|")]
         if len(cells) >= 3 and cells[0].startswith(label):
-            return float(re.sub(r"\s.*", "", cells[1])), float(re.sub(r"\s.*", "", cells[2]))
+            return spread(cells[1]), spread(cells[2])
     raise AssertionError(f"the README has no table row {label!r}")
 
 
@@ -29,11 +36,10 @@ def _readme_row(label: str) -> tuple[float, float]:
 def test_the_demo_recomputes_the_readmes_fp32_and_ptq_rows(tmp_path):
     out = tmp_path / "demo"
     argv = ["run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(out), "--no-progress"]
-    assert main([*argv, "--set", "methods=[fp, ptq]"]) == 0
+    assert main([*argv, "--set", "methods=[fp, ptq]", "--set", "seeds=[0]"]) == 0
     cells = {
         c["label"].split(" (")[0]: c["ppl"] for c in json.loads((out / "results.json").read_text())["cells"].values()
     }
     for label, rel in (("FP32", FP32_REL), ("PTQ", PTQ_REL)):
-        ptb, austen = _readme_row(label)
-        assert cells[label]["ptb"] == pytest.approx(ptb, rel=rel), label
-        assert cells[label]["austen"] == pytest.approx(austen, rel=rel), label
+        for text, (_, low, high) in zip(("ptb", "austen"), _readme_row(label)):
+            assert low * (1 - rel) <= cells[label][text] <= high * (1 + rel), (label, text, cells[label][text])

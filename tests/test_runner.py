@@ -142,6 +142,7 @@ def test_run_then_report_end_to_end(base_run, world, capsys):
     for key, cell in cells.items():
         assert set(cell["ppl"]) == {"a", "b"}, key
         assert cell["wall_time_s"] > 0 and cell["method_time_s"] >= 0 and cell["eval_time_s"] > 0
+        assert cell["peak_rss_kib"] > 0
     assert cells["a/quadapter"]["fid"] == "a" and cells["a/quadapter"]["finetune_sequences"] == 4
     assert [d["label"] for d in results["datasets"]] == ["a", "b"]
     # every cell is scored on the development text too: another text than the test split, so other numbers

@@ -258,14 +258,18 @@ def _kept(info: dict) -> str:
 
 
 def timing_table(results: dict) -> str:
-    lines = ["| Cell | Method (s) | Evaluation (s) | Wall (s) | Notes |", "| --- | ---: | ---: | ---: | --- |"]
+    lines = [
+        "| Cell | Method (s) | Evaluation (s) | Wall (s) | Peak RSS (GiB) | Notes |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+    ]
     for r in ordered_rows(results, seeds=True):
         key = next(k for k, v in results["cells"].items() if v is r)
         if r.get("error"):  # a stopped cell has no times: its training diverged
-            lines.append(f"| {key} | – | – | – | stopped: {r['error']} |")
+            lines.append(f"| {key} | – | – | – | – | stopped: {r['error']} |")
             continue
+        rss = f"{r['peak_rss_kib'] / 2**20:.2f}" if r.get("peak_rss_kib") else "–"  # cells run before it was kept
         lines.append(
-            f"| {key} | {r['method_time_s']:.1f} | {r['eval_time_s']:.1f} | {r['wall_time_s']:.1f} "
+            f"| {key} | {r['method_time_s']:.1f} | {r['eval_time_s']:.1f} | {r['wall_time_s']:.1f} | {rss} "
             f"| {info_text(r.get('info', {}))} |"
         )
     return "\n".join(lines)

@@ -42,6 +42,7 @@ from aimet_quadapter import distributed
 from aimet_quadapter.atomic import write_atomic, write_text_atomic
 from aimet_quadapter.errors import QuadapterError, TrainingDiverged
 from aimet_quadapter.logs import log, log_file
+from aimet_quadapter.memory import PeakRSS
 from aimet_quadapter.methods.catalog import BC, CATALOG
 from aimet_quadapter.running.lock import RunLock
 from aimet_quadapter.running.recipes import Recipe, result_section
@@ -743,22 +744,23 @@ class RecipeRun:
         distributed.barrier()  # under torchrun: no process resumes from a checkpoint the first one removes
         extra: dict = {}
         start = time.time()
-        bc_state = self._bc_state(cell.calibration_set, extra) if spec.from_bc else None
-        ctx = self._context(cell_dir, cell.calibration, cell.fid, cell.size)
-        ctx.bc_state = bc_state
-        method_start = time.time()
-        evaluated = run_method(cell.method, ctx)
-        method_time = time.time() - method_start
-        if cell.method == BC:
-            if self.main:
-                write_text_atomic(cell_dir / "bc_fingerprint.txt", self.bc_fingerprint(cell.calibration_set))
-            self._bc[cell.calibration_set] = ctx.bc_state
-        from aimet_quadapter.text.perplexity import evaluate
+        with PeakRSS() as peak:  # this cell's own peak, evaluation included
+            bc_state = self._bc_state(cell.calibration_set, extra) if spec.from_bc else None
+            ctx = self._context(cell_dir, cell.calibration, cell.fid, cell.size)
+            ctx.bc_state = bc_state
+            method_start = time.time()
+            evaluated = run_method(cell.method, ctx)
+            method_time = time.time() - method_start
+            if cell.method == BC:
+                if self.main:
+                    write_text_atomic(cell_dir / "bc_fingerprint.txt", self.bc_fingerprint(cell.calibration_set))
+                self._bc[cell.calibration_set] = ctx.bc_state
+            from aimet_quadapter.text.perplexity import evaluate
 
-        eval_start = time.time()
-        ppl = evaluate(evaluated, self.eval_windows(), spec.label, self.progress)
-        dev_ppl = evaluate(evaluated, self.dev_windows(), f"{spec.label} (dev)", self.progress) if self.devs else {}
-        eval_time = time.time() - eval_start
+            eval_start = time.time()
+            ppl = evaluate(evaluated, self.eval_windows(), spec.label, self.progress)
+            dev_ppl = evaluate(evaluated, self.dev_windows(), f"{spec.label} (dev)", self.progress) if self.devs else {}
+            eval_time = time.time() - eval_start
         if self.main:
             shutil.rmtree(cell_dir / "checkpoints", ignore_errors=True)
         record = {
@@ -769,6 +771,7 @@ class RecipeRun:
             "method_time_s": method_time,
             "eval_time_s": eval_time,
             "wall_time_s": time.time() - start,
+            "peak_rss_kib": peak.kib,
             "info": {**extra, **ctx.info.get(cell.method, {})},
         }
         del evaluated, ctx
