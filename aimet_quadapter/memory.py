@@ -5,10 +5,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-import re
 import threading
 from functools import cache
-from pathlib import Path
+
+import psutil
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 # above this size of weights memory, not time, decides whether a run fits: the package then trades time for
@@ -44,31 +44,21 @@ def map_large_blocks(threshold: int = 1 << 20) -> bool:
     return mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold) == 1
 
 
-def _rss_kib() -> int | None:
-    try:
-        found = re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text())
-    except OSError:
-        return None
-    return int(found.group(1)) if found else None
-
-
 class PeakRSS:
     """The peak resident memory of the process while a block runs, in KiB: sampled every ``interval`` seconds
     on a thread, because resetting the kernel's high-water mark instead would also reset what ``getrusage`` and
-    GNU time report for the whole process. A spike shorter than the interval can be missed. ``kib`` is None
-    where /proc is not there."""
+    GNU time report for the whole process. A spike shorter than the interval can be missed."""
 
     def __init__(self, interval: float = 0.1):
         self.interval = interval
-        self.kib: int | None = None
+        self.kib = 0
+        self._process = psutil.Process()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
-        while True:
-            now = _rss_kib()
-            if now is not None:
-                self.kib = max(self.kib or 0, now)
+        while True:  # at least one sample before __exit__'s join returns
+            self.kib = max(self.kib, self._process.memory_info().rss // 1024)
             if self._stop.wait(self.interval):
                 return
 
