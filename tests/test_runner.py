@@ -299,6 +299,35 @@ def test_phase1_is_shared_through_the_saved_state(world, tmp_path, monkeypatch):
     assert phase1_runs == [], "the saved Quadapter BC state should have been reused"
 
 
+def test_a_composition_starts_from_quadapters_saved_cell_and_ends_where_its_own_phase2_would(
+    world, tmp_path, monkeypatch
+):
+    """Quadapter + SeqMSE after a done Quadapter cell runs SeqMSE alone on that cell's saved state; on its own it
+    runs phase 2 first. Both end at the same sim: the saved state rebuilds phase 2's sim."""
+    phase2_runs = []
+    original = methods.apply_phase2
+    monkeypatch.setattr(methods, "apply_phase2", lambda *a, **k: phase2_runs.append(1) or original(*a, **k))
+
+    def run(out: Path, names: str) -> None:
+        argv = ["run", str(world / "r.yaml"), "--out", str(out), "--set", f"methods=[{names}]", "--no-progress"]
+        assert main([*argv, "--set", "baselines.seq_mse_candidates=4"]) == 0
+
+    after, alone = tmp_path / "after", tmp_path / "alone"
+    run(after, "quadapter")
+    assert phase2_runs == [1]
+    run(after, "quadapter,quadapter_seq_mse")
+    assert phase2_runs == [1], "the composition trained phase 2 again"
+    run(alone, "quadapter_seq_mse")
+    assert phase2_runs == [1, 1]
+    continued, computed = (_results(r)["cells"]["a/quadapter_seq_mse"] for r in (after, alone))
+    assert continued["info"]["continued_from"] == "a/quadapter"
+    assert "continued_from" not in computed["info"]
+    assert continued["fingerprint"] == computed["fingerprint"]
+    for text, value in computed["ppl"].items():
+        assert continued["ppl"][text] == pytest.approx(value, rel=1e-5), text
+    assert continued["ppl"] != _results(after)["cells"]["a/quadapter"]["ppl"]  # SeqMSE moved something
+
+
 def test_interrupted_run_keeps_finished_cells(world, tmp_path, monkeypatch):
     run = tmp_path / "run"
     common = ["run", str(world / "r.yaml"), "--out", str(run), "--no-progress", "--set", "methods=[fp,ptq,cle]"]

@@ -30,6 +30,9 @@ class MethodInfo:
     matched: tuple[str, ...] = ()
     # the AIMET technique it runs whose support AIMET limits (quant/llm_techniques.py, AIMET_SUPPORT)
     aimet: str | None = None
+    # the method whose saved state this one starts from, where that cell of the same seed and F-ID ran under
+    # the same settings; otherwise the method computes that state itself first
+    continues: str | None = None
 
     def __post_init__(self) -> None:
         for name in (*self.reads, *(u.partition(".")[0] for u in self.unused)):
@@ -68,8 +71,8 @@ CATALOG: dict[str, MethodInfo] = {
     # compositions: Quadapter (both phases) on SpinQuant's rotated model; AIMET's weight techniques on Quadapter's
     # folded model, its activation ranges kept
     "spinquant_quadapter": MethodInfo("SpinQuant + Quadapter", finetunes=True, aimet="spinquant"),
-    "quadapter_seq_mse": MethodInfo("Quadapter + SeqMSE", finetunes=True, from_bc=True),
-    "quadapter_adaround": MethodInfo("Quadapter + AdaRound", finetunes=True, from_bc=True),
+    "quadapter_seq_mse": MethodInfo("Quadapter + SeqMSE", finetunes=True, from_bc=True, continues="quadapter"),
+    "quadapter_adaround": MethodInfo("Quadapter + AdaRound", finetunes=True, from_bc=True, continues="quadapter"),
 }
 # Phase 1's own cell: the methods that continue from it share its result (and its settings' fingerprint).
 BC = "quadapter_bc"

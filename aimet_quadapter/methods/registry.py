@@ -66,6 +66,8 @@ class MethodContext:
     info: dict[str, dict] = field(default_factory=dict)
     # Held-out calibration text: phase 1 keeps its result only if no worse there than its start.
     validation: list[torch.Tensor] | None = None
+    # The saved state of the method this one continues from (catalog ``continues``), when the runner found it.
+    start: QuadapterState | None = None
     _bc: tuple[QuantizationSimModel, QuadapterResult] | None = None
 
 
@@ -333,10 +335,15 @@ def _spinquant_quadapter(ctx: MethodContext) -> QuantizationSimModel:
 
 
 def _after_quadapter(ctx: MethodContext, name: str, technique) -> QuantizationSimModel:
-    """Quadapter (both phases), then AIMET's ``technique(sim, folded_fp_model)`` on the weights of the folded
-    model; Quadapter's activation ranges stay as phase 2 left them."""
-    sim, result = _run_quadapter(ctx, name, None)
-    ctx.info[name] = technique(sim, result.state.folded_model(ctx.model, share_weights=True))
+    """Quadapter (both phases, or ``ctx.start``: its saved state), then AIMET's ``technique(sim, folded_fp_model)``
+    on the weights of the folded model; Quadapter's activation ranges stay as phase 2 left them."""
+    if ctx.start is not None:  # the state rebuilds phase 2's sim exactly (apply_phase2)
+        state = ctx.start
+        sim = state.build_sim(ctx.model, share_weights=True)
+    else:
+        sim, result = _run_quadapter(ctx, name, None)
+        state = result.state
+    ctx.info[name] = technique(sim, state.folded_model(ctx.model, share_weights=True))
     _save(ctx, name, QuadapterState.from_sim(sim, {}, method=name).with_weights(sim.model, ctx.model))
     return sim
 

@@ -11,7 +11,9 @@ Cells and what they are computed from:
 
 Methods that continue from Quadapter BC share one phase 1 per calibration set: the ``quadapter_bc`` cell's
 saved state, or, when that method is not in the recipe, a phase 1 run on the side and saved in the same
-place (``<run>/calib-<set>/quadapter_bc/``).
+place (``<run>/calib-<set>/quadapter_bc/``). A method that continues from another's result (catalog
+``continues``: Quadapter, then AIMET's SeqMSE) starts from that cell's saved state when the cell is done
+under the same settings, and computes it otherwise.
 
 ``results.json`` is rewritten (atomically) after every cell. A re-run skips every cell already there
 whose settings fingerprint is unchanged, so an interrupted matrix loses nothing finished; a cell whose
@@ -277,9 +279,12 @@ class RecipeRun:
                 if not self.catalog[m].finetunes:
                     continue
                 for size in sizes:
-                    key = f"{fid}/{m}" + (f"@{size}" if size else "") + tag
-                    cells.append(Cell(key, m, fid, self._calibration_of(fid), fid, size, self.seed))
+                    cells.append(self._finetune_cell(m, fid, size))
         return cells
+
+    def _finetune_cell(self, method: str, fid: str, size: int | None) -> Cell:
+        key = f"{fid}/{method}" + (f"@{size}" if size else "") + ("" if self.seed is None else f"#seed{self.seed}")
+        return Cell(key, method, fid, self._calibration_of(fid), fid, size, self.seed)
 
     # --- fingerprints ---------------------------------------------------------------------------------
     def _sections(self, names: tuple[str, ...]) -> dict:
@@ -727,6 +732,20 @@ class RecipeRun:
         self._bc[cal] = ctx.bc_state
         return ctx.bc_state
 
+    def _start_of(self, cell: Cell) -> tuple[str, QuadapterState] | None:
+        """The key and saved state of the cell ``cell`` continues from (catalog ``continues``: the same seed, F-ID
+        and size), where that cell is done under the settings it would have now; else None."""
+        from aimet_quadapter.quadapter.state import QuadapterState
+
+        origin = self.catalog[cell.method].continues
+        if origin is None or cell.fid is None or not (self.out_dir / RESULTS).is_file():
+            return None
+        before = self._finetune_cell(origin, cell.fid, cell.size)
+        state_file = self.out_dir / before.folder / f"{origin}.safetensors"
+        if not (self.is_done(load_results(self.out_dir), before) and state_file.is_file()):
+            return None
+        return before.key, QuadapterState.load(state_file)
+
     def run_cell(self, cell: Cell) -> dict:
         from aimet_quadapter.methods.registry import run_method
 
@@ -745,9 +764,14 @@ class RecipeRun:
         extra: dict = {}
         start = time.time()
         with PeakRSS() as peak:  # this cell's own peak, evaluation included
-            bc_state = self._bc_state(cell.calibration_set, extra) if spec.from_bc else None
+            origin = self._start_of(cell)
+            if origin is not None:
+                extra["continued_from"] = origin[0]
+                self._say(f"{cell.key} starts from the saved state of {origin[0]}")
+            bc_state = self._bc_state(cell.calibration_set, extra) if spec.from_bc and origin is None else None
             ctx = self._context(cell_dir, cell.calibration, cell.fid, cell.size)
             ctx.bc_state = bc_state
+            ctx.start = origin[1] if origin is not None else None
             method_start = time.time()
             evaluated = run_method(cell.method, ctx)
             method_time = time.time() - method_start
