@@ -17,6 +17,7 @@ from aimet_quadapter.testing import sample_corpus, toy_model
 
 quiet_libraries()
 ALL = "fp,ptq,spinquant,adascale,omniquant,fptquant,seq_mse,adaround,spinquant_quadapter,quadapter_seq_mse"
+ALL += ",spinquant_cle_phase2"  # the composition's matched baseline
 TINY_BUDGET = [
     "--phase1-steps", "2", "--phase2-steps", "2", "--phase2-batch-size", "1", "--phase2-seq-len", "32",
     "--baselines-adascale-iterations", "2", "--baselines-omniquant-iterations", "2",
@@ -57,7 +58,7 @@ def test_every_aimet_technique_and_composition_runs_from_the_command_line(checkp
     assert set(ALL.split(",")) - {"fp"} <= set(states)
     from aimet_quadapter.quadapter.state import QuadapterState
 
-    for name in ("spinquant", "fptquant", "adascale", "omniquant", "spinquant_quadapter"):
+    for name in ("spinquant", "fptquant", "adascale", "omniquant", "spinquant_quadapter", "spinquant_cle_phase2"):
         assert QuadapterState.load(states[name]).weights, f"{name}'s state lost its weights"
     assert not QuadapterState.load(states["ptq"]).weights
 
@@ -87,6 +88,31 @@ def test_a_technique_state_exports_and_verifies(name, tmp_path):
     )
     exported = export_quantized(rebuilt, tmp_path / "export", 32, verify_windows=list(corpus[4:6]))
     assert exported.manifest["verification"]
+
+
+@pytest.mark.parametrize("name", ["spinquant_quadapter", "spinquant_cle_phase2"])
+def test_a_rotated_training_state_rebuilds_the_sim_it_trained(name, tmp_path):
+    """A state of training on the rotated model holds the rotated weights unfolded and its alphas apart: folded
+    twice (alphas into weights that already carry them) or not rotated, the rebuilt sim would compute otherwise."""
+    from aimet_quadapter.methods.registry import MethodContext, run_method
+    from aimet_quadapter.quadapter.config import Phase1Parameters, Phase2Parameters, QuadapterParameters
+    from aimet_quadapter.quadapter.state import QuadapterState
+    from aimet_quadapter.text.data import eval_windows
+    from aimet_quadapter.text.perplexity import perplexity
+
+    model = toy_model("llama")
+    corpus = sample_corpus(model, 8, 32, seed=1)
+    params = QuadapterParameters(
+        phase1=Phase1Parameters(steps=2), phase2=Phase2Parameters(steps=2, batch_size=2, learn_ranges=True)
+    )
+    ctx = MethodContext(model, QuantPolicy(), [corpus[:2]], [corpus[2:4]], params, out_dir=tmp_path, progress=False)
+    sim = run_method(name, ctx)
+    state = QuadapterState.load(tmp_path / f"{name}.safetensors")
+    assert state.weights and state.alphas
+    windows = [w for row in corpus[4:8] for w in eval_windows(row, 32)]
+    assert perplexity(state.build_sim(model).model, windows, progress=False).ppl == pytest.approx(
+        perplexity(sim.model, windows, progress=False).ppl, rel=1e-5
+    )
 
 
 def test_an_order_576_hadamard_is_one_and_leaves_aimets_own_orders_alone():

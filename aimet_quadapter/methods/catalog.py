@@ -70,7 +70,16 @@ CATALOG: dict[str, MethodInfo] = {
     "omniquant": MethodInfo("OmniQuant", reads=("baselines",), aimet="omniquant"),
     # compositions: Quadapter (both phases) on SpinQuant's rotated model; AIMET's weight techniques on Quadapter's
     # folded model, its activation ranges kept
-    "spinquant_quadapter": MethodInfo("SpinQuant + Quadapter", finetunes=True, aimet="spinquant"),
+    "spinquant_quadapter": MethodInfo(
+        "SpinQuant + Quadapter", finetunes=True, aimet="spinquant", matched=("spinquant_cle_phase2", "quadapter")
+    ),
+    # its matched baseline: the same rotation and phase 2, CLE's alphas fixed and the ranges learning
+    "spinquant_cle_phase2": MethodInfo(
+        "SpinQuant + CLE + phase 2 (ranges)",
+        finetunes=True,
+        aimet="spinquant",
+        unused=("phase1", "phase2.lr_alpha", "phase2.learn_ranges"),
+    ),
     "quadapter_seq_mse": MethodInfo("Quadapter + SeqMSE", finetunes=True, from_bc=True, continues="quadapter"),
     "quadapter_adaround": MethodInfo("Quadapter + AdaRound", finetunes=True, from_bc=True, continues="quadapter"),
 }

@@ -283,15 +283,19 @@ def _train_sim(ctx: MethodContext, sim: QuantizationSimModel, name: str, **chang
     return sim
 
 
-@method("cle_phase2")
-def _cle_phase2(ctx: MethodContext) -> QuantizationSimModel:
-    """Quadapter's matched baseline: CLE's sim, then the recipe's phase 2 with the ranges trained, alphas fixed."""
-    name = "cle_phase2"
+def _cle_then_phase2(ctx: MethodContext, name: str) -> tuple[QuantizationSimModel, QuadapterSet]:
     _phase2(ctx, name)  # fail before calibrating when there is no fine-tuning data
     sim = build_sim(ctx.model, ctx.policy, share_weights=True)
     qset = apply_cle(sim, ctx.model, ctx.calibration, ctx.params.extra_sites)
     _train_sim(ctx, sim, name, learn_ranges=True)
-    _save(ctx, name, QuadapterState.from_sim(sim, qset.total_alpha(), method=name))
+    return sim, qset
+
+
+@method("cle_phase2")
+def _cle_phase2(ctx: MethodContext) -> QuantizationSimModel:
+    """Quadapter's matched baseline: CLE's sim, then the recipe's phase 2 with the ranges trained, alphas fixed."""
+    sim, qset = _cle_then_phase2(ctx, "cle_phase2")
+    _save(ctx, "cle_phase2", QuadapterState.from_sim(sim, qset.total_alpha(), method="cle_phase2"))
     return sim
 
 
@@ -331,6 +335,19 @@ def _spinquant_quadapter(ctx: MethodContext) -> QuantizationSimModel:
     sim, result = _run_quadapter(inner, name, None)
     ctx.info[name] = inner.info.get(BC, {})
     _save(ctx, name, result.state.with_weights(rotated, ctx.model))
+    return sim
+
+
+@method("spinquant_cle_phase2")
+def _spinquant_cle_phase2(ctx: MethodContext) -> QuantizationSimModel:
+    """``spinquant_quadapter``'s matched baseline: ``cle_phase2`` on SpinQuant's rotated model."""
+    name = "spinquant_cle_phase2"
+    _phase2(ctx, name)  # fail before rotating when there is no fine-tuning data
+    rotated = spinquant_model(ctx.model, ctx.baselines)
+    sim, qset = _cle_then_phase2(dataclasses.replace(ctx, model=rotated, bc_state=None, _bc=None), name)
+    # the rotated weights, unfolded: the state folds its alphas into them as into any FP weights
+    state = QuadapterState.from_sim(sim, qset.total_alpha(), method=name).with_weights(rotated, ctx.model)
+    _save(ctx, name, state)
     return sim
 
 
