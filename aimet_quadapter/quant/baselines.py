@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -100,16 +101,22 @@ def apply_adaround(
         if policy.target == "htp":  # AIMET quantizes the softmax input of its own sim of the FP model too
             set_mask_fill(fp_model, HTP_MASK_FILL)
         try:
-            rounded = Adaround.apply_adaround(
-                fp_model,
-                dummy,
-                ada_params,
-                path=str(folder),
-                filename_prefix="adaround",
-                default_param_bw=policy.weight_bits,
-                default_quant_scheme=aimet_quant_scheme(policy),
-                default_config_file=str(config),
-            )
+            with warnings.catch_warnings():
+                # AIMET traces the FP model (torch and transformers warn about the tracer) and reads its losses
+                # with float() of a tensor that requires grad: nothing the user can act on
+                warnings.simplefilter("ignore", FutureWarning)
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad=True to a scalar")
+                rounded = Adaround.apply_adaround(
+                    fp_model,
+                    dummy,
+                    ada_params,
+                    path=str(folder),
+                    filename_prefix="adaround",
+                    default_param_bw=policy.weight_bits,
+                    default_quant_scheme=aimet_quant_scheme(policy),
+                    default_config_file=str(config),
+                )
         finally:
             set_mask_fill(fp_model, None)
         encodings = folder / "adaround.encodings"
