@@ -326,6 +326,8 @@ def test_a_composition_starts_from_quadapters_saved_cell_and_ends_where_its_own_
     for text, value in computed["ppl"].items():
         assert continued["ppl"][text] == pytest.approx(value, rel=1e-5), text
     assert continued["ppl"] != _results(after)["cells"]["a/quadapter"]["ppl"]  # SeqMSE moved something
+    assert main(["report", str(after)]) == 0
+    assert "from a/quadapter's saved state; SeqMSE moved" in (after / "report.md").read_text()
 
 
 def test_interrupted_run_keeps_finished_cells(world, tmp_path, monkeypatch):

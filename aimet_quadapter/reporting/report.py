@@ -231,6 +231,9 @@ def info_text(info: dict) -> str:
     """What a method reported about itself (SeqMSE's changed ranges, Quadapter BC's check), for a table cell."""
     if not info:
         return ""
+    if "continued_from" in info:
+        rest = info_text({k: v for k, v in info.items() if k != "continued_from"})
+        return f"from {info['continued_from']}'s saved state" + (f"; {rest}" if rest else "")
     if "seq_mse_layers" in info:
         return (
             f"SeqMSE moved {info['seq_mse_layers_changed']} of {info['seq_mse_layers']} Linear weight ranges "
