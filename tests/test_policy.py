@@ -225,23 +225,6 @@ def test_building_and_calibrating_a_sim_shows_the_user_no_warning(arch, target):
     assert not shown, [f"{w.category.__name__}: {str(w.message)[:100]}" for w in shown]
 
 
-def test_adaround_shows_the_user_no_warning():
-    """AIMET's AdaRound traces the FP model again and reads its losses with float() of a tensor with grad."""
-    import warnings
-
-    from aimet_quadapter.quant.baselines import BaselineParameters, apply_adaround
-    from aimet_quadapter.testing import sample_corpus, toy_model
-
-    model = toy_model("llama")
-    batches = [sample_corpus(model, 2, 32, seed=1)]
-    sim = build_sim(model, QuantPolicy())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        apply_adaround(sim, model, batches, BaselineParameters(adaround_iterations=2))
-    shown = [w for w in caught if not issubclass(w.category, (DeprecationWarning, PendingDeprecationWarning))]
-    assert not shown, [f"{w.category.__name__}: {str(w.message)[:100]}" for w in shown]
-
-
 @pytest.mark.slow
 def test_quiet_libraries_keeps_aimets_log_lines_away_from_the_user(tiny_gpt2_dir):
     """:func:`quiet_libraries` (every command, ``load_model(quiet=True)``) silences AIMET's loggers for good:
