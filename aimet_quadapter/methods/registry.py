@@ -323,15 +323,20 @@ def _quadapter_bc_qat_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
     return _qat_on(ctx, quadapter_bc_start(ctx)[0], "quadapter_bc_qat_fixed_ranges", False)
 
 
+def _on_rotated(ctx: MethodContext, name: str) -> tuple[PreparedLM, MethodContext]:
+    """SpinQuant's rotated copy of the FP model, and a context whose FP model it is: its own phase 1 and
+    checkpoints, in this cell's folder."""
+    _phase2(ctx, name)  # fail before rotating when there is no fine-tuning data
+    rotated = spinquant_model(ctx.model, ctx.baselines)
+    return rotated, dataclasses.replace(ctx, model=rotated, bc_state=None, _bc=None, info={})
+
+
 @method("spinquant_quadapter")
 def _spinquant_quadapter(ctx: MethodContext) -> QuantizationSimModel:
     """Quadapter, both phases, on SpinQuant's rotated model: the rotated model is phase 1's FP reference (the same
     function), and its weights are what the alphas fold into."""
     name = "spinquant_quadapter"
-    _phase2(ctx, name)  # fail before rotating when there is no fine-tuning data
-    rotated = spinquant_model(ctx.model, ctx.baselines)
-    # its own phase 1 (of the rotated model) and checkpoints, in this cell's folder
-    inner = dataclasses.replace(ctx, model=rotated, bc_state=None, _bc=None, info={})
+    rotated, inner = _on_rotated(ctx, name)
     sim, result = _run_quadapter(inner, name, None)
     ctx.info[name] = inner.info.get(BC, {})
     _save(ctx, name, result.state.with_weights(rotated, ctx.model))
@@ -342,9 +347,8 @@ def _spinquant_quadapter(ctx: MethodContext) -> QuantizationSimModel:
 def _spinquant_cle_phase2(ctx: MethodContext) -> QuantizationSimModel:
     """``spinquant_quadapter``'s matched baseline: ``cle_phase2`` on SpinQuant's rotated model."""
     name = "spinquant_cle_phase2"
-    _phase2(ctx, name)  # fail before rotating when there is no fine-tuning data
-    rotated = spinquant_model(ctx.model, ctx.baselines)
-    sim, qset = _cle_then_phase2(dataclasses.replace(ctx, model=rotated, bc_state=None, _bc=None), name)
+    rotated, inner = _on_rotated(ctx, name)
+    sim, qset = _cle_then_phase2(inner, name)
     # the rotated weights, unfolded: the state folds its alphas into them as into any FP weights
     state = QuadapterState.from_sim(sim, qset.total_alpha(), method=name).with_weights(rotated, ctx.model)
     _save(ctx, name, state)

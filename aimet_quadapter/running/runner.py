@@ -264,7 +264,6 @@ class RecipeRun:
     def _plan(self) -> list[Cell]:
         methods = list(dict.fromkeys(self.recipe.methods))
         cells: list[Cell] = []
-        tag = "" if self.seed is None else f"#seed{self.seed}"
         for m in methods:
             if not self.catalog[m].calibrates:
                 cells.append(Cell(m, m, "-", None, None, None))
@@ -272,7 +271,7 @@ class RecipeRun:
             if not self.catalog[m].calibrates or self.catalog[m].finetunes:
                 continue
             for cal in self.calibration_sets:
-                cells.append(Cell(f"calib:{cal}/{m}{tag}", m, f"calib:{cal}", cal, None, None, self.seed))
+                cells.append(Cell(f"calib:{cal}/{m}{self._seed_tag}", m, f"calib:{cal}", cal, None, None, self.seed))
         sizes: list[int | None] = [*self.recipe.finetune_sizes] if self.recipe.finetune_sizes else [None]
         for fid in self.fids:
             for m in methods:
@@ -282,8 +281,13 @@ class RecipeRun:
                     cells.append(self._finetune_cell(m, fid, size))
         return cells
 
+    @property
+    def _seed_tag(self) -> str:
+        """How a cell's key names its seed."""
+        return "" if self.seed is None else f"#seed{self.seed}"
+
     def _finetune_cell(self, method: str, fid: str, size: int | None) -> Cell:
-        key = f"{fid}/{method}" + (f"@{size}" if size else "") + ("" if self.seed is None else f"#seed{self.seed}")
+        key = f"{fid}/{method}" + (f"@{size}" if size else "") + self._seed_tag
         return Cell(key, method, fid, self._calibration_of(fid), fid, size, self.seed)
 
     # --- fingerprints ---------------------------------------------------------------------------------
@@ -732,21 +736,22 @@ class RecipeRun:
         self._bc[cal] = ctx.bc_state
         return ctx.bc_state
 
-    def _start_of(self, cell: Cell) -> tuple[str, QuadapterState] | None:
+    def _start_of(self, cell: Cell, results: dict) -> tuple[str, QuadapterState] | None:
         """The key and saved state of the cell ``cell`` continues from (catalog ``continues``: the same seed, F-ID
-        and size), where that cell is done under the settings it would have now; else None."""
+        and size), where that cell is done in ``results`` under the settings it would have now; else None."""
         from aimet_quadapter.quadapter.state import QuadapterState
 
         origin = self.catalog[cell.method].continues
-        if origin is None or cell.fid is None or not (self.out_dir / RESULTS).is_file():
+        if origin is None or cell.fid is None:
             return None
         before = self._finetune_cell(origin, cell.fid, cell.size)
         state_file = self.out_dir / before.folder / f"{origin}.safetensors"
-        if not (self.is_done(load_results(self.out_dir), before) and state_file.is_file()):
+        if not (self.is_done(results, before) and state_file.is_file()):
             return None
         return before.key, QuadapterState.load(state_file)
 
-    def run_cell(self, cell: Cell) -> dict:
+    def run_cell(self, cell: Cell, results: dict) -> dict:
+        """Compute ``cell``; ``results``: the run's results so far (what a cell may continue from)."""
         from aimet_quadapter.methods.registry import run_method
 
         spec = self.catalog[cell.method]
@@ -764,7 +769,7 @@ class RecipeRun:
         extra: dict = {}
         start = time.time()
         with PeakRSS() as peak:  # this cell's own peak, evaluation included
-            origin = self._start_of(cell)
+            origin = self._start_of(cell, results)
             if origin is not None:
                 extra["continued_from"] = origin[0]
                 self._say(f"{cell.key} starts from the saved state of {origin[0]}")
@@ -872,7 +877,7 @@ class RecipeRun:
         for cell in bar:
             bar.set_postfix(cell=cell.key)
             try:
-                record = self.run_cell(cell)
+                record = self.run_cell(cell, results)
             except TrainingDiverged as exc:  # this method stops; the matrix goes on (a rerun tries it again)
                 record = self.failed_record(cell, str(exc))
             results["cells"][cell.key] = record
