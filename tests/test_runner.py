@@ -528,6 +528,21 @@ def test_a_cell_computed_under_other_library_versions_is_marked(base_run, tmp_pa
     assert "CLE (calib:a): torch 0.1.0" in report
 
 
+def test_a_cell_computed_by_other_code_of_this_package_is_marked(base_run, tmp_path):
+    """The package's version stays 0.1.0 while its code changes: the source hash tells two codes apart."""
+    from aimet_quadapter.versions import SOURCE, source_commit, source_hash
+
+    run = _copy(base_run, tmp_path)
+    results = _results(run)
+    assert {c["versions"][SOURCE] for c in results["cells"].values()} == {source_hash()}
+    assert all(c["commit"] == source_commit() for c in results["cells"].values())
+    results["cells"]["calib:a/cle"]["versions"][SOURCE] = "0123456789ab"
+    (run / "results.json").write_text(json.dumps(results))
+    assert main(["report", str(run)]) == 0
+    report = (run / "report.md").read_text()
+    assert f"CLE (calib:a): {SOURCE} 0123456789ab" in report and "PTQ (calib:a)" not in report
+
+
 def test_messages_go_to_stderr_at_the_level_asked_and_always_to_the_run_log(base_run, world, tmp_path, capsys):
     run = _copy(base_run, tmp_path)
     args = ["run", str(world / "r.yaml"), "--out", str(run), "--no-progress"]

@@ -49,7 +49,7 @@ from aimet_quadapter.methods.catalog import BC, CATALOG
 from aimet_quadapter.running.lock import RunLock
 from aimet_quadapter.running.recipes import Recipe, result_section
 from aimet_quadapter.running.results_file import FORMAT, RESULTS, load_results, write_results
-from aimet_quadapter.versions import library_versions
+from aimet_quadapter.versions import library_versions, source_commit
 
 if TYPE_CHECKING:  # imported when a run starts: the model code pulls in AIMET
     from aimet_quadapter.models import PreparedLM
@@ -822,6 +822,7 @@ class RecipeRun:
             # not in the fingerprint (a version bump would recompute every run folder): the report marks a
             # cell computed under other versions than the newest cell's
             "versions": library_versions(),
+            "commit": source_commit(),  # where to find the code that versions' source hash names
             # nor this (the same): torch's thread count orders Adam's and the matmuls' sums, so it changes what
             # training ends at; the report says where the seeds of one row ran under different counts
             "threads": torch.get_num_threads(),
