@@ -60,6 +60,8 @@ def test_every_aimet_technique_and_composition_runs_from_the_command_line(checkp
 
     for name in ("spinquant", "fptquant", "adascale", "omniquant", "spinquant_quadapter", "spinquant_cle_phase2"):
         assert QuadapterState.load(states[name]).weights, f"{name}'s state lost its weights"
+    for name, path in states.items():  # the export's manifest names the method from this
+        assert QuadapterState.load(path).metadata["method"] == name
     assert not QuadapterState.load(states["ptq"]).weights
 
 

@@ -423,6 +423,9 @@ def _write_dir(ctx: MethodContext) -> Path | None:
 def _save(ctx: MethodContext, name: str, state: QuadapterState) -> None:
     folder = _write_dir(ctx)
     if folder is not None:
+        # the method that made it, not the one it continued (a composition's Quadapter state says "quadapter"):
+        # the export's manifest and `eval` name it from this
+        state = dataclasses.replace(state, metadata={**state.metadata, "method": name})
         state.save(folder / f"{name}.safetensors")
 
 
