@@ -624,11 +624,17 @@ def test_seeds_and_cells_run_in_other_folders_merge_into_one(world, tmp_path, ca
 
 def test_runs_of_two_checkouts_merge_their_texts_by_content(world, tmp_path, capsys):
     """A second checkout holds the same texts at another path: its cells are the same cells, and merge adds them
-    (the fingerprint names a local text by its content); a text that differs still keeps the runs apart."""
-    other = Path(shutil.copytree(world, tmp_path / "checkout", ignore=shutil.ignore_patterns("model")))
-    (other / "r.yaml").write_text(RECIPE.replace("model: ./model", f"model: {world / 'model'}"))
+    (the fingerprint names a local text by its content, and data_dirs is where to look, not a setting); a text that
+    differs still keeps the runs apart."""
+    recipe = RECIPE.replace("model: ./model", f"model: {world / 'model'}") + "data_dirs: [.]\n"
+    first, other = (
+        Path(shutil.copytree(world, tmp_path / name, ignore=shutil.ignore_patterns("model")))
+        for name in ("checkout", "checkout2")
+    )
+    for checkout in (first, other):
+        (checkout / "r.yaml").write_text(recipe)
     argv = ["--no-progress", "--set", "methods=[fp,ptq]"]
-    assert main(["run", str(world / "r.yaml"), "--out", str(tmp_path / "a"), *argv, "--set", "seeds=[0]"]) == 0
+    assert main(["run", str(first / "r.yaml"), "--out", str(tmp_path / "a"), *argv, "--set", "seeds=[0]"]) == 0
     assert main(["run", str(other / "r.yaml"), "--out", str(tmp_path / "b"), *argv, "--set", "seeds=[1]"]) == 0
     a, b = _results(tmp_path / "a"), _results(tmp_path / "b")
     assert a["cells"]["fp"]["fingerprint"] == b["cells"]["fp"]["fingerprint"]
