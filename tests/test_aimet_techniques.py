@@ -17,7 +17,7 @@ from aimet_quadapter.testing import sample_corpus, toy_model
 
 quiet_libraries()
 ALL = "fp,ptq,spinquant,adascale,omniquant,fptquant,seq_mse,adaround,spinquant_quadapter,quadapter_seq_mse"
-ALL += ",spinquant_cle_phase2"  # the composition's matched baseline
+ALL += ",spinquant_cle_phase2,quadapter_adaround"  # spinquant_quadapter's matched baseline; Quadapter then AdaRound
 TINY_BUDGET = [
     "--phase1-steps", "2", "--phase2-steps", "2", "--phase2-batch-size", "1", "--phase2-seq-len", "32",
     "--baselines-adascale-iterations", "2", "--baselines-omniquant-iterations", "2",
