@@ -4,6 +4,7 @@ where AIMET refuses, composed with Quadapter, and exported as plain weights."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -44,7 +45,11 @@ def test_every_aimet_technique_and_composition_runs_from_the_command_line(checkp
     argv += ["--seq-len", "32", "--max-tokens", "128", "--calib-samples", "2", "--calib-len", "32", *TINY_BUDGET]
     # AdaScale and OmniQuant: AIMET's symmetric weights (asymmetric ones are refused, tested below)
     argv += ["--policy-symmetric-weights", "--out", str(tmp_path / "run"), "--json", str(out)]
-    assert main(argv) == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(argv) == 0
+    # AIMET's OmniQuant steps a shared scale once per quantizer holding it (docs/method.md): nothing to act on
+    assert not [w for w in caught if "duplicate parameters" in str(w.message)]
     cells = {c["method"]: c for c in json.loads(out.read_text())["cells"].values()}
     assert set(cells) == set(ALL.split(","))
     fp = cells["fp"]["ppl"][corpus_dir.stem]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import tempfile
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -150,7 +151,14 @@ def apply_omniquant(
 
     params = params or BaselineParameters()
     batches = [row[None] for batch in calibration for row in batch]
-    with tempfile.TemporaryDirectory(prefix="aimet-quadapter-omniquant-") as folder, omniquant_view(sim) as omniquant:
+    with (
+        tempfile.TemporaryDirectory(prefix="aimet-quadapter-omniquant-") as folder,
+        omniquant_view(sim) as omniquant,
+        warnings.catch_warnings(),
+    ):
+        # AIMET lists a shared transform scale once per quantizer holding it; torch warns of the duplicate
+        # parameters, which docs/method.md explains and the user cannot change
+        warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
         omniquant(sim, batches, forward_fn=_forward, num_iterations=params.omniquant_iterations, output_path=folder)
     calibrate(sim, list(calibration))
     return {"omniquant_iterations": params.omniquant_iterations}
