@@ -128,7 +128,7 @@ def _transformed_ptq(ctx: MethodContext, name: str, model: PreparedLM) -> Quanti
     """PTQ of ``model``, an FP-equivalent transform of the FP model; its state carries the transformed weights."""
     sim = build_sim(model, ctx.policy, in_place=True)  # the transformed copy is this sim's alone
     calibrate(sim, ctx.calibration)
-    _save(ctx, name, QuadapterState.from_sim(sim, {}, method=name).with_weights(sim.model, ctx.model))
+    _save(ctx, name, QuadapterState.from_sim(sim, {}).with_weights(sim.model, ctx.model))
     return sim
 
 
@@ -145,7 +145,7 @@ def _fptquant(ctx: MethodContext) -> QuantizationSimModel:
 def _reconstructed(ctx: MethodContext, name: str, technique) -> QuantizationSimModel:
     sim = build_sim(ctx.model, ctx.policy)  # weights of its own: AIMET writes the learned ones in place
     ctx.info[name] = technique(sim, ctx.model, ctx.calibration, ctx.baselines)
-    _save(ctx, name, QuadapterState.from_sim(sim, {}, method=name).with_weights(sim.model, ctx.model))
+    _save(ctx, name, QuadapterState.from_sim(sim, {}).with_weights(sim.model, ctx.model))
     return sim
 
 
@@ -163,7 +163,7 @@ def _omniquant(ctx: MethodContext) -> QuantizationSimModel:
 def _cle(ctx: MethodContext) -> QuantizationSimModel:
     sim = build_sim(ctx.model, ctx.policy, share_weights=True)
     qset = apply_cle(sim, ctx.model, ctx.calibration, ctx.params.extra_sites)
-    _save(ctx, "cle", QuadapterState.from_sim(sim, qset.total_alpha(), method="cle"))
+    _save(ctx, "cle", QuadapterState.from_sim(sim, qset.total_alpha()))
     return sim
 
 
@@ -295,7 +295,7 @@ def _cle_then_phase2(ctx: MethodContext, name: str) -> tuple[QuantizationSimMode
 def _cle_phase2(ctx: MethodContext) -> QuantizationSimModel:
     """Quadapter's matched baseline: CLE's sim, then the recipe's phase 2 with the ranges trained, alphas fixed."""
     sim, qset = _cle_then_phase2(ctx, "cle_phase2")
-    _save(ctx, "cle_phase2", QuadapterState.from_sim(sim, qset.total_alpha(), method="cle_phase2"))
+    _save(ctx, "cle_phase2", QuadapterState.from_sim(sim, qset.total_alpha()))
     return sim
 
 
@@ -350,7 +350,7 @@ def _spinquant_cle_phase2(ctx: MethodContext) -> QuantizationSimModel:
     rotated, inner = _on_rotated(ctx, name)
     sim, qset = _cle_then_phase2(inner, name)
     # the rotated weights, unfolded: the state folds its alphas into them as into any FP weights
-    state = QuadapterState.from_sim(sim, qset.total_alpha(), method=name).with_weights(rotated, ctx.model)
+    state = QuadapterState.from_sim(sim, qset.total_alpha()).with_weights(rotated, ctx.model)
     _save(ctx, name, state)
     return sim
 
@@ -365,7 +365,7 @@ def _after_quadapter(ctx: MethodContext, name: str, technique) -> QuantizationSi
         sim, result = _run_quadapter(ctx, name, None)
         state = result.state
     ctx.info[name] = technique(sim, state.folded_model(ctx.model, share_weights=True))
-    _save(ctx, name, QuadapterState.from_sim(sim, {}, method=name).with_weights(sim.model, ctx.model))
+    _save(ctx, name, QuadapterState.from_sim(sim, {}).with_weights(sim.model, ctx.model))
     return sim
 
 
@@ -411,7 +411,7 @@ def run_method(name: str, ctx: MethodContext):
     folder = _write_dir(ctx)
     if isinstance(out, QuantizationSimModel) and folder is not None and not (folder / f"{name}.safetensors").exists():
         # every quantized row can be exported: its ranges, and the weights it changed (AdaRound's, QAT's)
-        _save(ctx, name, QuadapterState.from_sim(out, {}, method=name).with_weights(out.model, ctx.model))
+        _save(ctx, name, QuadapterState.from_sim(out, {}).with_weights(out.model, ctx.model))
     return out
 
 
@@ -423,8 +423,8 @@ def _write_dir(ctx: MethodContext) -> Path | None:
 def _save(ctx: MethodContext, name: str, state: QuadapterState) -> None:
     folder = _write_dir(ctx)
     if folder is not None:
-        # the method that made it, not the one it continued (a composition's Quadapter state says "quadapter"):
-        # the export's manifest and `eval` name it from this
+        # the method that made it, set here for every state the registry saves (a composition continues a state
+        # that says "quadapter"): the export's manifest and `eval` name it from this
         state = dataclasses.replace(state, metadata={**state.metadata, "method": name})
         state.save(folder / f"{name}.safetensors")
 
