@@ -3,6 +3,7 @@ about options, files and datasets come before any model is loaded."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -264,73 +265,83 @@ def _cli(argv: list[str]) -> subprocess.CompletedProcess:
     )
 
 
-def test_importing_the_package_raises_no_future_warning():
-    """aimet's `aimet_common` package warns on import; the package imports AIMET where it does not."""
-    code = (
-        "import aimet_quadapter.cli, aimet_quadapter.methods.registry, aimet_quadapter.export.exporter, "
-        "aimet_quadapter.quant.baselines"
-    )
-    env = {**os.environ, "PYTHONWARNINGS": "error::FutureWarning"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-
-
 # AIMET, and the transformers modelling code (its tokenizers and image processors are light, and some versions
 # import those with the package)
 HEAVY = r"aimet_torch(\.|$)|transformers\.modeling_utils$|transformers\.models\.[^.]+\.modeling_"
 
+BAD_INPUTS = {
+    "eval option": ["eval", "--model", "{model}", "--dataset", "{corpus}", "--phase1-steps", "-5"],
+    "eval dataset": ["eval", "--model", "{model}", "--dataset", "{tmp}/missing.txt"],
+    "run --set": ["run", "{tmp}/r.yaml", "--set", "phase2.steps=-1"],
+    "export state": ["export", "{tmp}/none.safetensors", "--model", "{model}", "--out", "{tmp}/e"],
+}
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["eval", "--model", "{model}", "--dataset", "{corpus}", "--phase1-steps", "-5"],
-        ["eval", "--model", "{model}", "--dataset", "{tmp}/missing.txt"],
-        ["run", "{tmp}/r.yaml", "--set", "phase2.steps=-1"],
-        ["export", "{tmp}/none.safetensors", "--model", "{model}", "--out", "{tmp}/e"],
-    ],
-    ids=["eval option", "eval dataset", "run --set", "export state"],
-)
-def test_bad_input_is_refused_without_importing_aimet_or_model_code(argv, tmp_path, tiny_gpt2_dir, corpus_dir):
+# One fresh interpreter for the checks below, in this order: each import check counts what is new since the
+# interpreter started, so a bad input that imports AIMET is seen at it and at every later one (the --no-progress
+# command is a bad input too: a missing text).
+_FRESH_INTERPRETER = """
+import json, re, sys, warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    before = set(sys.modules)
+    heavy = re.compile(HEAVY)
+    new_heavy = lambda: sorted(m for m in set(sys.modules) - before if heavy.match(m))[:5]
+    from aimet_quadapter.cli import main
+    main(NO_PROGRESS)  # first: tqdm reads its settings once, when the first command imports it
+    from tqdm.auto import tqdm
+    found = {"library bar disabled": tqdm(range(2), desc="a library bar").disable, "bad": {}}
+    for name, argv in BAD.items():
+        found["bad"][name] = [main(argv), new_heavy()]
+    import transformers
+    transformers.GPT2LMHeadModel
+    found["model code seen"] = new_heavy()
+    import aimet_quadapter.cli, aimet_quadapter.methods.registry, aimet_quadapter.export.exporter
+    import aimet_quadapter.quant.baselines
+found["future warnings"] = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if w.category is FutureWarning]
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_interpreter(tmp_path_factory, tiny_gpt2_dir, corpus_dir) -> tuple[dict, str]:
+    """What a fresh interpreter saw: an interpreter costs seconds (torch's import), so the checks share one."""
+    tmp = tmp_path_factory.mktemp("fresh")
+    (tmp / "r.yaml").write_text(RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_dir))
+    bad = {k: [a.format(model=tiny_gpt2_dir, corpus=corpus_dir, tmp=tmp) for a in v] for k, v in BAD_INPUTS.items()}
+    no_progress = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(tmp / "none.txt"), "--no-progress"]
+    code = f"HEAVY = {HEAVY!r}\nBAD = {bad!r}\nNO_PROGRESS = {no_progress!r}\n" + _FRESH_INTERPRETER
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TQDM_")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_is_refused_without_importing_aimet_or_model_code(name, fresh_interpreter):
     """AIMET's import alone takes seconds on a CPU: a bad input must be refused without it (and without the
     transformers modelling code), so that a typo costs the time of reading the recipe. Counted against what the
     interpreter held before the package was imported: an environment may preload packages of its own."""
-    (tmp_path / "r.yaml").write_text(RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_dir))
-    args = [a.format(model=tiny_gpt2_dir, corpus=corpus_dir, tmp=tmp_path) for a in argv]
-    code = (
-        "import re, sys\nbefore = set(sys.modules)\nfrom aimet_quadapter.cli import main\n"
-        f"rc = main({args!r})\n"
-        f"heavy = re.compile({HEAVY!r})\n"
-        "print(rc, sorted(m for m in set(sys.modules) - before if heavy.match(m))[:5])\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.stdout.strip().splitlines()[-1] == "2 []", done.stdout + done.stderr[-2000:]
+    found, stderr = fresh_interpreter
+    assert found["bad"][name] == [2, []], stderr[-2000:]
 
 
-def test_the_import_check_sees_model_code():
+def test_the_import_check_sees_model_code(fresh_interpreter):
     """The check above can fail: loading a model's class is seen."""
-    code = (
-        "import re, sys\nbefore = set(sys.modules)\nimport transformers\n"
-        "transformers.GPT2LMHeadModel\n"
-        f"heavy = re.compile({HEAVY!r})\n"
-        "print(sorted(m for m in set(sys.modules) - before if heavy.match(m)))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert "transformers.models.gpt2.modeling_gpt2" in done.stdout, done.stdout + done.stderr[-2000:]
+    found, stderr = fresh_interpreter
+    assert "transformers.models.gpt2.modeling_gpt2" in found["model code seen"], stderr[-2000:]
 
 
-def test_no_progress_reaches_the_libraries_own_bars(tmp_path, tiny_gpt2_dir):
+def test_no_progress_reaches_the_libraries_own_bars(fresh_interpreter):
     """transformers' GGUF loading bar takes no switch: --no-progress must still silence a bar like it."""
-    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(tmp_path / "none.txt"), "--no-progress"]
-    code = (
-        "from aimet_quadapter.cli import main\n"
-        f"main({argv!r})\n"
-        "from tqdm.auto import tqdm\n"
-        "print(tqdm(range(2), desc='a library bar').disable)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TQDM_")}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert done.stdout.strip().splitlines()[-1] == "True", done.stdout + done.stderr[-2000:]
-    assert "a library bar" not in done.stderr
+    found, stderr = fresh_interpreter
+    assert found["library bar disabled"] is True
+    assert "a library bar" not in stderr
+
+
+def test_importing_the_package_raises_no_future_warning(fresh_interpreter):
+    """aimet's `aimet_common` package warns on import; the package imports AIMET where it does not."""
+    found, _ = fresh_interpreter
+    assert found["future warnings"] == []
 
 
 def test_an_export_without_the_disk_it_needs_is_one_line_before_the_sim(

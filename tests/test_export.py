@@ -24,7 +24,7 @@ from aimet_quadapter.export.exporter import (
     export_quantized,
     verify_export,
 )
-from aimet_quadapter.export.formats import ENCODINGS, QDQ_ONNX
+from aimet_quadapter.export.formats import ENCODING_VERSION, ENCODINGS, QDQ_ONNX
 from aimet_quadapter.export.hf import HFCheckpoint, load_hf_export
 from aimet_quadapter.export.lean import gather_external_data, opset_imports
 from aimet_quadapter.export.onnx_eval import OnnxLM, graph_tensor_names, qdq_graph_encodings, read_encodings
@@ -83,6 +83,18 @@ def test_export_after_ptq_matches_the_sim(toy, version, tmp_path):
     result = export_quantized(
         sim, out, SEQ, version, verify_windows=toy["verify"], model_name="toy", method=toy["state"].metadata["method"]
     )
+    _check_ptq_export(sim, before, out, result, version, toy["held_out"])
+    assert not list(tmp_path.glob(".export.*"))
+
+
+def test_the_gpt2_export_matches_the_sim(gpt2_export):
+    """The quick suite's case of the test above: the export the verification tests below break copies of."""
+    sim, out, _, (before, result, held_out) = gpt2_export
+    _check_ptq_export(sim, before, out, result, ENCODING_VERSION, held_out)
+    assert not list(out.parent.glob(".export.*"))
+
+
+def _check_ptq_export(sim, before: dict, out: Path, result, version: str, held_out: torch.Tensor) -> None:
     # the weights parked on disk during AIMET's exports are back, bit for bit
     after = dict(sim.model.named_parameters())
     assert after.keys() == before.keys()
@@ -116,8 +128,7 @@ def test_export_after_ptq_matches_the_sim(toy, version, tmp_path):
         assert agreement.top1_agreement == 1.0
     # the encodings file applied to the FP graph computes what AIMET's QDQ graph computes, to the bit
     assert report.encodings_vs_qdq.max_abs_logit_diff == 0.0
-    assert _exported_equals_sim(sim, out, toy["held_out"]) < 1e-5
-    assert not list(tmp_path.glob(".export.*"))
+    assert _exported_equals_sim(sim, out, held_out) < 1e-5
 
 
 def test_export_after_quadapter(toy, tmp_path):
@@ -334,13 +345,16 @@ def test_a_state_of_separate_shared_ranges_is_refused_or_merged(tmp_path):
 
 @pytest.fixture(scope="module")
 def gpt2_export(tmp_path_factory):
+    """A PTQ export of the GPT-2 toy, the sim it came from, its verification windows, and (the weights before the
+    export, its result, held-out text)."""
     model = toy_model("gpt2")
-    corpus = sample_corpus(model, 6, SEQ, seed=2)
+    corpus = sample_corpus(model, 7, SEQ, seed=2)
     sim = build_sim(model)
     calibrate(sim, [corpus[:2]])
+    before = {name: p.detach().clone() for name, p in sim.model.named_parameters()}
     out = tmp_path_factory.mktemp("exports") / "gpt2"
-    export_quantized(sim, out, SEQ, verify_windows=list(corpus[2:4]))
-    return sim, out, list(corpus[2:4])
+    result = export_quantized(sim, out, SEQ, verify_windows=list(corpus[2:4]), model_name="toy", method="ptq")
+    return sim, out, list(corpus[2:4]), (before, result, corpus[6:7])
 
 
 def _broken_copy(src: Path, dst: Path, edit) -> Path:
@@ -352,7 +366,7 @@ def _broken_copy(src: Path, dst: Path, edit) -> Path:
 
 
 def test_name_check_catches_a_renamed_entry(gpt2_export, tmp_path):
-    sim, out, windows = gpt2_export
+    sim, out, windows, _ = gpt2_export
     verify_export(sim, out, windows)  # the export as written passes
 
     def rename(enc):
@@ -364,7 +378,7 @@ def test_name_check_catches_a_renamed_entry(gpt2_export, tmp_path):
 
 
 def test_coverage_check_catches_a_missing_entry(gpt2_export, tmp_path):
-    sim, out, windows = gpt2_export
+    sim, out, windows, _ = gpt2_export
 
     def drop(enc):
         enc["param_encodings"] = [e for e in enc["param_encodings"] if "c_fc" not in e["name"]]
@@ -376,7 +390,7 @@ def test_coverage_check_catches_a_missing_entry(gpt2_export, tmp_path):
 
 def test_value_checks_catch_a_wrong_scale_or_offset(gpt2_export, tmp_path):
     """A wrong scale is caught by value; a wrong offset by running the FP graph with the encodings applied."""
-    sim, out, windows = gpt2_export
+    sim, out, windows, _ = gpt2_export
 
     def entry(enc):
         return next(e for e in enc["activation_encodings"] if "ln_2" in e["name"])
@@ -415,7 +429,7 @@ def _corrupt_qdq_then_verify(monkeypatch):
 
 
 def test_failed_verification_leaves_no_output(gpt2_export, tmp_path, monkeypatch):
-    sim, _, windows = gpt2_export
+    sim, _, windows, _ = gpt2_export
     _corrupt_qdq_then_verify(monkeypatch)
     with pytest.raises(QuadapterError, match="does not compute what the sim computes: qdq"):
         export_quantized(sim, tmp_path / "out", SEQ, verify_windows=windows)
@@ -424,7 +438,7 @@ def test_failed_verification_leaves_no_output(gpt2_export, tmp_path, monkeypatch
 
 @pytest.mark.slow
 def test_failed_verification_keeps_the_previous_export(gpt2_export, tmp_path):
-    sim, out, windows = gpt2_export
+    sim, out, windows, _ = gpt2_export
     previous = shutil.copytree(out, tmp_path / "out")
     before = {p.name: p.read_bytes() for p in previous.iterdir()}
     impossible = Tolerance(ppl_rtol=-1.0)
@@ -438,7 +452,7 @@ def test_failed_verification_keeps_the_previous_export(gpt2_export, tmp_path):
 
 @pytest.mark.slow
 def test_dynamic_length(gpt2_export, tmp_path):
-    sim, _, windows = gpt2_export
+    sim, _, windows, _ = gpt2_export
     out = tmp_path / "dyn"
     result = export_quantized(sim, out, SEQ, verify_windows=windows, dynamic_length=True)
     assert result.manifest["input"]["shape"] == [1, "sequence"]
@@ -452,7 +466,7 @@ def test_dynamic_length(gpt2_export, tmp_path):
 
 
 def test_fixed_length_graph_pads_short_windows_exactly(gpt2_export):
-    sim, out, windows = gpt2_export
+    sim, out, windows, _ = gpt2_export
     lm = OnnxLM(out / QDQ_ONNX)
     assert lm.fixed_len == SEQ
     ids = windows[1][:11].unsqueeze(0)

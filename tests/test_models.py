@@ -210,6 +210,7 @@ def _offline_file(alias: str):
     return Path(folder) / name
 
 
+@pytest.mark.slow  # reads the real SmolLM2 file, as the other slow tests do
 @pytest.mark.parametrize("alias", ["smollm2-135m"])
 def test_offline_alias_declares_its_files_context_length(alias):
     """The length checks read the alias's declared positions instead of parsing the GGUF: it must be the file's."""
@@ -223,6 +224,7 @@ def test_offline_alias_declares_its_files_context_length(alias):
     assert int(fields[key].parts[fields[key].data[0]][0]) == OFFLINE_MODELS[alias].positions == max_positions(alias)
 
 
+@pytest.mark.slow  # converts the real SmolLM2 file's tokenizer
 def test_offline_tokenizer_is_cached_and_equal_to_the_converted_one(tmp_path, monkeypatch):
     """The tokenizer converted from the GGUF is kept in the cache; a second load reads it and tokenizes alike."""
     from aimet_quadapter.models import loading

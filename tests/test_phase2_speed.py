@@ -127,6 +127,7 @@ def _kernels(fn) -> int:
     return count
 
 
+@pytest.mark.slow  # compiles and profiles two phase-2 runs of a six-block model: the suite's `-m slow` part
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_a_phase2_step_launches_at_most_twice_the_kernels_of_an_fp_step(family):
     # six blocks: the real models have 12 to 30, so a step's fixed share (embedding, loss, optimizer) weighs less
