@@ -6,6 +6,7 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
@@ -87,11 +88,11 @@ def test_export_after_ptq_matches_the_sim(toy, version, tmp_path):
     assert not list(tmp_path.glob(".export.*"))
 
 
-def test_the_gpt2_export_matches_the_sim(gpt2_export):
+def test_the_gpt2_export_matches_the_sim(gpt2_export_run):
     """The quick suite's case of the test above: the export the verification tests below break copies of."""
-    sim, out, _, (before, result, held_out) = gpt2_export
-    _check_ptq_export(sim, before, out, result, ENCODING_VERSION, held_out)
-    assert not list(out.parent.glob(".export.*"))
+    run = gpt2_export_run
+    _check_ptq_export(run.sim, run.before, run.out, run.result, ENCODING_VERSION, run.held_out)
+    assert not list(run.out.parent.glob(".export.*"))
 
 
 def _check_ptq_export(sim, before: dict, out: Path, result, version: str, held_out: torch.Tensor) -> None:
@@ -343,10 +344,18 @@ def test_a_state_of_separate_shared_ranges_is_refused_or_merged(tmp_path):
     assert [sorted(row["quantizers"]) for row in exported.manifest["shared_ranges_merged"]] == [sorted(keys)]
 
 
+class _ExportRun(NamedTuple):
+    sim: Any
+    out: Path
+    windows: list[torch.Tensor]
+    before: dict[str, torch.Tensor]  # the sim's weights before the export
+    result: Any
+    held_out: torch.Tensor
+
+
 @pytest.fixture(scope="module")
-def gpt2_export(tmp_path_factory):
-    """A PTQ export of the GPT-2 toy, the sim it came from, its verification windows, and (the weights before the
-    export, its result, held-out text)."""
+def gpt2_export_run(tmp_path_factory) -> _ExportRun:
+    """A PTQ export of the GPT-2 toy, and what a check of it needs."""
     model = toy_model("gpt2")
     corpus = sample_corpus(model, 7, SEQ, seed=2)
     sim = build_sim(model)
@@ -354,7 +363,13 @@ def gpt2_export(tmp_path_factory):
     before = {name: p.detach().clone() for name, p in sim.model.named_parameters()}
     out = tmp_path_factory.mktemp("exports") / "gpt2"
     result = export_quantized(sim, out, SEQ, verify_windows=list(corpus[2:4]), model_name="toy", method="ptq")
-    return sim, out, list(corpus[2:4]), (before, result, corpus[6:7])
+    return _ExportRun(sim, out, list(corpus[2:4]), before, result, corpus[6:7])
+
+
+@pytest.fixture(scope="module")
+def gpt2_export(gpt2_export_run):
+    """The export, the sim it came from, and its verification windows."""
+    return gpt2_export_run[:3]
 
 
 def _broken_copy(src: Path, dst: Path, edit) -> Path:
@@ -366,7 +381,7 @@ def _broken_copy(src: Path, dst: Path, edit) -> Path:
 
 
 def test_name_check_catches_a_renamed_entry(gpt2_export, tmp_path):
-    sim, out, windows, _ = gpt2_export
+    sim, out, windows = gpt2_export
     verify_export(sim, out, windows)  # the export as written passes
 
     def rename(enc):
@@ -378,7 +393,7 @@ def test_name_check_catches_a_renamed_entry(gpt2_export, tmp_path):
 
 
 def test_coverage_check_catches_a_missing_entry(gpt2_export, tmp_path):
-    sim, out, windows, _ = gpt2_export
+    sim, out, windows = gpt2_export
 
     def drop(enc):
         enc["param_encodings"] = [e for e in enc["param_encodings"] if "c_fc" not in e["name"]]
@@ -390,7 +405,7 @@ def test_coverage_check_catches_a_missing_entry(gpt2_export, tmp_path):
 
 def test_value_checks_catch_a_wrong_scale_or_offset(gpt2_export, tmp_path):
     """A wrong scale is caught by value; a wrong offset by running the FP graph with the encodings applied."""
-    sim, out, windows, _ = gpt2_export
+    sim, out, windows = gpt2_export
 
     def entry(enc):
         return next(e for e in enc["activation_encodings"] if "ln_2" in e["name"])
@@ -429,7 +444,7 @@ def _corrupt_qdq_then_verify(monkeypatch):
 
 
 def test_failed_verification_leaves_no_output(gpt2_export, tmp_path, monkeypatch):
-    sim, _, windows, _ = gpt2_export
+    sim, _, windows = gpt2_export
     _corrupt_qdq_then_verify(monkeypatch)
     with pytest.raises(QuadapterError, match="does not compute what the sim computes: qdq"):
         export_quantized(sim, tmp_path / "out", SEQ, verify_windows=windows)
@@ -438,7 +453,7 @@ def test_failed_verification_leaves_no_output(gpt2_export, tmp_path, monkeypatch
 
 @pytest.mark.slow
 def test_failed_verification_keeps_the_previous_export(gpt2_export, tmp_path):
-    sim, out, windows, _ = gpt2_export
+    sim, out, windows = gpt2_export
     previous = shutil.copytree(out, tmp_path / "out")
     before = {p.name: p.read_bytes() for p in previous.iterdir()}
     impossible = Tolerance(ppl_rtol=-1.0)
@@ -452,7 +467,7 @@ def test_failed_verification_keeps_the_previous_export(gpt2_export, tmp_path):
 
 @pytest.mark.slow
 def test_dynamic_length(gpt2_export, tmp_path):
-    sim, _, windows, _ = gpt2_export
+    sim, _, windows = gpt2_export
     out = tmp_path / "dyn"
     result = export_quantized(sim, out, SEQ, verify_windows=windows, dynamic_length=True)
     assert result.manifest["input"]["shape"] == [1, "sequence"]
@@ -466,7 +481,7 @@ def test_dynamic_length(gpt2_export, tmp_path):
 
 
 def test_fixed_length_graph_pads_short_windows_exactly(gpt2_export):
-    sim, out, windows, _ = gpt2_export
+    sim, out, windows = gpt2_export
     lm = OnnxLM(out / QDQ_ONNX)
     assert lm.fixed_len == SEQ
     ids = windows[1][:11].unsqueeze(0)
