@@ -622,6 +622,27 @@ def test_seeds_and_cells_run_in_other_folders_merge_into_one(world, tmp_path, ca
     assert (tmp_path / "a" / "seed-0" / "calib-a" / "cle").is_dir()
 
 
+def test_a_recipe_of_another_name_with_the_same_settings_merges(world, tmp_path, capsys):
+    """Two recipe files that differ only in ``methods`` (the paper's tables) compute the same cells: a run of one
+    merges into a run of the other; a file that differs in a setting is refused, naming the field."""
+    (world / "other-name.yaml").write_text((world / "r.yaml").read_text())
+    (world / "longer.yaml").write_text((world / "r.yaml").read_text().replace("max_tokens: 320", "max_tokens: 256"))
+    argv = ["--no-progress", "--set", "methods=[fp,ptq]"]
+    assert main(["run", str(world / "r.yaml"), "--out", str(tmp_path / "a"), *argv, "--set", "seeds=[0]"]) == 0
+    for name in ("other-name", "longer"):
+        out = str(tmp_path / name)
+        assert main(["run", str(world / f"{name}.yaml"), "--out", out, *argv, "--set", "seeds=[1]"]) == 0
+    capsys.readouterr()
+
+    assert main(["merge", str(tmp_path / "a"), str(tmp_path / "longer")]) == 2
+    err = capsys.readouterr().err
+    assert "a run of recipe longer, which the destination never ran" in err and "field eval.max_tokens" in err
+    assert main(["merge", str(tmp_path / "a"), str(tmp_path / "other-name")]) == 0
+    assert f"added to {tmp_path / 'a'}: calib:a/ptq#seed1\n" in capsys.readouterr().out
+    merged = _results(tmp_path / "a")
+    assert sorted(merged["recipes"]) == ["other-name", "r"] and merged["summary"]["calib:a/ptq"]["seeds"] == [0, 1]
+
+
 def test_runs_of_two_checkouts_merge_their_texts_by_content(world, tmp_path, capsys):
     """A second checkout holds the same texts at another path: its cells are the same cells, and merge adds them
     (the fingerprint names a local text by its content, and data_dirs is where to look, not a setting); a text that

@@ -1,10 +1,10 @@
-"""Cells of one recipe computed in several run folders (one process or machine each), gathered into one.
+"""Cells of one set of settings computed in several run folders (one process or machine each), gathered into one.
 
 A recipe's seeds are independent, and so are its cells once what they start from is computed: they can run
 side by side (``run --set seeds=[0,1] --out A`` here, ``run --set seeds=[2] --out B`` elsewhere; or B a copy
 of A that runs other methods of the same seed), then ``merge A B`` adds B's cells to A's ``results.json``,
-with their folders, as if A had run them. Only runs of the same recipe under the same settings (all but
-``seeds``, ``out`` and ``methods``) merge; a cell A already has is left as A has it.
+with their folders, as if A had run them. Only runs under the same settings (all but ``seeds``, ``out`` and
+``methods``) merge, whatever their recipes' names; a cell A already has is left as A has it.
 """
 
 from __future__ import annotations
@@ -33,20 +33,35 @@ def _flat(settings: dict, prefix: str = "") -> Iterator[tuple[str, object]]:
             yield f"{prefix}{key}", value
 
 
+def _difference(ours: dict, theirs: dict) -> str | None:
+    """The first setting (all but the per-folder ones) in which two recipes' results differ, said for an error."""
+    ours, theirs = dict(_flat(ours)), dict(_flat(theirs))
+    for key in sorted(ours.keys() | theirs.keys()):
+        if key not in _PER_FOLDER and ours.get(key) != theirs.get(key):
+            return f"field {key} is {theirs.get(key)!r} there and {ours.get(key)!r} in the destination"
+    return None
+
+
 def _check_same_recipe(dest: dict, src: dict, src_dir: Path) -> None:
     if dest.get("model") != src.get("model"):
         raise QuadapterError(f"{src_dir}: a run of model {src.get('model')}, not {dest.get('model')}")
     for name, recipe in src.get("recipes", {}).items():
-        if name not in dest.get("recipes", {}):
-            raise QuadapterError(f"{src_dir}: a run of recipe {name}, which the destination never ran")
-        ours = dict(_flat(_result_settings(dest["recipes"][name]["settings"], dest)))
-        theirs = dict(_flat(_result_settings(recipe["settings"], src)))
-        for key in sorted(ours.keys() | theirs.keys()):
-            if key not in _PER_FOLDER and ours.get(key) != theirs.get(key):
-                raise QuadapterError(
-                    f"{src_dir}: field {key} is {theirs.get(key)!r} there and {ours.get(key)!r} in the "
-                    "destination: not the same settings, so their seeds are not comparable"
-                )
+        theirs = _result_settings(recipe["settings"], src)
+        # a recipe of another name whose settings are the same (the paper's recipes differ only in `methods`)
+        # computes the same cells: its name is not a setting
+        ran = dest.get("recipes", {})
+        candidates = [ran[name]] if name in ran else list(ran.values())
+        differences = [_difference(_result_settings(r["settings"], dest), theirs) for r in candidates]
+        if None in differences:
+            continue
+        if name in ran:
+            raise QuadapterError(
+                f"{src_dir}: {differences[0]}: not the same settings, so their seeds are not comparable"
+            )
+        raise QuadapterError(
+            f"{src_dir}: a run of recipe {name}, which the destination never ran, and whose settings are none of "
+            f"the destination's recipes' (first: {differences[0] if differences else 'it ran none'})"
+        )
     for field in ("datasets", "dev_datasets"):
         if [_located(c) for c in dest.get(field, [])] != [_located(c) for c in src.get(field, [])]:
             raise QuadapterError(f"{src_dir}: other {field} than the destination's")
@@ -103,6 +118,9 @@ def merge_runs(dest_dir: str | Path, sources: Sequence[str | Path]) -> tuple[dic
         dest = results[dest_dir]
         for src_dir in folders[1:]:
             _check_same_recipe(dest, results[src_dir], src_dir)
+        for src_dir in folders[1:]:
+            for name, recipe in results[src_dir].get("recipes", {}).items():
+                dest.setdefault("recipes", {}).setdefault(name, recipe)
         added: list[str] = []
         for src_dir in folders[1:]:
             for key, cell in results[src_dir]["cells"].items():
