@@ -623,9 +623,10 @@ def test_seeds_and_cells_run_in_other_folders_merge_into_one(world, tmp_path, ca
 
 
 def test_a_recipe_of_another_name_with_the_same_settings_merges(world, tmp_path, capsys):
-    """Two recipe files that differ only in ``methods`` (the paper's tables) compute the same cells: a run of one
-    merges into a run of the other; a file that differs in a setting is refused, naming the field."""
-    (world / "other-name.yaml").write_text((world / "r.yaml").read_text())
+    """Two recipe files that differ only in ``methods`` or in what they say of themselves (the paper's tables)
+    compute the same cells: a run of one merges into a run of the other; a file that differs in a setting is
+    refused, naming the field."""
+    (world / "other-name.yaml").write_text((world / "r.yaml").read_text() + "description: another table\n")
     (world / "longer.yaml").write_text((world / "r.yaml").read_text().replace("max_tokens: 320", "max_tokens: 256"))
     argv = ["--no-progress", "--set", "methods=[fp,ptq]"]
     assert main(["run", str(world / "r.yaml"), "--out", str(tmp_path / "a"), *argv, "--set", "seeds=[0]"]) == 0

@@ -21,8 +21,9 @@ from aimet_quadapter.running.results_file import load_results, write_results
 
 # what two runs of one recipe may differ in: where a run writes, which seeds and methods, the device (as in
 # the fingerprints: a GPU's result and a CPU's are the same measurement up to float rounding), and where texts are
-# looked for (another checkout's path: the texts found are compared by content below)
-_PER_FOLDER = {"seeds", "out", "methods", "device", "data_dirs"}
+# looked for (another checkout's path: the texts found are compared by content below); a recipe's name and
+# description say what it is for, not what it computes
+_PER_FOLDER = {"seeds", "out", "methods", "device", "data_dirs", "name", "description"}
 
 
 def _flat(settings: dict, prefix: str = "") -> Iterator[tuple[str, object]]:
