@@ -688,16 +688,27 @@ def test_cells_fingerprinted_by_a_texts_path_stay_done(base_run, world, tmp_path
     assert calls == {}
 
 
-def test_the_seeds_of_a_row_that_ran_under_other_thread_counts_are_marked(capsys):
+def test_the_seeds_of_a_row_that_ran_under_other_thread_counts_or_kernels_are_marked(capsys):
     from aimet_quadapter.reporting.report import results_table
 
     cells = {
         f"calib:a/ptq#seed{s}": {"method": "ptq", "label": "PTQ", "group": "calib:a", "seed": s, "ppl": {"a": 10.0 + s}}
-        for s in (0, 1)
+        for s in (0, 1, 2)
     }
-    cells["calib:a/ptq#seed0"]["threads"], cells["calib:a/ptq#seed1"]["threads"] = 1, 2
-    table = results_table({"cells": cells, "datasets": [{"label": "a"}], "seeds": [0, 1]})
-    assert "seeds ran under 1 and 2 threads" in table
+    # seed 0 was recorded before the kernels were
+    for s, threads, kernels in ((0, 1, None), (1, 2, "AVX512"), (2, 2, "AVX2")):
+        cells[f"calib:a/ptq#seed{s}"].update(threads=threads, kernels=kernels)
+    table = results_table({"cells": cells, "datasets": [{"label": "a"}], "seeds": [0, 1, 2]})
+    assert "seeds ran under 1 thread, 2 threads on AVX2, 2 threads on AVX512" in table
+    cells["calib:a/ptq#seed2"]["kernels"] = "AVX512"
+    del cells["calib:a/ptq#seed0"]
+    assert "seeds ran under" not in results_table({"cells": cells, "datasets": [{"label": "a"}], "seeds": [1, 2]})
+
+
+def test_a_cell_records_the_thread_count_and_kernels_it_ran_under(base_run):
+    cell = next(iter(_results(base_run)["cells"].values()))
+    assert cell["threads"] == torch.get_num_threads()
+    assert cell["kernels"] == torch.backends.cpu.get_cpu_capability()
 
 
 def test_a_row_with_a_stopped_seed_is_the_mean_of_the_others_and_says_so():

@@ -512,9 +512,9 @@ def _cmd_merge(args: argparse.Namespace) -> int:
     print(results_table(results))
     print(f"added to {args.run_dir}: {', '.join(added) or 'nothing (it has every cell of the others)'}")
     for key, row in merge_seeds(results["cells"]).items():
-        if row.get("thread_counts"):
-            counts = " and ".join(map(str, row["thread_counts"]))
-            print(f"note: the seeds of {key} ran under {counts} threads, which changes what training ends at")
+        if row.get("machines"):
+            machines = ", ".join(row["machines"])
+            print(f"note: the seeds of {key} ran under {machines}, which changes what training ends at")
     return 0
 
 

@@ -56,8 +56,8 @@ def _row_label(cell: dict) -> str:
         stopped = (
             f" (seed {', '.join(map(str, cell['stopped_seeds']))} stopped: training diverged; the mean of the others)"
         )
-    if cell.get("thread_counts"):
-        stopped += f" (seeds ran under {' and '.join(map(str, cell['thread_counts']))} threads)"
+    if cell.get("machines"):
+        stopped += f" (seeds ran under {', '.join(cell['machines'])})"
     other = " †" if cell.get("other_versions") else ""
     return cell["label"] + (f" (n={cell['size']})" if cell.get("size") else "") + stopped + other
 

@@ -35,8 +35,8 @@ def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
     """``cells`` (results.json's, by key) with the seeds of one cell merged into one row under the key without
     ``#seed<N>``, in order of first appearance: its ``ppl`` and ``dev_ppl`` the mean over the seeds that finished,
     ``spread`` their [min, max], ``seeds`` which ones, ``stopped_seeds`` those whose training diverged, and
-    ``thread_counts`` the thread counts where the seeds ran under more than one. Cells without a seed are returned as
-    they are."""
+    ``machines`` the thread counts and CPU kernels where the seeds ran under more than one. Cells without a seed are
+    returned as they are."""
     groups: dict[str, list[dict]] = {}
     for key, c in cells.items():
         groups.setdefault(key.rsplit("#seed", 1)[0] if c.get("seed") is not None else key, []).append(c)
@@ -52,9 +52,9 @@ def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
         if stopped:
             row["error"] = stopped[0]["error"]
             row["stopped_seeds"] = [m["seed"] for m in stopped]
-        threads = {m["threads"] for m in finished if m.get("threads") is not None}
-        if len(threads) > 1:  # Adam's sums run in another order: another measurement, not another seed alone
-            row["thread_counts"] = sorted(threads)
+        machines = sorted({_machine(m) for m in finished if m.get("threads") is not None})
+        if len(machines) > 1:  # Adam's sums run in another order: another measurement, not another seed alone
+            row["machines"] = machines
         for field in ("ppl", "dev_ppl"):
             row[field], row["spread"][field] = {}, {}
             for col in dict.fromkeys(col for m in finished for col in m.get(field, {})):
@@ -64,6 +64,11 @@ def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
                     row["spread"][field][col] = [min(values), max(values)]
         rows[key] = row
     return rows
+
+
+def _machine(cell: dict) -> str:
+    threads = f"{cell['threads']} thread{'s' if cell['threads'] != 1 else ''}"
+    return f"{threads} on {cell['kernels']}" if cell.get("kernels") else threads
 
 
 def summary(results: dict) -> dict[str, dict]:

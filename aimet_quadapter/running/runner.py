@@ -823,9 +823,11 @@ class RecipeRun:
             # cell computed under other versions than the newest cell's
             "versions": library_versions(),
             "commit": source_commit(),  # where to find the code that versions' source hash names
-            # nor this (the same): torch's thread count orders Adam's and the matmuls' sums, so it changes what
-            # training ends at; the report says where the seeds of one row ran under different counts
+            # nor these (the same): the thread count and the CPU's vector kernels (AVX2, AVX512) order the sums of
+            # Adam and the matmuls, so they change what training ends at; the report says where the seeds of one
+            # row ran under more than one
             "threads": torch.get_num_threads(),
+            "kernels": torch.backends.cpu.get_cpu_capability(),
             "fingerprint": self.fingerprint(cell),
             "folder": cell.folder,
         }
