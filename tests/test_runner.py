@@ -22,6 +22,7 @@ from aimet_quadapter.quadapter.state import QuadapterState
 from aimet_quadapter.reporting.figures import perplexity_bars
 from aimet_quadapter.reporting.report import matched_comparisons, ordered_rows
 from aimet_quadapter.running.recipes import load_recipe
+from aimet_quadapter.running.results_file import prediction_range
 from aimet_quadapter.running.runner import RecipeRun
 
 quiet_libraries()
@@ -495,7 +496,14 @@ def test_seeds_run_every_cell_but_fp32_per_seed_and_report_mean_and_spread(world
     assert (run / "seed-1" / "calib-a" / "quadapter_bc" / "quadapter_bc.safetensors").is_file()
     assert (run / "seed-0" / "a" / "quadapter" / "quadapter.safetensors").is_file()
     summary = results["summary"]["calib:a/ptq"]["ppl"]["a"]
-    assert summary == {"mean": pytest.approx(sum(ptq) / 2), "min": min(ptq), "max": max(ptq)}
+    low, high = prediction_range(ptq)
+    assert summary == {
+        "mean": pytest.approx(sum(ptq) / 2),
+        "min": min(ptq),
+        "max": max(ptq),
+        "predict_low": pytest.approx(low),
+        "predict_high": pytest.approx(high),
+    }
     assert set(results["summary"]["a/quadapter"]["dev_ppl"]) == {"a"}
 
     capsys.readouterr()
@@ -604,6 +612,7 @@ def test_seeds_and_cells_run_in_other_folders_merge_into_one(world, tmp_path, ca
         "mean": pytest.approx(sum(ptq) / 2),
         "min": min(ptq),
         "max": max(ptq),
+        **dict(zip(("predict_low", "predict_high"), map(pytest.approx, prediction_range(ptq)))),
     }
     assert (tmp_path / "a" / "seed-1" / "calib-a" / "ptq").is_dir()
     # merging again adds nothing: seed 1 is the destination's now
@@ -721,6 +730,40 @@ def test_a_row_with_a_stopped_seed_is_the_mean_of_the_others_and_says_so():
     cells["g/quadapter#seed2"] = {"method": "quadapter", "group": "g", "seed": 2, "ppl": {}, "error": "the loss is nan"}
     row = merge_seeds(cells)["g/quadapter"]
     assert row["ppl"]["a"] == 11.0 and row["seeds"] == [0, 1] and row["stopped_seeds"] == [2]
+
+
+def test_the_prediction_range_holds_one_more_run_as_often_as_it_says_and_the_min_max_of_three_half_as_often():
+    import random
+
+    rng, trials = random.Random(0), 4000
+    in_range = in_min_max = 0
+    for _ in range(trials):
+        *seeds, another = (rng.gauss(60.0, 1.5) for _ in range(4))
+        low, high = prediction_range(seeds)
+        in_range += low <= another <= high
+        in_min_max += min(seeds) <= another <= max(seeds)
+    assert 0.93 < in_range / trials < 0.97
+    assert 0.45 < in_min_max / trials < 0.55
+    with pytest.raises(ValueError, match="at least two runs"):
+        prediction_range([60.0])
+
+
+def test_the_report_gives_where_another_run_lands_for_rows_of_more_than_one_seed():
+    from aimet_quadapter.reporting.report import prediction_table
+    from aimet_quadapter.running.results_file import merge_seeds
+
+    cells = {
+        f"g/ptq#seed{s}": {"method": "ptq", "label": "PTQ", "group": "g", "seed": s, "ppl": {"a": v}}
+        for s, v in ((0, 10.0), (1, 11.0), (2, 12.0))
+    }
+    cells["g/fp"] = {"method": "fp", "label": "FP32", "group": "g", "seed": None, "ppl": {"a": 9.0}}
+    low, high = merge_seeds(cells)["g/ptq"]["predict"]["ppl"]["a"]
+    assert low < 10.0 and high > 12.0 and low + high == pytest.approx(22.0)
+    table = prediction_table({"cells": cells, "datasets": [{"label": "a"}], "seeds": [0, 1, 2]})
+    assert table is not None and f"11.00 ({low:.2f}–{high:.2f})" in table
+    assert "| 9.00 |" in table  # one run: no range
+    single = {k: c for k, c in cells.items() if not k.endswith(("1", "2"))}
+    assert prediction_table({"cells": single, "datasets": [{"label": "a"}], "seeds": [0]}) is None
 
 
 @pytest.mark.slow

@@ -105,9 +105,11 @@ def _table(
     fids: dict[str, list[str]],
     extra: dict[str, list[str]] | None,
     key: str = "ppl",
+    ranges: str = "spread",
 ) -> str:
     """A markdown table of ``rows`` (their ``key`` numbers); ``extra`` adds mean columns: title -> the columns
-    it averages."""
+    it averages. ``ranges``: beside a mean over seeds, their min-max (``spread``) or where another run lands
+    (``predict``)."""
     extra = extra or {}
     head = ["Data", "Method", *columns, *extra]
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---", "---"] + ["---:"] * (len(head) - 2)) + " |"]
@@ -122,8 +124,8 @@ def _table(
             for col in columns:
                 value = r.get(key, {}).get(col)
                 text = _fmt(value)
-                low, high = r.get("spread", {}).get(key, {}).get(col, (None, None))
-                spread = f" ({_fmt(low)}–{_fmt(high)})" if len(r.get("seeds", [])) > 1 else ""
+                low, high = r.get(ranges, {}).get(key, {}).get(col, (None, None))
+                spread = f" ({_fmt(low)}–{_fmt(high)})" if low is not None and len(r.get("seeds", [])) > 1 else ""
                 if col in best and value == best[col]:
                     text = f"**{text}**"
                 if col in own:
@@ -138,6 +140,15 @@ def results_table(results: dict) -> str:
     """The Table-1 layout over every cell of the run."""
     columns = [d["label"] for d in results["datasets"]]
     return _table(ordered_rows(results), columns, results.get("fids", {}), None)
+
+
+def prediction_table(results: dict) -> str | None:
+    """The Table-1 layout with the 95 % range where another seed's or CPU's run lands; None without seeds."""
+    rows = ordered_rows(results)
+    if not any(r.get("predict", {}).get("ppl") for r in rows):
+        return None
+    columns = [d["label"] for d in results["datasets"]]
+    return _table(rows, columns, results.get("fids", {}), None, ranges="predict")
 
 
 def matched_comparisons(results: dict) -> list[str]:
@@ -327,6 +338,19 @@ def build_report(run_dir: str | Path) -> str:
         "",
         *([versions, ""] if versions else []),
     ]
+    predicted = prediction_table(results)
+    if predicted:
+        parts += [
+            "## Where another run lands",
+            "",
+            "The mean over the seeds and the range that holds one more run, on another seed or another CPU, with "
+            "probability 95 % (Student's t from the seeds). Another CPU is another run even for one seed: a float32 "
+            "rounding difference re-draws most of the sim's rounding a few layers on. The min-max of n seeds holds "
+            "the next run with probability (n - 1) / (n + 1), half the time for three.",
+            "",
+            predicted,
+            "",
+        ]
     comparisons = matched_comparisons(results)
     if comparisons:
         parts += ["## Against the matched baselines", "", *comparisons, ""]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 from aimet_quadapter.atomic import write_text_atomic
@@ -34,9 +35,9 @@ def _finite(value) -> bool:
 def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
     """``cells`` (results.json's, by key) with the seeds of one cell merged into one row under the key without
     ``#seed<N>``, in order of first appearance: its ``ppl`` and ``dev_ppl`` the mean over the seeds that finished,
-    ``spread`` their [min, max], ``seeds`` which ones, ``stopped_seeds`` those whose training diverged, and
-    ``machines`` the thread counts and CPU kernels where the seeds ran under more than one. Cells without a seed are
-    returned as they are."""
+    ``spread`` their [min, max], ``predict`` where another run lands (:func:`prediction_range`), ``seeds``
+    which ones, ``stopped_seeds`` those whose training diverged, and ``machines`` the thread counts and CPU kernels
+    where the seeds ran under more than one. Cells without a seed are returned as they are."""
     groups: dict[str, list[dict]] = {}
     for key, c in cells.items():
         groups.setdefault(key.rsplit("#seed", 1)[0] if c.get("seed") is not None else key, []).append(c)
@@ -53,17 +54,35 @@ def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
             row["error"] = stopped[0]["error"]
             row["stopped_seeds"] = [m["seed"] for m in stopped]
         machines = sorted({_machine(m) for m in finished if m.get("threads") is not None})
-        if len(machines) > 1:  # Adam's sums run in another order: another measurement, not another seed alone
+        if len(machines) > 1:  # sums in another order: another measurement, not another seed alone
             row["machines"] = machines
+        row["predict"] = {}
         for field in ("ppl", "dev_ppl"):
-            row[field], row["spread"][field] = {}, {}
+            row[field], row["spread"][field], row["predict"][field] = {}, {}, {}
             for col in dict.fromkeys(col for m in finished for col in m.get(field, {})):
                 values = [m[field][col] for m in finished if _finite(m.get(field, {}).get(col))]
                 if values:
                     row[field][col] = sum(values) / len(values)
                     row["spread"][field][col] = [min(values), max(values)]
+                if len(values) > 1:
+                    row["predict"][field][col] = list(prediction_range(values))
         rows[key] = row
     return rows
+
+
+def prediction_range(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """Where one more run lands with probability ``level``, from ``values`` (runs of other seeds): Student's t
+    prediction interval. The min-max of n runs holds the next one only with probability (n - 1) / (n + 1), half
+    the time for three seeds; and another CPU is another run even for one seed, because a float32 rounding
+    difference anywhere re-draws most of a W8A8 sim's rounding a few layers on."""
+    from scipy.stats import t as student_t  # scipy.stats takes a second to import: only where a range is asked for
+
+    n = len(values)
+    if n < 2:
+        raise ValueError("a prediction range needs at least two runs")
+    mean = sum(values) / n
+    half = float(student_t.ppf((1 + level) / 2, n - 1)) * statistics.stdev(values) * math.sqrt(1 + 1 / n)
+    return mean - half, mean + half
 
 
 def _machine(cell: dict) -> str:
@@ -72,7 +91,8 @@ def _machine(cell: dict) -> str:
 
 
 def summary(results: dict) -> dict[str, dict]:
-    """Mean and min-max over the seeds of every seeded cell, keyed like its cells without ``#seed<N>``."""
+    """Mean, min-max and prediction range over the seeds of every seeded cell, keyed like its cells without
+    ``#seed<N>``."""
     return {
         key: {
             "method": row["method"],
@@ -80,7 +100,12 @@ def summary(results: dict) -> dict[str, dict]:
             "seeds": row["seeds"],
             **{
                 field: {
-                    col: {"mean": value, "min": row["spread"][field][col][0], "max": row["spread"][field][col][1]}
+                    col: {
+                        "mean": value,
+                        "min": row["spread"][field][col][0],
+                        "max": row["spread"][field][col][1],
+                        **dict(zip(("predict_low", "predict_high"), row["predict"][field].get(col, ()))),
+                    }
                     for col, value in row[field].items()
                 }
                 for field in ("ppl", "dev_ppl")

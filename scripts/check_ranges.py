@@ -1,0 +1,53 @@
+"""Whether other runs of a recipe (another CPU, thread count or seed) land in a run folder's ranges.
+
+For every quantized cell of each OTHER run folder, the row of REFERENCE with its method and group (over all of
+REFERENCE's seeds): whether each test perplexity lies in that row's 95 % prediction range (the report's "where
+another run lands") and in its min-max over the seeds. Prints a markdown table and the count of each.
+
+    python scripts/check_ranges.py runs/demo runs/demo-on-another-cpu runs/demo-two-threads
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from aimet_quadapter.running.results_file import load_results, merge_seeds
+
+
+def _where(cell: dict) -> str:
+    threads, kernels = cell.get("threads"), cell.get("kernels")
+    seed = "no seed" if cell.get("seed") is None else f"seed {cell['seed']}"
+    return f"{seed}, {threads} thread{'s' * (threads != 1)}" + (f", {kernels}" if kernels else "")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("reference", help="the run folder whose ranges are checked (seeded cells)")
+    p.add_argument("others", nargs="+", help="run folders of the same recipe")
+    args = p.parse_args()
+    rows = {(r["method"], r["group"]): r for r in merge_seeds(load_results(args.reference)["cells"]).values()}
+    print("| run | cell | text | perplexity | 95 % range | in it | min-max | in it |")
+    print("| --- | --- | --- | ---: | --- | --- | --- | --- |")
+    counts = {"predict": [0, 0], "spread": [0, 0]}
+    for other in args.others:
+        for cell in load_results(other)["cells"].values():
+            row = rows.get((cell["method"], cell["group"]))
+            if row is None or "predict" not in row:
+                continue  # FP32, or a row the reference ran on one seed
+            for text, value in cell["ppl"].items():
+                marks = []
+                for kind in ("predict", "spread"):
+                    low, high = row[kind]["ppl"][text]
+                    inside = low <= value <= high
+                    counts[kind][0] += inside
+                    counts[kind][1] += 1
+                    marks += [f"{low:.3f}-{high:.3f}", "yes" if inside else "**no**"]
+                run = f"{Path(other).name} ({_where(cell)})"
+                print(f"| {run} | {row['label']} | {text} | {value:.3f} | {' | '.join(marks)} |")
+    for kind, title in (("predict", "95 % prediction range"), ("spread", "min-max of the seeds")):
+        print(f"in the {title}: {counts[kind][0]} of {counts[kind][1]}")
+
+
+if __name__ == "__main__":
+    main()
