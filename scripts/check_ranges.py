@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from aimet_quadapter.running.results_file import load_results, merge_seeds
+from aimet_quadapter.running.results_file import load_results, machine_label, merge_seeds
 
 
 def _where(cell: dict) -> str:
-    threads, kernels = cell.get("threads"), cell.get("kernels")
     seed = "no seed" if cell.get("seed") is None else f"seed {cell['seed']}"
-    return f"{seed}, {threads} thread{'s' * (threads != 1)}" + (f", {kernels}" if kernels else "")
+    return f"{seed}, {machine_label(cell)}"
 
 
 def main() -> None:

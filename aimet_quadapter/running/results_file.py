@@ -53,7 +53,7 @@ def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
         if stopped:
             row["error"] = stopped[0]["error"]
             row["stopped_seeds"] = [m["seed"] for m in stopped]
-        machines = sorted({_machine(m) for m in finished if m.get("threads") is not None})
+        machines = sorted({machine_label(m) for m in finished if m.get("threads") is not None})
         if len(machines) > 1:  # sums in another order: another measurement, not another seed alone
             row["machines"] = machines
         row["predict"] = {}
@@ -85,7 +85,8 @@ def prediction_range(values: list[float], level: float = 0.95) -> tuple[float, f
     return mean - half, mean + half
 
 
-def _machine(cell: dict) -> str:
+def machine_label(cell: dict) -> str:
+    """What a cell ran under that orders its sums: "2 threads on AVX2" (no kernels in cells written before them)."""
     threads = f"{cell['threads']} thread{'s' if cell['threads'] != 1 else ''}"
     return f"{threads} on {cell['kernels']}" if cell.get("kernels") else threads
 
