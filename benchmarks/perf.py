@@ -258,6 +258,7 @@ def case_phase2(model, args) -> dict:
     for n in (steps, 2 * steps):
         params = Phase2Parameters(steps=n, batch_size=args.batch, seq_len=args.seq_len, **_phase2_memory(args))
         timed[n] = _median_time(partial(run_phase2, sim.model, qset, [batch], params, progress=False), args.reps)
+        print(f"    phase 2, {n} steps: {timed[n]:.3f} s a call", flush=True)  # kept if a time limit cuts the case
     q_time = timed[2 * steps] - timed[steps]
 
     weights = list(model.parameters())

@@ -67,7 +67,10 @@ def hf_tiny(family: str, seed: int = 0, **config_overrides):
 
     arch = {a.name: a for a in ARCHITECTURES}[family]
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(arch.tiny_config(**config_overrides), dtype=torch.float32).eval()
+    # eager attention: the one every transformers version computes in full (some pick SDPA for Gemma-2 by default,
+    # and SDPA leaves out its score cap), so that the reference is the family's definition
+    config = arch.tiny_config(**config_overrides)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def save_tiny_gpt2(folder: Path, tokenizer, seed: int = 0) -> Path:
