@@ -14,6 +14,7 @@ from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.exporter import export_quantized
 from aimet_quadapter.export.formats import ENCODINGS
 from aimet_quadapter.export.onnx_eval import read_encodings
+from aimet_quadapter.models import ARCHITECTURES
 from aimet_quadapter.models.attention import set_mask_fill
 from aimet_quadapter.quadapter.api import QuadapterParameters, apply_cle, apply_quadapter
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters
@@ -26,6 +27,8 @@ from aimet_quadapter.testing import sample_corpus, toy_model
 
 SEQ = 32
 HTP = QuantPolicy(target="htp")
+# every family, as the checkpoints users bring (SmolLM2 is Llama-shaped)
+FAMILIES = [a.name for a in ARCHITECTURES]
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
@@ -52,9 +55,42 @@ def test_htp_places_quantizers_as_the_config_says_with_one_per_tensor(toy):
     # outputs of norms and softmax are quantized, as every op output is on the device
     assert any(n.endswith("layernorm.output[0]") or n.endswith("ln_1.output[0]") for n in rows)
     assert any(n.endswith("softmax.output[0]") for n in rows)
-    # no tensor is quantized twice: the readers of a quantized output keep no input quantizer of their own
+    # no tensor is quantized twice: the readers of a quantized output keep no input quantizer of their own; the one
+    # tensor with two readers' quantizers is the residual stream's start, and they share one range
     assert drop_requantization(sim.model) == []
-    assert shared_activation_groups(sim.model) == []
+    (group,) = shared_activation_groups(sim.model)
+    first, second = (sim.model.get_submodule(k.rsplit(".", 1)[0]).input_quantizers[0] for k in group)
+    assert first.min is second.min and first.max is second.max
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_htp_quantizes_the_residual_stream_where_it_starts_and_at_every_sum(family):
+    model = toy_model(family)
+    sim = build_sim(model, HTP)
+    rows = {r["tensor"] for r in describe(sim.model) if r["kind"] == "activation"}
+    blocks = model.block_paths()
+    spec = model.arch.residual
+    assert spec is not None, f"{family} declares no residual branches"
+    for block in blocks:
+        for i in (0, 1):
+            assert f"{block}.residual_adds.{i}.output[0]" in rows, f"{block}: residual sum {i} has no quantizer"
+    assert {f"{blocks[0]}.{spec.attention[0]}.input[0]", f"{blocks[0]}.residual_adds.0.input[0]"} <= rows
+    # the quantizers act: what every block after the first reads, a residual sum's output, is on an 8-bit grid under
+    # htp; the paper's placement quantizes no addition (its Section 4), and there the same tensors are not
+    paper = build_sim(model)
+    assert not any("residual_adds" in r["tensor"] for r in describe(paper.model))
+    for placed, on_grid in ((sim, True), (paper, False)):
+        calibrate(placed, [sample_corpus(model, 2, SEQ, seed=1)])
+        seen: list[torch.Tensor] = []
+        hooks = [
+            placed.model.get_submodule(b).register_forward_pre_hook(lambda _, a, seen=seen: seen.append(a[0]))
+            for b in blocks
+        ]
+        with torch.no_grad():
+            placed.model(sample_corpus(model, 1, SEQ, seed=2))
+        for hook in hooks:
+            hook.remove()
+        assert [x.unique().numel() <= 256 for x in seen[1:]] == [on_grid] * (len(blocks) - 1)
 
 
 def test_the_finite_mask_keeps_the_fp_function(toy):

@@ -19,6 +19,7 @@ from .llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from .loading import load_model, load_tokenizer, quiet_libraries
 from .phi3 import PHI3
 from .prefix import FixedPrefixCache
+from .residual import ResidualSpec, install_residual_adds, residual_adds
 from .storage import own_storage, parameter_bytes, reset_to, shares_storage, weight_sharing_copy
 
 ARCHITECTURES: tuple[Architecture, ...] = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GEMMA2, GEMMA3)
@@ -31,11 +32,13 @@ __all__ = [
     "Architecture",
     "FixedPrefixCache",
     "PreparedLM",
+    "ResidualSpec",
     "Site",
     "SiteSpec",
     "architecture_of",
     "device_of",
     "is_tied",
+    "install_residual_adds",
     "load_model",
     "load_tokenizer",
     "quiet_libraries",
@@ -46,6 +49,7 @@ __all__ = [
     "untie_lm_head",
     "own_storage",
     "reset_to",
+    "residual_adds",
     "parameter_bytes",
     "shares_storage",
     "weight_sharing_copy",
@@ -73,6 +77,8 @@ def prepare_model(hf_model, untie: bool = True) -> PreparedLM:
     hf_model.eval()
     arch.prepare(hf_model)
     model = PreparedLM(hf_model, arch).eval()
+    if arch.residual is not None:
+        install_residual_adds(model.get_submodule(f"lm.{arch.blocks}"), arch.residual)
     if untie:
         untie_lm_head(model)
     return model

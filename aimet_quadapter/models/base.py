@@ -17,6 +17,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from .prefix import causal_mask, prefix_cache, prefix_keys_values
+from .residual import ResidualSpec
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ class Architecture:
     tiny_config: Callable[..., object] | None = field(default=None, repr=False)
     # Gemma's norms scale by (1 + weight), the others' by weight: a fold must scale the sum.
     norm_offset: float = 0.0
+    # The modules of a block's two residual branches: its sums become modules a sim can quantize.
+    residual: ResidualSpec | None = None
 
 
 def device_of(module: nn.Module) -> torch.device:

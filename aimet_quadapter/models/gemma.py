@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from .base import Architecture, SiteSpec
-from .llama import ATTENTION_INPUTS, MLP_INPUTS, QK, UP_DOWN, VO, attention_prepare, llama_shaped
+from .llama import ATTENTION_INPUTS, MLP_INPUTS, QK, RESIDUAL, UP_DOWN, VO, attention_prepare, llama_shaped
+from .residual import ResidualSpec
 
 
 def register_quantized_norm(norm_cls: type[torch.nn.Module]) -> None:
@@ -58,6 +59,12 @@ def leave_unquantized(module_cls: type[torch.nn.Module]) -> None:
 
 
 PRE_FEEDFORWARD = SiteSpec("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"))
+# Gemma-2 and -3 norm each branch's output before its sum
+SANDWICH = ResidualSpec(
+    ("input_layernorm", "self_attn", "post_attention_layernorm"),
+    ("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm"),
+    mixer="self_attn",
+)
 
 
 def _prepare(module: str, prefix: str) -> Callable[[Any], None]:
@@ -74,12 +81,20 @@ def _prepare(module: str, prefix: str) -> Callable[[Any], None]:
 
 
 def _gemma(
-    name: str, model_type: str, module: str, prefix: str, block_sites: tuple[SiteSpec, ...], aimet_knows: bool = False
+    name: str,
+    model_type: str,
+    module: str,
+    prefix: str,
+    block_sites: tuple[SiteSpec, ...],
+    aimet_knows: bool = False,
+    residual: ResidualSpec = RESIDUAL,
 ) -> Architecture:
     # aimet_knows: AIMET has the family's norm and ignores its rotary table and embedding already
     prepare = None if aimet_knows else _prepare(module, prefix)
     attention = f"{module}.{prefix}Attention"
-    return llama_shaped(name, model_type, attention, block_sites, prepare=prepare, norm_offset=1.0, head_dim=16)
+    return llama_shaped(
+        name, model_type, attention, block_sites, prepare=prepare, norm_offset=1.0, residual=residual, head_dim=16
+    )
 
 
 GEMMA = _gemma(
@@ -95,6 +110,7 @@ GEMMA2 = _gemma(
     "transformers.models.gemma2.modeling_gemma2",
     "Gemma2",
     (ATTENTION_INPUTS, QK, VO, PRE_FEEDFORWARD, UP_DOWN),
+    residual=SANDWICH,
 )
 GEMMA3 = _gemma(
     "gemma3",
@@ -103,4 +119,5 @@ GEMMA3 = _gemma(
     "Gemma3",
     (ATTENTION_INPUTS, VO, PRE_FEEDFORWARD, UP_DOWN),
     aimet_knows=True,
+    residual=SANDWICH,
 )

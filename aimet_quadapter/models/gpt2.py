@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .base import Architecture, SiteSpec
+from .residual import ResidualSpec
 
 if TYPE_CHECKING:
     from transformers import GPT2Config
@@ -92,4 +93,7 @@ GPT2 = Architecture(
     prepare=prepare,
     head_layout=head_layout,
     tiny_config=tiny_config,
+    residual=ResidualSpec(
+        ("ln_1", "attn"), ("ln_2", "mlp"), mixer="attn", unsupported=("encoder_hidden_states", "encoder_attention_mask")
+    ),
 )

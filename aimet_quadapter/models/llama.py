@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .base import Architecture, SiteSpec
+from .residual import ResidualSpec
 
 
 def attention_prepare(attention: str) -> Callable[[Any], None]:
@@ -75,6 +76,7 @@ VO = SiteSpec(
     "self_attn.v_proj", ("self_attn.o_proj",), scope="self_attn", extra="linear", repeat_heads=True, cached=True
 )
 MLP_INPUTS = SiteSpec("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))
+RESIDUAL = ResidualSpec(("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp"), mixer="self_attn")
 # silu(gate) * up is linear in up per channel.
 UP_DOWN = SiteSpec("mlp.up_proj", ("mlp.down_proj",), scope="mlp", extra="linear")
 
@@ -86,6 +88,7 @@ def llama_shaped(
     block_sites: tuple[SiteSpec, ...] = (),
     prepare: Callable[[Any], None] | None = None,
     norm_offset: float = 0.0,
+    residual: ResidualSpec = RESIDUAL,
     **tiny: Any,
 ) -> Architecture:
     """A family whose modules are named as Llama's; ``block_sites`` default to Llama's, ``prepare`` to routing
@@ -103,6 +106,7 @@ def llama_shaped(
         extra_sites_default=("linear",),
         tiny_config=tiny_config_of(model_type, **tiny),
         norm_offset=norm_offset,
+        residual=residual,
     )
 
 

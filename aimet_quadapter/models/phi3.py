@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .base import Architecture, SiteSpec
 from .llama import attention_prepare, head_layout, tiny_config_of
+from .residual import ResidualSpec
 
 PHI3 = Architecture(
     name="phi3",
@@ -22,6 +23,12 @@ PHI3 = Architecture(
     head_site=SiteSpec("model.norm", ("lm_head",)),
     prepare=attention_prepare("transformers.models.phi3.modeling_phi3.Phi3Attention"),
     head_layout=head_layout,
+    # each branch's output goes through a dropout (identity in eval) before its sum
+    residual=ResidualSpec(
+        ("input_layernorm", "self_attn", "resid_attn_dropout"),
+        ("post_attention_layernorm", "mlp", "resid_mlp_dropout"),
+        mixer="self_attn",
+    ),
     # Phi-3's config defaults name token ids of its 32k vocabulary; a tiny vocabulary needs its own
     tiny_config=tiny_config_of("phi3", pad_token_id=0, bos_token_id=1, eos_token_id=2),
 )

@@ -11,8 +11,9 @@ AIMET's JSON config cannot say "inputs of Linear and MatMul only" (its validator
 quantization), so the sim is built with AIMET's defaults and every quantizer is then set here.
 
 The ``htp`` target is what a Qualcomm HTP graph quantizes instead: AIMET's own HTP quantsim config places
-the quantizers (every op output, symmetric per-channel Linear weights); this module only removes the
-second quantizer AIMET puts on a tensor that is already quantized, and makes the attention mask finite.
+the quantizers (every op output, the residual sums' included, symmetric per-channel Linear weights); this
+module adds the one at the residual stream's start, removes the second quantizer AIMET puts on a tensor that
+is already quantized, and makes the attention mask finite.
 """
 
 from __future__ import annotations
@@ -105,6 +106,28 @@ def apply_policy(sim_model: nn.Module, policy: QuantPolicy, logits_module: nn.Mo
                 qm.param_quantizers[name] = _quantizer(policy, (), policy.weight_bits, policy.symmetric_weights)
             else:
                 qm.param_quantizers[name] = _weight_quantizer(module, policy) if quantize else None
+
+
+def quantize_stream_input(sim_model: nn.Module, model: PreparedLM, policy: QuantPolicy) -> list[str]:
+    """Quantize the residual stream where it starts, the input of the first block (in place).
+
+    That tensor (the embedding output, or GPT-2's sum of token and position embeddings) is made outside any
+    module; its two readers in the first block, the first norm and the first residual sum, each get an input
+    quantizer, and :func:`tie_shared_ranges` gives them one range: the tensor quantized once, as the device
+    holds it. Every later stream tensor is a residual sum's output, quantized by the placement. Returns the
+    quantizers' names."""
+    spec = model.arch.residual
+    if spec is None:
+        return []
+    block = f"lm.{model.arch.blocks}.0"
+    readers = [(f"{block}.{spec.attention[0]}", 0), (f"{block}.residual_adds.0", 0)]
+    names = []
+    for path, index in readers:
+        module: Any = sim_model.get_submodule(path)  # an AIMET quantized module
+        if module.input_quantizers[index] is None:
+            module.input_quantizers[index] = _activation_quantizer(policy)
+        names.append(f"{path}.input[{index}]")
+    return names
 
 
 def drop_requantization(sim_model: nn.Module, seq_len: int = 8) -> list[str]:
@@ -248,6 +271,7 @@ def build_sim(
         set_mask_fill(sim.model, HTP_MASK_FILL)
         if policy.quant_scheme == "percentile":
             sim.set_percentile_value(policy.percentile)
+        quantize_stream_input(sim.model, model, policy)
         drop_requantization(sim.model)
     else:
         logits = sim.model.get_submodule(f"lm.{model.arch.lm_head}")

@@ -1,0 +1,72 @@
+"""The residual stream as modules: each block's two residual sums computed by AIMET's elementwise ``Add``.
+
+Transformers writes a block's sums as ``residual + hidden_states`` inside its forward, where no sim can hold a
+quantizer; a device graph holds every tensor, the sums too, each with an encoding. Here each block gets two
+``Add`` modules (``residual_adds``) and a forward that calls the block's own modules in its own order, the sums
+through them: the FP function is the same to the bit (a float sum does not depend on its operands' order). The
+placement decides whether they are quantized (``htp``) or not (the paper's, which quantizes no addition).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ResidualSpec:
+    """A block's two residual branches: the modules from the stream to each sum, in the order they run.
+
+    ``mixer`` (in ``attention``) is called with the block's own arguments (mask, positions, cache) and returns a
+    tuple whose first element is the branch's tensor; every other module takes and returns one tensor."""
+
+    attention: tuple[str, ...]
+    mlp: tuple[str, ...]
+    mixer: str
+    # arguments of the block that its mixer does not take (GPT-2's cross-attention inputs): refused unless None
+    unsupported: tuple[str, ...] = ()
+
+
+def install_residual_adds(blocks: nn.Module, spec: ResidualSpec) -> None:
+    """Give every block of ``blocks`` its two ``Add`` modules and a forward that sums through them (in place)."""
+    from aimet_torch.nn.modules.custom import Add  # imported here: AIMET takes seconds, and loading models must not
+
+    for block in blocks.children():
+        if hasattr(block, "residual_adds"):
+            continue
+        signature = inspect.signature(block.forward)
+        block.residual_adds = nn.ModuleList([Add(), Add()])
+        block.forward = types.MethodType(_residual_forward(spec, signature), block)
+
+
+def _residual_forward(spec: ResidualSpec, signature: inspect.Signature):
+    variadic = next((n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+
+    def forward(block: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        bound = signature.bind(hidden_states, *args, **kwargs).arguments
+        bound.pop("hidden_states")
+        arguments = {**bound, **(bound.pop(variadic, None) or {})} if variadic else bound
+        for name in spec.unsupported:
+            if arguments.pop(name, None) is not None:
+                raise ValueError(f"{type(block).__name__}: {name} is not supported by the prepared model")
+        adds: Any = block.residual_adds
+        for i, branch in enumerate((spec.attention, spec.mlp)):
+            out = hidden_states
+            for name in branch:
+                module = block.get_submodule(name)
+                out = module(out, **arguments)[0] if name == spec.mixer else module(out)
+            hidden_states = adds[i](hidden_states, out)
+        return hidden_states
+
+    return forward
+
+
+def residual_adds(block: nn.Module) -> list[nn.Module]:
+    """A prepared block's two sum modules (empty for a block that has none)."""
+    adds = getattr(block, "residual_adds", None)
+    return list(adds) if adds is not None else []
