@@ -117,3 +117,23 @@ def test_a_sliding_window_is_the_longest_sequence(tiny_tokenizer, corpus_dir, tm
     argv = ["eval", "--model", str(tmp_path / "mistral"), "--dataset", str(corpus_dir), "--seq-len", "64"]
     assert main([*argv, "--methods", "fp"]) == 2
     assert "64 exceeds the model's 48 positions" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", [a.name for a in ARCHITECTURES])
+def test_residual_sums_as_modules_compute_the_blocks_function_to_the_bit(family):
+    """The prepared blocks sum through AIMET's Add modules (where ``htp`` quantizes them): the full-sequence and the
+    KV-cache forward equal the block's own forward bit for bit, so that the paper's placement computes what it did."""
+    from aimet_quadapter.models import PreparedLM
+
+    arch = {a.name: a for a in ARCHITECTURES}[family]
+    hf = hf_tiny(family, seed=3, **CONFIG.get(family, {}))
+    arch.prepare(hf)
+    own = PreparedLM(copy.deepcopy(hf), arch).eval()  # the blocks' own forward, sums as `+`
+    prepared = prepare_model(hf, untie=False)
+    assert all(len(list(b.residual_adds)) == 2 for b in prepared.get_submodule(f"lm.{arch.blocks}").children())
+    ids = torch.randint(0, hf.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(own(ids), prepared(ids))
+        (a, cache_a), (b, cache_b) = own.step(ids[:, :20]), prepared.step(ids[:, :20])
+        assert torch.equal(a, b)
+        assert torch.equal(own.step(ids[:, 20:], cache_a)[0], prepared.step(ids[:, 20:], cache_b)[0])

@@ -94,6 +94,13 @@ def add_export_command(subparsers) -> None:
         help="also the folded FP model as a Hugging Face checkpoint with AIMET's torch encodings (in OUT/hf/), "
         "for from_pretrained and AIMET's load_encodings_to_sim",
     )
+    p.add_argument(
+        "--device-check",
+        action="store_true",
+        help="also run the graph in AIMET's ONNX simulation under its HTP config, as an integer device would: "
+        "this package's encodings loaded, every other tensor calibrated on --verify-windows windows of the "
+        "verification text's train split; prints which tensors have no encoding (needs aimet-onnx)",
+    )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
@@ -134,6 +141,11 @@ def _checked_before_loading(args, state) -> Any:
             raise QuadapterError(f"--kv-prefill {args.kv_prefill} must be below --kv-context {args.kv_context}")
         kv = KVGraphs(args.kv_context, (args.kv_prefill, 1), "int32" if args.kv_int32_ids else "int64")
     resolve_device(args.device)
+    if args.device_check:
+        from aimet_quadapter.export.device_check import require_aimet_onnx
+
+        require_aimet_onnx()
+        data.load_text(args.verify_dataset, "train")
     # a state trained with a prefix is exported with it: every sequence, the verification's too, follows it
     prefix = len(state.metadata.get("prefix") or [])
     after = f" after the state's {prefix} prefix tokens" if prefix else ""
@@ -171,6 +183,14 @@ def _export(args, state, state_path: Path, kv) -> Any:
     if not windows:
         raise QuadapterError(f"--verify-dataset {args.verify_dataset} has fewer than {args.seq_len} tokens")
     formats: list[ExtraFormat] = [kv] if kv is not None else []
+    if args.device_check:
+        from aimet_quadapter.export.device_check import DeviceGraphCheck
+
+        tuning = eval_windows_for(
+            tokenizer, args.verify_dataset, "train", args.seq_len, None, args.seq_len * args.verify_windows
+        )
+        calibration = [w.ids for w in tuning if len(w.ids) == args.seq_len][: args.verify_windows]
+        formats.append(DeviceGraphCheck(calibration, progress=not args.no_progress))
     if args.hf_checkpoint:
         from aimet_quadapter.export.hf import HFCheckpoint
 
@@ -210,6 +230,8 @@ def _print_summary(args, result, prefix: int) -> None:
     _print_verification(v)
     if "kv" in m:
         _print_kv(m["kv"])
+    if "device_check" in m:
+        _print_device_check(m["device_check"])
     if "hf" in m:
         print("Hugging Face checkpoint (hf/), loaded again with from_pretrained into a fresh sim, ranges from")
         for a in m["hf"]["verification"]:
@@ -245,6 +267,21 @@ def _print_verification(v) -> None:
             f"positions. No other runtime will reproduce the sim token by token; compare devices by perplexity "
             f"(see docs/export.md)"
         )
+
+
+def _print_device_check(d: dict) -> None:
+    total, covered, missing = d["activation_tensors"], d["with_encoding"], d["without_encoding"]
+    print(
+        f"device graph ({d['simulator']}): {covered} of {total} quantized activation tensors "
+        f"({covered / max(total, 1):.1%}) carry this package's encoding; the other {len(missing)} were calibrated "
+        f"on {d['calibration_windows']} window(s) of tuning text, as a converter would calibrate them"
+    )
+    for name in missing:
+        print(f"  without an encoding: {name}")
+    print(
+        f"  perplexity {d['ppl']:.4f} vs sim {d['sim_ppl']:.4f} (rel. diff {d['ppl_rel_diff']:.1e}; the sim's own "
+        f"float32 noise {d['sim_float_noise']:.1e}); all encodings it ran with: device_check/device.encodings"
+    )
 
 
 def _print_kv(kv: dict) -> None:

@@ -1,0 +1,144 @@
+"""The exported graph as an integer device runs it, simulated by AIMET's own ONNX quantsim (``aimet-onnx``).
+
+A device converter quantizes every tensor of the graph: those the export's encodings name take them, the rest
+get ranges it calibrates itself. This check does the same with AIMET's ONNX simulation under AIMET's HTP
+config: the exported FP graph (the Quadapters folded), this package's encodings loaded and frozen, every other
+tensor calibrated on tuning text. It reports how many of the graph's quantized activation tensors carry an
+encoding from this package, names the others, and scores the graph in onnxruntime beside the sim. It is one
+more :class:`~aimet_quadapter.export.formats.ExtraFormat`: its folder holds the report and the complete
+encodings the simulation ran with. ``aimet-onnx`` is an optional extra (``pip install aimet-quadapter[device-check]``);
+everything it is asked for goes through this module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.export.formats import ENCODINGS, FP_ONNX, INPUT_NAME
+from aimet_quadapter.quant.aimet_adapter import HTP_VERSION
+
+REPORT = "device_check.json"
+EXTRA = "device-check"  # the optional dependency group that brings aimet-onnx
+
+
+def require_aimet_onnx() -> None:
+    """Refuse in one line, before any model loads, where aimet-onnx is not installed."""
+    if importlib.util.find_spec("aimet_onnx") is None:
+        raise QuadapterError(
+            f"--device-check needs aimet-onnx: pip install 'aimet-quadapter[{EXTRA}]' (or aimet-onnx==2.42.*)"
+        )
+
+
+def htp_onnx_config(version: str = HTP_VERSION) -> str:
+    """AIMET's HTP quantsim config as aimet-onnx ships it (package data: it may move between releases)."""
+    import aimet_onnx
+
+    path = os.path.join(
+        os.path.dirname(aimet_onnx.__file__), "common", "quantsim_config", f"htp_quantsim_config_{version}.json"
+    )
+    if not os.path.isfile(path):
+        raise QuadapterError(f"aimet-onnx's HTP config {path} is missing: this aimet-onnx does not ship HTP {version}")
+    return path
+
+
+@dataclass
+class Coverage:
+    """The graph's quantized activation tensors, split by whether this package's encodings name them."""
+
+    covered: list[str]
+    missing: list[str]
+
+    @property
+    def share(self) -> float:
+        total = len(self.covered) + len(self.missing)
+        return len(self.covered) / total if total else 1.0
+
+
+def device_sim(export: Path) -> tuple[Any, Coverage]:
+    """AIMET's ONNX quantsim of ``export``'s FP graph under the HTP config, this package's encodings loaded and
+    frozen (a tensor they do not name keeps its quantizer, to be calibrated), and which tensors they cover."""
+    import onnx
+    from aimet_onnx.quantsim import QuantizationSimModel, load_encodings_to_sim
+
+    encodings_file = export / ENCODINGS
+    model = onnx.load(str(export / FP_ONNX))  # external data is read from beside the graph
+    sim = QuantizationSimModel(model, config_file=htp_onnx_config(), providers=["CPUExecutionProvider"])
+    # strict=False: a quantizer takes the loaded encoding's bits and symmetry, as a converter's override does
+    load_encodings_to_sim(
+        sim, str(encodings_file), strict=False, allow_overwrite=False, disable_missing_quantizers=False
+    )
+    ours = {e["name"] for e in _activation_entries(json.loads(encodings_file.read_text()))}
+    quantized = [n for n in sim.activation_names if (q := sim.qc_quantize_op_dict.get(n)) is not None and q.enabled]
+    return sim, Coverage([n for n in quantized if n in ours], [n for n in quantized if n not in ours])
+
+
+def _activation_entries(encodings: dict) -> list[dict]:
+    entries = encodings["activation_encodings"]
+    # format 1.0.0 lists entries with a name; 0.6.1 maps names to lists
+    return entries if isinstance(entries, list) else [{"name": k} for k in entries]
+
+
+class _SessionLM:
+    """``ids (1, T) -> logits`` through the quantsim's onnxruntime session."""
+
+    def __init__(self, sim: Any):
+        self.sim = sim
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        feed = {INPUT_NAME: ids.reshape(1, -1).cpu().numpy().astype(np.int64)}
+        (logits,) = self.sim.session.run(None, feed)  # the one output (the simulation renames it)
+        return torch.from_numpy(logits)
+
+
+@dataclass
+class DeviceGraphCheck:
+    """The export's full-sequence graph in AIMET's ONNX simulation (see the module's doc); ``calibration``: the
+    windows (of the graph's length) its tensors without an encoding are calibrated on."""
+
+    calibration: Sequence[torch.Tensor]
+    progress: bool = False
+    key: ClassVar[str] = "device_check"
+
+    def check(self, windows: Sequence[Any], prefix_tokens: int) -> None:
+        require_aimet_onnx()
+        lengths = {len(w.ids) for w in windows} | {int(c.numel()) for c in self.calibration}
+        if len(lengths) != 1:
+            raise QuadapterError(f"--device-check: calibration and verification windows differ in length {lengths}")
+
+    def write(self, sim: Any, folder: Path, encoding_version: str) -> dict:
+        folder.mkdir(parents=True, exist_ok=True)
+        return {}
+
+    def verify(self, sim: Any, folder: Path, windows: Sequence[Any], report: Any, export: Path) -> dict:
+        from aimet_quadapter.text.perplexity import perplexity
+
+        onnx_sim, coverage = device_sim(export)
+        onnx_sim.compute_encodings([{INPUT_NAME: c.reshape(1, -1).numpy().astype(np.int64)} for c in self.calibration])
+        ppl = perplexity(_SessionLM(onnx_sim), windows, desc="device graph (aimet-onnx)", progress=self.progress).ppl
+        onnx_sim.export(str(folder), "device")  # every tensor's encoding, the calibrated ones too
+        for written in folder.iterdir():
+            if written.name != "device.encodings":
+                written.unlink()  # the graph is the export's own model.onnx; only the encodings are new
+        entry = {
+            "simulator": "aimet-onnx QuantizationSimModel, HTP config " + HTP_VERSION,
+            "activation_tensors": len(coverage.covered) + len(coverage.missing),
+            "with_encoding": len(coverage.covered),
+            "without_encoding": coverage.missing,
+            "calibration_windows": len(self.calibration),
+            "ppl": ppl,
+            "sim_ppl": report.sim_ppl,
+            "ppl_rel_diff": abs(ppl / report.sim_ppl - 1),
+            "sim_float_noise": report.sim_floor.ppl_rel_diff,  # the sim against itself, one ulp apart
+        }
+        (folder / REPORT).write_text(json.dumps(entry, indent=1))
+        return entry

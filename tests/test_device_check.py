@@ -1,0 +1,82 @@
+"""`export --device-check`: the exported graph in AIMET's own ONNX simulation (aimet-onnx) under its HTP config, this
+package's encodings loaded and frozen, every other tensor calibrated; its coverage and perplexity."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+pytest.importorskip("aimet_onnx", reason="aimet-onnx is the optional extra device-check")
+
+from aimet_quadapter.export.device_check import DeviceGraphCheck, device_sim  # noqa: E402
+from aimet_quadapter.export.exporter import export_quantized  # noqa: E402
+from aimet_quadapter.export.formats import ENCODINGS  # noqa: E402
+from aimet_quadapter.quant.config import QuantPolicy  # noqa: E402
+from aimet_quadapter.quant.policy import build_sim, calibrate  # noqa: E402
+from aimet_quadapter.testing import sample_corpus, toy_model  # noqa: E402
+from aimet_quadapter.text.perplexity import perplexity  # noqa: E402
+
+SEQ = 32
+QUANTIZED = 0.25  # the toy models' band between a quantized and an FP perplexity (tests/test_cuda.py says why)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def checked(request, tmp_path_factory):
+    model = toy_model(request.param)
+    corpus = sample_corpus(model, 10, SEQ, seed=1)
+    sim = build_sim(model, QuantPolicy(target="htp"))
+    calibrate(sim, [corpus[:2], corpus[2:4]])
+    out = tmp_path_factory.mktemp("export") / request.param
+    result = export_quantized(
+        sim, out, SEQ, verify_windows=list(corpus[8:10]), formats=[DeviceGraphCheck(list(corpus[:4]))]
+    )
+    return model, corpus, out, result.manifest["device_check"]
+
+
+def test_the_device_graph_holds_the_residual_streams_encodings_and_names_the_rest(checked):
+    model, _, out, report = checked
+    sim, coverage = device_sim(out)
+    ours = {e["name"] for e in json.loads((out / ENCODINGS).read_text())["activation_encodings"]}
+    assert len(coverage.covered) == report["with_encoding"] > 0
+    assert sorted(coverage.missing) == sorted(report["without_encoding"])
+    assert not set(coverage.missing) & ours
+    sums = [n for n in coverage.covered if "residual_adds" in n]
+    assert len(sums) == 2 * len(model.block_paths())  # every residual sum's output carries this package's range
+    assert (out / "device_check" / "device.encodings").is_file()
+
+
+def test_the_device_graph_scores_near_the_sim(checked):
+    model, corpus, _, report = checked
+    fp = perplexity(model, _windows(corpus[8:10]), progress=False).ppl
+    assert report["ppl"] == pytest.approx(report["sim_ppl"], rel=QUANTIZED)
+    assert abs(report["ppl"] / fp - 1) > QUANTIZED  # a quantized graph, not the FP one
+
+
+def test_the_loaded_encodings_are_the_ones_it_runs_with(checked, tmp_path):
+    """A residual sum's encoding made 50 times coarser in the export moves the device graph's perplexity: the
+    encodings are loaded and stay frozen through the simulation's own calibration."""
+    _, corpus, out, report = checked
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    encodings = json.loads((broken / ENCODINGS).read_text())
+    entry = next(e for e in encodings["activation_encodings"] if "residual_adds.1" in e["name"])
+    entry["scale"] = [s * 50 for s in entry["scale"]]
+    (broken / ENCODINGS).write_text(json.dumps(encodings))
+    check = DeviceGraphCheck(list(corpus[:4]))
+    check.write(None, tmp_path / "check", "1.0.0")
+    moved = check.verify(None, tmp_path / "check", _windows(corpus[8:10]), _Report(report["sim_ppl"]), broken)["ppl"]
+    assert abs(moved / report["ppl"] - 1) > 0.1
+
+
+class _Report:
+    def __init__(self, sim_ppl: float):
+        self.sim_ppl = sim_ppl
+        self.sim_floor = type("Floor", (), {"ppl_rel_diff": 0.0})()
+
+
+def _windows(rows):
+    from aimet_quadapter.text.data import eval_windows
+
+    return [w for row in rows for w in eval_windows(row, SEQ)]
