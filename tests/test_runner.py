@@ -807,3 +807,35 @@ def test_a_finished_run_and_its_data_are_freed(world, tmp_path):
     del run, windows
     gc.collect()
     assert gone() is None
+
+
+def _cell(method: str, group: str, seed: int | None, ppl: dict, **extra) -> dict:
+    return {"method": method, "label": method.upper(), "group": group, "seed": seed, "ppl": ppl, **extra}
+
+
+def _folder(path: Path, cells: dict) -> Path:
+    path.mkdir(parents=True)
+    (path / "results.json").write_text(json.dumps({"format": 1, "model": "m", "cells": cells}))
+    return path
+
+
+def test_merge_reads_the_destination_under_its_lock(tmp_path, monkeypatch):
+    """A run that finishes a cell in the destination just before merge takes the lock keeps that cell."""
+    from aimet_quadapter.running import merge
+    from aimet_quadapter.running.lock import RunLock
+
+    dest = _folder(tmp_path / "a", {"g/ptq#seed0": _cell("ptq", "g", 0, {"t": 10.0})})
+    src = _folder(tmp_path / "b", {"g/ptq#seed1": _cell("ptq", "g", 1, {"t": 11.0})})
+    acquire = RunLock.acquire
+
+    def a_run_finishes_first(lock: RunLock) -> None:
+        if lock.folder == dest:
+            results = _results(dest)
+            results["cells"]["g/ptq#seed2"] = _cell("ptq", "g", 2, {"t": 12.0})
+            (dest / "results.json").write_text(json.dumps(results))
+        acquire(lock)
+
+    monkeypatch.setattr(RunLock, "acquire", a_run_finishes_first)
+    merged, added = merge.merge_runs(dest, [src])
+    assert added == ["g/ptq#seed1"]
+    assert sorted(_results(dest)["cells"]) == ["g/ptq#seed0", "g/ptq#seed1", "g/ptq#seed2"]
