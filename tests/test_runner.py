@@ -839,3 +839,22 @@ def test_merge_reads_the_destination_under_its_lock(tmp_path, monkeypatch):
     merged, added = merge.merge_runs(dest, [src])
     assert added == ["g/ptq#seed1"]
     assert sorted(_results(dest)["cells"]) == ["g/ptq#seed0", "g/ptq#seed1", "g/ptq#seed2"]
+
+
+def test_a_seed_of_inf_or_nan_perplexity_is_named_and_neither_averaged_nor_counted():
+    from aimet_quadapter.reporting.report import results_table
+    from aimet_quadapter.running.results_file import merge_seeds, summary
+
+    values = {0: 10.0, 1: 12.0, 2: float("inf"), 3: 11.0}
+    cells = {f"g/ptq#seed{s}": _cell("ptq", "g", s, {"t": v}) for s, v in values.items()}
+    cells["g/ptq#seed3"]["dev_ppl"] = {"t": float("nan")}  # finite on the test text, not on the development one
+    row = merge_seeds(cells)["g/ptq"]
+    assert row["seeds"] == [0, 1] and row["nonfinite_seeds"] == [2, 3]
+    assert row["ppl"]["t"] == 11.0 and row["spread"]["ppl"]["t"] == [10.0, 12.0]
+    assert summary({"cells": cells})["g/ptq"]["seeds"] == [0, 1]
+    table = results_table({"cells": cells, "datasets": [{"label": "t"}], "seeds": list(values)})
+    assert "PTQ (seed 2, 3: perplexity inf or NaN, not in the mean)" in table and "11.00 (10.00–12.00)" in table
+    # no finite seed at all: the row says inf, and has no statistics
+    only = {k: c for k, c in cells.items() if k.endswith("2")}
+    assert merge_seeds(only)["g/ptq"]["ppl"]["t"] == float("inf") and merge_seeds(only)["g/ptq"]["seeds"] == []
+    assert summary({"cells": only})["g/ptq"]["ppl"] == {}

@@ -56,6 +56,9 @@ def _row_label(cell: dict) -> str:
         stopped = (
             f" (seed {', '.join(map(str, cell['stopped_seeds']))} stopped: training diverged; the mean of the others)"
         )
+    if cell.get("nonfinite_seeds"):
+        seeds = ", ".join(map(str, cell["nonfinite_seeds"]))
+        stopped += f" (seed {seeds}: perplexity inf or NaN, not in the mean)"
     if cell.get("machines"):
         stopped += f" (seeds ran under {', '.join(cell['machines'])})"
     other = " †" if cell.get("other_versions") else ""
