@@ -858,3 +858,35 @@ def test_a_seed_of_inf_or_nan_perplexity_is_named_and_neither_averaged_nor_count
     only = {k: c for k, c in cells.items() if k.endswith("2")}
     assert merge_seeds(only)["g/ptq"]["ppl"]["t"] == float("inf") and merge_seeds(only)["g/ptq"]["seeds"] == []
     assert summary({"cells": only})["g/ptq"]["ppl"] == {}
+
+
+def test_rows_of_other_fine_tuning_sizes_are_neither_compared_nor_checked_against_each_other(
+    tmp_path, capsys, monkeypatch
+):
+    """A sweep's 2-sequence Quadapter is compared with no 40-sequence QAT, and check_ranges holds a cell to the
+    range of its own size; a reference row of one seed is skipped, not a crash."""
+    import runpy
+    import sys
+
+    cells = {
+        f"g/{m}{f'@{n}' if n else ''}#seed{s}": _cell(m, "g", s, {"t": v + s}, size=n)
+        for m, n, v in (("quadapter", 2, 50.0), ("quadapter", None, 20.0), ("qat", None, 30.0))
+        for s in (0, 1)
+    }
+    lines = matched_comparisons({"cells": cells, "fids": {}})
+    assert len(lines) == 1 and "QUADAPTER 20.50 vs QAT 30.50" in lines[0]
+    cells["g/ptq#seed0"] = _cell("ptq", "g", 0, {"t": 40.0})  # one seed: no range to check against (was a KeyError)
+    reference = _folder(tmp_path / "ref", cells)
+    other = _folder(
+        tmp_path / "other",
+        {
+            "g/quadapter@2#seed5": _cell("quadapter", "g", 5, {"t": 50.5}, size=2, threads=1),
+            "g/ptq#seed5": {**_cell("ptq", "g", 5, {"t": 40.0}), "threads": 1},
+        },
+    )
+    script = Path(__file__).parents[1] / "scripts" / "check_ranges.py"
+    monkeypatch.setattr(sys, "argv", [str(script), str(reference), str(other)])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "| 50.500 |" in out and "| 50.000-51.000 | yes |" in out and "in the min-max of the seeds: 1 of 1" in out
+    assert "no row of two seeds or more in the reference: 1" in out

@@ -163,7 +163,8 @@ def matched_comparisons(results: dict) -> list[str]:
     for r in rows:
         info = CATALOG.get(r["method"])
         for other in info.matched if info else ():
-            base = next((b for b in rows if b["method"] == other and b["group"] == r["group"]), None)
+            # of the same fine-tuning size: a sweep's 2-sequence point is not matched with the 40-sequence row
+            base = next((b for b in rows if b["method"] == other and _place(b) == _place(r)), None)
             if base is None:
                 continue
             a, b, note = r, base, ""
@@ -186,6 +187,11 @@ def matched_comparisons(results: dict) -> list[str]:
                         f"{_fmt(ref)} ({100 * (value / ref - 1):+.1f} %){note}: {_verdict(a, b, field, col)}"
                     )
     return lines
+
+
+def _place(row: dict) -> tuple:
+    """Where a row sits beside its matched baselines: its group and fine-tuning size."""
+    return row["group"], row.get("size")
 
 
 def _on_seeds(results: dict, row: dict, seeds: list[int]) -> dict:
