@@ -714,10 +714,30 @@ def test_the_seeds_of_a_row_that_ran_under_other_thread_counts_or_kernels_are_ma
     assert "seeds ran under" not in results_table({"cells": cells, "datasets": [{"label": "a"}], "seeds": [1, 2]})
 
 
-def test_a_cell_records_the_thread_count_and_kernels_it_ran_under(base_run):
+def test_a_cell_records_the_thread_count_kernels_and_device_it_ran_under(base_run):
     cell = next(iter(_results(base_run)["cells"].values()))
     assert cell["threads"] == torch.get_num_threads()
     assert cell["kernels"] == torch.backends.cpu.get_cpu_capability()
+    assert cell["device"] == "cpu"
+
+
+def test_the_seeds_of_a_row_computed_on_a_gpu_and_on_the_cpu_are_marked():
+    from aimet_quadapter.reporting.report import results_table
+
+    def table(devices: dict[int, str | None]) -> str:
+        cells = {
+            f"calib:a/ptq#seed{s}": {
+                **_cell("ptq", "calib:a", s, {"a": 10.0 + s}, threads=2, kernels="AVX2"),
+                **({"device": device} if device else {}),  # None: a cell written before devices were recorded
+            }
+            for s, device in devices.items()
+        }
+        return results_table({"cells": cells, "datasets": [{"label": "a"}], "seeds": list(devices)})
+
+    mixed = table({0: "cpu", 1: "cuda (NVIDIA H200)", 2: "cpu"})
+    assert "seeds ran under 2 threads on AVX2, 2 threads on AVX2 with cuda (NVIDIA H200)" in mixed
+    assert "seeds ran under" not in table({0: None, 1: "cpu"})  # unknown is not another machine
+    assert "seeds ran under" not in table({0: "cuda (NVIDIA H200)", 1: "cuda (NVIDIA H200)"})
 
 
 def test_a_row_with_a_stopped_seed_is_the_mean_of_the_others_and_says_so():

@@ -20,9 +20,10 @@ from aimet_quadapter.running.recipes import result_section
 from aimet_quadapter.running.results_file import RESULTS, load_results, write_results
 
 # what two runs of one recipe may differ in: where a run writes, which seeds and methods, the device (as in
-# the fingerprints: a GPU's result and a CPU's are the same measurement up to float rounding), and where texts are
-# looked for (another checkout's path: the texts found are compared by content below); a recipe's name and
-# description say what it is for, not what it computes
+# the fingerprints: a GPU's result and a CPU's are the same measurement up to float rounding; each cell records
+# its device, and the report marks a row whose seeds ran on more than one), and where texts are looked for
+# (another checkout's path: the texts found are compared by content below); a recipe's name and description say
+# what it is for, not what it computes
 _PER_FOLDER = {"seeds", "out", "methods", "device", "data_dirs", "name", "description"}
 
 

@@ -37,8 +37,8 @@ def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
     ``#seed<N>``, in order of first appearance: its ``ppl`` and ``dev_ppl`` the mean over the seeds that finished,
     ``spread`` their [min, max], ``predict`` where another run lands (:func:`prediction_range`), ``seeds``
     which ones, ``stopped_seeds`` those whose training diverged, ``nonfinite_seeds`` those that finished with an
-    inf or NaN perplexity (in no mean and not in ``seeds``), and ``machines`` the thread counts and CPU kernels
-    where the seeds ran under more than one. Cells without a seed are returned as they are."""
+    inf or NaN perplexity (in no mean and not in ``seeds``), and ``machines`` the thread counts, CPU kernels and
+    devices where the seeds ran under more than one. Cells without a seed are returned as they are."""
     groups: dict[str, list[dict]] = {}
     for key, c in cells.items():
         groups.setdefault(key.rsplit("#seed", 1)[0] if c.get("seed") is not None else key, []).append(c)
@@ -95,9 +95,11 @@ def prediction_range(values: list[float], level: float = 0.95) -> tuple[float, f
 
 
 def machine_label(cell: dict) -> str:
-    """What a cell ran under that orders its sums: "2 threads on AVX2" (no kernels in cells written before them)."""
+    """What a cell ran under that orders its sums: "2 threads on AVX2", "... with cuda (NVIDIA H200)" where a GPU
+    computed it (no kernels, or no device, in cells written before they were recorded: unknown, so not said)."""
     threads = f"{cell['threads']} thread{'s' if cell['threads'] != 1 else ''}"
-    return f"{threads} on {cell['kernels']}" if cell.get("kernels") else threads
+    label = f"{threads} on {cell['kernels']}" if cell.get("kernels") else threads
+    return f"{label} with {cell['device']}" if cell.get("device") not in (None, "cpu") else label
 
 
 def summary(results: dict) -> dict[str, dict]:

@@ -809,6 +809,8 @@ class RecipeRun:
 
     def _record(self, cell: Cell) -> dict:
         """What every results.json record of ``cell`` says, finished or stopped."""
+        from aimet_quadapter.models.devices import device_label
+
         return {
             "method": cell.method,
             "label": self.catalog[cell.method].label,
@@ -823,11 +825,12 @@ class RecipeRun:
             # cell computed under other versions than the newest cell's
             "versions": library_versions(),
             "commit": source_commit(),  # where to find the code that versions' source hash names
-            # nor these (the same): the thread count and the CPU's vector kernels (AVX2, AVX512) order the sums of
-            # Adam and the matmuls, so they change what training ends at; the report says where the seeds of one
-            # row ran under more than one
+            # nor these (the same): the thread count, the CPU's vector kernels (AVX2, AVX512) and the device (a GPU
+            # takes the whole batch in other kernels) order the sums of Adam and the matmuls, so they change what
+            # training ends at; the report says where the seeds of one row ran under more than one
             "threads": torch.get_num_threads(),
             "kernels": torch.backends.cpu.get_cpu_capability(),
+            "device": device_label(self.device),
             "fingerprint": self.fingerprint(cell),
             "folder": cell.folder,
         }
