@@ -1,9 +1,9 @@
 """Whether other runs of a recipe (another CPU, thread count or seed) land in a run folder's ranges.
 
-For every quantized cell of each OTHER run folder, the row of REFERENCE with its method, group and fine-tuning
-size (over all of REFERENCE's seeds): whether each test perplexity lies in that row's 95 % prediction range (the
-report's "where another run lands") and in its min-max over the seeds. Prints a markdown table, the count of each,
-and how many cells had no such row of two seeds or more.
+For every quantized cell of each OTHER run folder, the row of REFERENCE with its method, group, fine-tuning size
+and settings (over REFERENCE's seeds of them): whether each test perplexity lies in that row's 95 % prediction
+range (the report's "where another run lands") and in its min-max over the seeds. Prints a markdown table, the
+count of each, and how many cells had no such row of two seeds or more.
 
     python scripts/check_ranges.py runs/demo runs/demo-on-another-cpu runs/demo-two-threads
 """
@@ -22,8 +22,9 @@ def _where(cell: dict) -> str:
 
 
 def _row_of(cell: dict) -> tuple:
-    # what defines a row: the 2-sequence point of a sweep is not the 40-sequence row of the same method
-    return cell["method"], cell["group"], cell.get("size")
+    # what defines a row: the 2-sequence point of a sweep is not the 40-sequence row of the same method, and
+    # seeds of other settings are not the row's (cells recorded before row fingerprints: None, matched alike)
+    return cell["method"], cell["group"], cell.get("size"), cell.get("row_fingerprint")
 
 
 def main() -> None:

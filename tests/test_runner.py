@@ -910,3 +910,81 @@ def test_rows_of_other_fine_tuning_sizes_are_neither_compared_nor_checked_agains
     out = capsys.readouterr().out
     assert "| 50.500 |" in out and "| 50.000-51.000 | yes |" in out and "in the min-max of the seeds: 1 of 1" in out
     assert "no row of two seeds or more in the reference: 1" in out
+
+
+def test_seeds_run_under_other_settings_into_one_folder_are_rows_of_their_own(world, tmp_path, capsys):
+    """The issue's case: seed 0, then seed 1 with fewer calibration samples, into one folder: two PTQ rows, each
+    its own seed's, not one row "seeds 0, 1"; a rerun of seed 1 under the first settings joins seed 0's row."""
+    run = tmp_path / "run"
+    argv = ["run", str(world / "r.yaml"), "--out", str(run), "--no-progress", "--set", "methods=[fp,ptq]"]
+    assert main([*argv, "--set", "seeds=[0]"]) == 0
+    assert main([*argv, "--set", "seeds=[1]", "--set", "calibration.samples=1"]) == 0
+    cells = _results(run)["cells"]
+    first, other = (cells[f"calib:a/ptq#seed{s}"] for s in (0, 1))
+    assert first["row_fingerprint"] != other["row_fingerprint"]
+    rows = [r for r in ordered_rows(_results(run)) if r["method"] == "ptq"]
+    assert [(r["seeds"], r["ppl"]["a"]) for r in rows] == [([0], first["ppl"]["a"]), ([1], other["ppl"]["a"])]
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 0
+    assert f"PTQ (settings {first['row_fingerprint'][:8]})" in capsys.readouterr().out
+    # seed 1 again under the first settings: the same row as seed 0 (its fingerprint aside from the seed)
+    assert main([*argv, "--set", "seeds=[1]"]) == 0
+    again = _results(run)["cells"]["calib:a/ptq#seed1"]
+    assert again["row_fingerprint"] == first["row_fingerprint"] and again["fingerprint"] != first["fingerprint"]
+    (row,) = [r for r in ordered_rows(_results(run)) if r["method"] == "ptq"]
+    assert row["seeds"] == [0, 1] and "settings" not in row
+
+
+def test_a_row_is_the_mean_of_the_seeds_of_one_set_of_settings_and_cells_from_before_stay_one_row():
+    from aimet_quadapter.running.results_file import merge_seeds
+
+    cells = {
+        f"g/qat#seed{s}": _cell("qat", "g", s, {"t": v}, row_fingerprint=fp)
+        for s, v, fp in ((0, 10.0, "aaaaaaaaaaaa"), (1, 12.0, "aaaaaaaaaaaa"), (2, 30.0, "bbbbbbbbbbbb"))
+    }
+    rows = merge_seeds(cells)
+    assert set(rows) == {"g/qat (settings aaaaaaaa)", "g/qat (settings bbbbbbbb)"}
+    assert rows["g/qat (settings aaaaaaaa)"]["ppl"]["t"] == 11.0 and rows["g/qat (settings bbbbbbbb)"]["seeds"] == [2]
+    # a method matched with both is compared with each, on the seeds each ran
+    cells |= {f"g/quadapter#seed{s}": _cell("quadapter", "g", s, {"t": 9.0 + s}) for s in (0, 1, 2)}
+    lines = matched_comparisons({"cells": cells})
+    assert [line.split(": ")[1].split(" (")[0] for line in lines] == ["QUADAPTER 9.50 vs QAT", "QUADAPTER 11.00 vs QAT"]
+    assert "vs QAT (settings aaaaaaaa) 11.00 (-13.6 %) (on seeds 0, 1, which both ran)" in lines[0]
+    assert "vs QAT (settings bbbbbbbb) 30.00 (-63.3 %) (on seed 2, which both ran)" in lines[1]
+    # cells recorded before row fingerprints: one row, as they were reported then
+    old = {k: {f: v for f, v in c.items() if f != "row_fingerprint"} for k, c in cells.items()}
+    assert merge_seeds(old)["g/qat"]["seeds"] == [0, 1, 2]
+
+
+def test_a_row_fingerprint_leaves_out_the_seeds_and_nothing_else(tmp_path):
+    recipe_file = tmp_path / "m.yaml"
+    recipe_file.write_text(
+        "model: gpt2\nmethods: [fp, ptq, quadapter]\nfid: [ptb]\neval: {datasets: [ptb]}\nseeds: [0, 1]\n"
+    )
+
+    def planned(*overrides: str, seed: int = 0) -> tuple[RecipeRun, list]:
+        recipe = load_recipe(recipe_file, list(overrides))
+        run = RecipeRun(recipe.for_seed(seed), tmp_path / "out", progress=False, seed=seed, parent=recipe)
+        return run, run.cells
+
+    base, cells = planned()
+    other, other_cells = planned(seed=1)
+    assert [base.row_fingerprint(c) for c in cells] == [other.row_fingerprint(c) for c in other_cells]
+    assert [base.fingerprint(c) == other.fingerprint(c) for c in cells] == [True, False, False]  # FP32 has no seed
+    samples, _ = planned("calibration.samples=3")
+    assert [base.row_fingerprint(c) == samples.row_fingerprint(c) for c in cells] == [True, False, False]
+
+
+def test_seeds_merged_from_a_folder_that_ran_them_under_other_settings_stay_a_row_of_their_own(tmp_path):
+    """merge compares the recipe each folder recorded last; a seed that folder ran before under other settings
+    joins the destination, but not the destination's row."""
+    from aimet_quadapter.running.merge import merge_runs
+
+    dest = _folder(tmp_path / "a", {"g/ptq#seed0": _cell("ptq", "g", 0, {"t": 10.0}, row_fingerprint="a" * 16)})
+    src = _folder(tmp_path / "b", {"g/ptq#seed1": _cell("ptq", "g", 1, {"t": 20.0}, row_fingerprint="b" * 16)})
+    merged, added = merge_runs(dest, [src])
+    assert added == ["g/ptq#seed1"]
+    assert {k: v["seeds"] for k, v in merged["summary"].items()} == {
+        "g/ptq (settings aaaaaaaa)": [0],
+        "g/ptq (settings bbbbbbbb)": [1],
+    }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from pathlib import Path
 
 from aimet_quadapter.atomic import write_text_atomic
@@ -38,13 +39,20 @@ def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
     ``spread`` their [min, max], ``predict`` where another run lands (:func:`prediction_range`), ``seeds``
     which ones, ``stopped_seeds`` those whose training diverged, ``nonfinite_seeds`` those that finished with an
     inf or NaN perplexity (in no mean and not in ``seeds``), and ``machines`` the thread counts, CPU kernels and
-    devices where the seeds ran under more than one. Cells without a seed are returned as they are."""
-    groups: dict[str, list[dict]] = {}
+    devices where the seeds ran under more than one. A row is the seeds of one ``row_fingerprint`` (the cell's
+    settings less its seed): where a key's seeds ran under more than one, each set is a row of its own, its key
+    and ``settings`` naming that fingerprint (seeds recorded before it: "not recorded", one row). Cells without a
+    seed are returned as they are."""
+    groups: dict[tuple[str, bool, str | None], list[dict]] = {}
     for key, c in cells.items():
-        groups.setdefault(key.rsplit("#seed", 1)[0] if c.get("seed") is not None else key, []).append(c)
+        if c.get("seed") is None:
+            groups[key, False, None] = [c]
+        else:  # seeds of other settings (run into one folder, or merged from another) are another measurement
+            groups.setdefault((key.rsplit("#seed", 1)[0], True, c.get("row_fingerprint")), []).append(c)
+    rows_of_key = Counter(key for key, _, _ in groups)
     rows = {}
-    for key, members in groups.items():
-        if members[0].get("seed") is None:
+    for (key, seeded, settings), members in groups.items():
+        if not seeded:
             rows[key] = members[0]
             continue
         # a seed whose training stopped has no perplexity: the row is the mean of the others, and says so
@@ -75,6 +83,9 @@ def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
                     row[field][col] = next(m[field][col] for m in nonfinite if col in m.get(field, {}))
                 if len(values) > 1:
                     row["predict"][field][col] = list(prediction_range(values))
+        if rows_of_key[key] > 1:
+            row["settings"] = settings[:8] if settings else "not recorded"
+            key = f"{key} (settings {row['settings']})"
         rows[key] = row
     return rows
 
