@@ -714,10 +714,30 @@ def test_the_seeds_of_a_row_that_ran_under_other_thread_counts_or_kernels_are_ma
     assert "seeds ran under" not in results_table({"cells": cells, "datasets": [{"label": "a"}], "seeds": [1, 2]})
 
 
-def test_a_cell_records_the_thread_count_and_kernels_it_ran_under(base_run):
+def test_a_cell_records_the_thread_count_kernels_and_device_it_ran_under(base_run):
     cell = next(iter(_results(base_run)["cells"].values()))
     assert cell["threads"] == torch.get_num_threads()
     assert cell["kernels"] == torch.backends.cpu.get_cpu_capability()
+    assert cell["device"] == "cpu"
+
+
+def test_the_seeds_of_a_row_computed_on_a_gpu_and_on_the_cpu_are_marked():
+    from aimet_quadapter.reporting.report import results_table
+
+    def table(devices: dict[int, str | None]) -> str:
+        cells = {
+            f"calib:a/ptq#seed{s}": {
+                **_cell("ptq", "calib:a", s, {"a": 10.0 + s}, threads=2, kernels="AVX2"),
+                **({"device": device} if device else {}),  # None: a cell written before devices were recorded
+            }
+            for s, device in devices.items()
+        }
+        return results_table({"cells": cells, "datasets": [{"label": "a"}], "seeds": list(devices)})
+
+    mixed = table({0: "cpu", 1: "cuda (NVIDIA H200)", 2: "cpu"})
+    assert "seeds ran under 2 threads on AVX2, 2 threads on AVX2 with cuda (NVIDIA H200)" in mixed
+    assert "seeds ran under" not in table({0: None, 1: "cpu"})  # unknown is not another machine
+    assert "seeds ran under" not in table({0: "cuda (NVIDIA H200)", 1: "cuda (NVIDIA H200)"})
 
 
 def test_a_row_with_a_stopped_seed_is_the_mean_of_the_others_and_says_so():
@@ -807,3 +827,164 @@ def test_a_finished_run_and_its_data_are_freed(world, tmp_path):
     del run, windows
     gc.collect()
     assert gone() is None
+
+
+def _cell(method: str, group: str, seed: int | None, ppl: dict, **extra) -> dict:
+    return {"method": method, "label": method.upper(), "group": group, "seed": seed, "ppl": ppl, **extra}
+
+
+def _folder(path: Path, cells: dict) -> Path:
+    path.mkdir(parents=True)
+    (path / "results.json").write_text(json.dumps({"format": 1, "model": "m", "cells": cells}))
+    return path
+
+
+def test_merge_reads_the_destination_under_its_lock(tmp_path, monkeypatch):
+    """A run that finishes a cell in the destination just before merge takes the lock keeps that cell."""
+    from aimet_quadapter.running import merge
+    from aimet_quadapter.running.lock import RunLock
+
+    dest = _folder(tmp_path / "a", {"g/ptq#seed0": _cell("ptq", "g", 0, {"t": 10.0})})
+    src = _folder(tmp_path / "b", {"g/ptq#seed1": _cell("ptq", "g", 1, {"t": 11.0})})
+    acquire = RunLock.acquire
+
+    def a_run_finishes_first(lock: RunLock) -> None:
+        if lock.folder == dest:
+            results = _results(dest)
+            results["cells"]["g/ptq#seed2"] = _cell("ptq", "g", 2, {"t": 12.0})
+            (dest / "results.json").write_text(json.dumps(results))
+        acquire(lock)
+
+    monkeypatch.setattr(RunLock, "acquire", a_run_finishes_first)
+    merged, added = merge.merge_runs(dest, [src])
+    assert added == ["g/ptq#seed1"]
+    assert sorted(_results(dest)["cells"]) == ["g/ptq#seed0", "g/ptq#seed1", "g/ptq#seed2"]
+
+
+def test_a_seed_of_inf_or_nan_perplexity_is_named_and_neither_averaged_nor_counted():
+    from aimet_quadapter.reporting.report import results_table
+    from aimet_quadapter.running.results_file import merge_seeds, summary
+
+    values = {0: 10.0, 1: 12.0, 2: float("inf"), 3: 11.0}
+    cells = {f"g/ptq#seed{s}": _cell("ptq", "g", s, {"t": v}) for s, v in values.items()}
+    cells["g/ptq#seed3"]["dev_ppl"] = {"t": float("nan")}  # finite on the test text, not on the development one
+    row = merge_seeds(cells)["g/ptq"]
+    assert row["seeds"] == [0, 1] and row["nonfinite_seeds"] == [2, 3]
+    assert row["ppl"]["t"] == 11.0 and row["spread"]["ppl"]["t"] == [10.0, 12.0]
+    assert summary({"cells": cells})["g/ptq"]["seeds"] == [0, 1]
+    table = results_table({"cells": cells, "datasets": [{"label": "t"}], "seeds": list(values)})
+    assert "PTQ (seed 2, 3: perplexity inf or NaN, not in the mean)" in table and "11.00 (10.00–12.00)" in table
+    # no finite seed at all: the row says inf, and has no statistics
+    only = {k: c for k, c in cells.items() if k.endswith("2")}
+    assert merge_seeds(only)["g/ptq"]["ppl"]["t"] == float("inf") and merge_seeds(only)["g/ptq"]["seeds"] == []
+    assert summary({"cells": only})["g/ptq"]["ppl"] == {}
+
+
+def test_rows_of_other_fine_tuning_sizes_are_neither_compared_nor_checked_against_each_other(
+    tmp_path, capsys, monkeypatch
+):
+    """A sweep's 2-sequence Quadapter is compared with no 40-sequence QAT, and check_ranges holds a cell to the
+    range of its own size; a reference row of one seed is skipped, not a crash."""
+    import runpy
+    import sys
+
+    cells = {
+        f"g/{m}{f'@{n}' if n else ''}#seed{s}": _cell(m, "g", s, {"t": v + s}, size=n)
+        for m, n, v in (("quadapter", 2, 50.0), ("quadapter", None, 20.0), ("qat", None, 30.0))
+        for s in (0, 1)
+    }
+    lines = matched_comparisons({"cells": cells, "fids": {}})
+    assert len(lines) == 1 and "QUADAPTER 20.50 vs QAT 30.50" in lines[0]
+    cells["g/ptq#seed0"] = _cell("ptq", "g", 0, {"t": 40.0})  # one seed: no range to check against (was a KeyError)
+    reference = _folder(tmp_path / "ref", cells)
+    other = _folder(
+        tmp_path / "other",
+        {
+            "g/quadapter@2#seed5": _cell("quadapter", "g", 5, {"t": 50.5}, size=2, threads=1),
+            "g/ptq#seed5": {**_cell("ptq", "g", 5, {"t": 40.0}), "threads": 1},
+        },
+    )
+    script = Path(__file__).parents[1] / "scripts" / "check_ranges.py"
+    monkeypatch.setattr(sys, "argv", [str(script), str(reference), str(other)])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "| 50.500 |" in out and "| 50.000-51.000 | yes |" in out and "in the min-max of the seeds: 1 of 1" in out
+    assert "no row of two seeds or more in the reference: 1" in out
+
+
+def test_seeds_run_under_other_settings_into_one_folder_are_rows_of_their_own(world, tmp_path, capsys):
+    """The issue's case: seed 0, then seed 1 with fewer calibration samples, into one folder: two PTQ rows, each
+    its own seed's, not one row "seeds 0, 1"; a rerun of seed 1 under the first settings joins seed 0's row."""
+    run = tmp_path / "run"
+    argv = ["run", str(world / "r.yaml"), "--out", str(run), "--no-progress", "--set", "methods=[fp,ptq]"]
+    assert main([*argv, "--set", "seeds=[0]"]) == 0
+    assert main([*argv, "--set", "seeds=[1]", "--set", "calibration.samples=1"]) == 0
+    cells = _results(run)["cells"]
+    first, other = (cells[f"calib:a/ptq#seed{s}"] for s in (0, 1))
+    assert first["row_fingerprint"] != other["row_fingerprint"]
+    rows = [r for r in ordered_rows(_results(run)) if r["method"] == "ptq"]
+    assert [(r["seeds"], r["ppl"]["a"]) for r in rows] == [([0], first["ppl"]["a"]), ([1], other["ppl"]["a"])]
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 0
+    assert f"PTQ (settings {first['row_fingerprint'][:8]})" in capsys.readouterr().out
+    # seed 1 again under the first settings: the same row as seed 0 (its fingerprint aside from the seed)
+    assert main([*argv, "--set", "seeds=[1]"]) == 0
+    again = _results(run)["cells"]["calib:a/ptq#seed1"]
+    assert again["row_fingerprint"] == first["row_fingerprint"] and again["fingerprint"] != first["fingerprint"]
+    (row,) = [r for r in ordered_rows(_results(run)) if r["method"] == "ptq"]
+    assert row["seeds"] == [0, 1] and "settings" not in row
+
+
+def test_a_row_is_the_mean_of_the_seeds_of_one_set_of_settings_and_cells_from_before_stay_one_row():
+    from aimet_quadapter.running.results_file import merge_seeds
+
+    cells = {
+        f"g/qat#seed{s}": _cell("qat", "g", s, {"t": v}, row_fingerprint=fp)
+        for s, v, fp in ((0, 10.0, "aaaaaaaaaaaa"), (1, 12.0, "aaaaaaaaaaaa"), (2, 30.0, "bbbbbbbbbbbb"))
+    }
+    rows = merge_seeds(cells)
+    assert set(rows) == {"g/qat (settings aaaaaaaa)", "g/qat (settings bbbbbbbb)"}
+    assert rows["g/qat (settings aaaaaaaa)"]["ppl"]["t"] == 11.0 and rows["g/qat (settings bbbbbbbb)"]["seeds"] == [2]
+    # a method matched with both is compared with each, on the seeds each ran
+    cells |= {f"g/quadapter#seed{s}": _cell("quadapter", "g", s, {"t": 9.0 + s}) for s in (0, 1, 2)}
+    lines = matched_comparisons({"cells": cells})
+    assert [line.split(": ")[1].split(" (")[0] for line in lines] == ["QUADAPTER 9.50 vs QAT", "QUADAPTER 11.00 vs QAT"]
+    assert "vs QAT (settings aaaaaaaa) 11.00 (-13.6 %) (on seeds 0, 1, which both ran)" in lines[0]
+    assert "vs QAT (settings bbbbbbbb) 30.00 (-63.3 %) (on seed 2, which both ran)" in lines[1]
+    # cells recorded before row fingerprints: one row, as they were reported then
+    old = {k: {f: v for f, v in c.items() if f != "row_fingerprint"} for k, c in cells.items()}
+    assert merge_seeds(old)["g/qat"]["seeds"] == [0, 1, 2]
+
+
+def test_a_row_fingerprint_leaves_out_the_seeds_and_nothing_else(tmp_path):
+    recipe_file = tmp_path / "m.yaml"
+    recipe_file.write_text(
+        "model: gpt2\nmethods: [fp, ptq, quadapter]\nfid: [ptb]\neval: {datasets: [ptb]}\nseeds: [0, 1]\n"
+    )
+
+    def planned(*overrides: str, seed: int = 0) -> tuple[RecipeRun, list]:
+        recipe = load_recipe(recipe_file, list(overrides))
+        run = RecipeRun(recipe.for_seed(seed), tmp_path / "out", progress=False, seed=seed, parent=recipe)
+        return run, run.cells
+
+    base, cells = planned()
+    other, other_cells = planned(seed=1)
+    assert [base.row_fingerprint(c) for c in cells] == [other.row_fingerprint(c) for c in other_cells]
+    assert [base.fingerprint(c) == other.fingerprint(c) for c in cells] == [True, False, False]  # FP32 has no seed
+    samples, _ = planned("calibration.samples=3")
+    assert [base.row_fingerprint(c) == samples.row_fingerprint(c) for c in cells] == [True, False, False]
+
+
+def test_seeds_merged_from_a_folder_that_ran_them_under_other_settings_stay_a_row_of_their_own(tmp_path):
+    """merge compares the recipe each folder recorded last; a seed that folder ran before under other settings
+    joins the destination, but not the destination's row."""
+    from aimet_quadapter.running.merge import merge_runs
+
+    dest = _folder(tmp_path / "a", {"g/ptq#seed0": _cell("ptq", "g", 0, {"t": 10.0}, row_fingerprint="a" * 16)})
+    src = _folder(tmp_path / "b", {"g/ptq#seed1": _cell("ptq", "g", 1, {"t": 20.0}, row_fingerprint="b" * 16)})
+    merged, added = merge_runs(dest, [src])
+    assert added == ["g/ptq#seed1"]
+    assert {k: v["seeds"] for k, v in merged["summary"].items()} == {
+        "g/ptq (settings aaaaaaaa)": [0],
+        "g/ptq (settings bbbbbbbb)": [1],
+    }

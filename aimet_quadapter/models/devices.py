@@ -34,3 +34,11 @@ def resolve_device(spec: str = "auto") -> torch.device:
     if index >= torch.cuda.device_count():
         raise QuadapterError(f"device {spec!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return torch.device("cuda", index)
+
+
+def device_label(device: torch.device) -> str:
+    """What a result records of the device that computed it: ``cpu``, or ``cuda`` and the GPU's name (its index
+    orders no sum: two GPUs of one kind compute alike)."""
+    if device.type != "cuda":
+        return device.type
+    return f"cuda ({torch.cuda.get_device_name(device)})"

@@ -56,6 +56,11 @@ def _row_label(cell: dict) -> str:
         stopped = (
             f" (seed {', '.join(map(str, cell['stopped_seeds']))} stopped: training diverged; the mean of the others)"
         )
+    if cell.get("settings"):  # its key's seeds ran under more than one set of settings: which this row is
+        stopped += f" (settings {cell['settings']})"
+    if cell.get("nonfinite_seeds"):
+        seeds = ", ".join(map(str, cell["nonfinite_seeds"]))
+        stopped += f" (seed {seeds}: perplexity inf or NaN, not in the mean)"
     if cell.get("machines"):
         stopped += f" (seeds ran under {', '.join(cell['machines'])})"
     other = " †" if cell.get("other_versions") else ""
@@ -160,38 +165,54 @@ def matched_comparisons(results: dict) -> list[str]:
     for r in rows:
         info = CATALOG.get(r["method"])
         for other in info.matched if info else ():
-            base = next((b for b in rows if b["method"] == other and b["group"] == r["group"]), None)
-            if base is None:
-                continue
-            a, b, note = r, base, ""
-            seeds_a, seeds_b = set(r.get("seeds", [])), set(base.get("seeds", []))
-            if seeds_a and seeds_b and seeds_a != seeds_b:
-                # a mean over other seeds is another measurement: both rows from the seeds they share
-                shared = sorted(seeds_a & seeds_b)
-                if not shared:
-                    lines.append(f"- {r['group']}: {r['label']} and {base['label']} share no seed, not compared")
-                    continue
-                a, b = _on_seeds(results, r, shared), _on_seeds(results, base, shared)
-                note = f" (on seed{'s' * (len(shared) > 1)} {', '.join(map(str, shared))}, which both ran)"
-            for field, title in (("ppl", ""), ("dev_ppl", " (development)")):
-                for col, value in a.get(field, {}).items():
-                    ref = b.get(field, {}).get(col)
-                    if not isinstance(ref, (int, float)):
-                        continue
-                    lines.append(
-                        f"- {r['group']}, {col}{title}: {a['label']} {_fmt(value)} vs {b['label']} "
-                        f"{_fmt(ref)} ({100 * (value / ref - 1):+.1f} %){note}: {_verdict(a, b, field, col)}"
-                    )
+            # of the same fine-tuning size (a sweep's 2-sequence point is not matched with the 40-sequence row),
+            # and each of its rows where its seeds ran under more than one set of settings
+            for base in (b for b in rows if b["method"] == other and _place(b) == _place(r)):
+                lines += _comparison(results, r, base)
     return lines
+
+
+def _comparison(results: dict, r: dict, base: dict) -> list[str]:
+    """:func:`matched_comparisons`' lines for row ``r`` against the row ``base`` of its matched baseline."""
+    a, b, note = r, base, ""
+    name_a, name_b = _name(r), _name(base)
+    seeds_a, seeds_b = set(r.get("seeds", [])), set(base.get("seeds", []))
+    if seeds_a and seeds_b and seeds_a != seeds_b:
+        # a mean over other seeds is another measurement: both rows from the seeds they share
+        shared = sorted(seeds_a & seeds_b)
+        if not shared:
+            return [f"- {r['group']}: {name_a} and {name_b} share no seed, not compared"]
+        a, b = _on_seeds(results, r, shared), _on_seeds(results, base, shared)
+        note = f" (on seed{'s' * (len(shared) > 1)} {', '.join(map(str, shared))}, which both ran)"
+    lines = []
+    for field, title in (("ppl", ""), ("dev_ppl", " (development)")):
+        for col, value in a.get(field, {}).items():
+            ref = b.get(field, {}).get(col)
+            if not isinstance(ref, (int, float)):
+                continue
+            lines.append(
+                f"- {r['group']}, {col}{title}: {name_a} {_fmt(value)} vs {name_b} "
+                f"{_fmt(ref)} ({100 * (value / ref - 1):+.1f} %){note}: {_verdict(a, b, field, col)}"
+            )
+    return lines
+
+
+def _name(row: dict) -> str:
+    return row["label"] + (f" (settings {row['settings']})" if row.get("settings") else "")
+
+
+def _place(row: dict) -> tuple:
+    """Where a row sits beside its matched baselines: its group and fine-tuning size."""
+    return row["group"], row.get("size")
 
 
 def _on_seeds(results: dict, row: dict, seeds: list[int]) -> dict:
     """``row`` (seeds merged) again, from its cells of ``seeds`` alone."""
-    mine = (row["method"], row["group"], row.get("size"))
+    mine = (row["method"], row["group"], row.get("size"), row.get("row_fingerprint"))
     cells = {
         key: c
         for key, c in results["cells"].items()
-        if (c["method"], c["group"], c.get("size")) == mine and c.get("seed") in seeds
+        if (c["method"], c["group"], c.get("size"), c.get("row_fingerprint")) == mine and c.get("seed") in seeds
     }
     return next(iter(merge_seeds(cells).values()))
 

@@ -17,12 +17,13 @@ from pathlib import Path
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.running.lock import RunLock
 from aimet_quadapter.running.recipes import result_section
-from aimet_quadapter.running.results_file import load_results, write_results
+from aimet_quadapter.running.results_file import RESULTS, load_results, write_results
 
 # what two runs of one recipe may differ in: where a run writes, which seeds and methods, the device (as in
-# the fingerprints: a GPU's result and a CPU's are the same measurement up to float rounding), and where texts are
-# looked for (another checkout's path: the texts found are compared by content below); a recipe's name and
-# description say what it is for, not what it computes
+# the fingerprints: a GPU's result and a CPU's are the same measurement up to float rounding; each cell records
+# its device, and the report marks a row whose seeds ran on more than one), and where texts are looked for
+# (another checkout's path: the texts found are compared by content below); a recipe's name and description say
+# what it is for, not what it computes
 _PER_FOLDER = {"seeds", "out", "methods", "device", "data_dirs", "name", "description"}
 
 
@@ -113,9 +114,13 @@ def merge_runs(dest_dir: str | Path, sources: Sequence[str | Path]) -> tuple[dic
         folders = [dest_dir, *map(Path, sources)]
         if len({f.resolve() for f in folders}) < len(folders):
             raise QuadapterError("merge: a run folder is named twice")
-        results = {f: load_results(f) for f in folders}  # every folder read before any is changed
+        for folder in folders:
+            if not (folder / RESULTS).is_file():
+                load_results(folder)  # says which folder has no run (locking it first would create it)
         for folder in folders:
             locks.enter_context(RunLock(folder))  # no run may be writing one of them
+        # read under the locks: cells a run writes between a read and the lock would be lost by our write
+        results = {f: load_results(f) for f in folders}  # every folder read before any is changed
         dest = results[dest_dir]
         for src_dir in folders[1:]:
             _check_same_recipe(dest, results[src_dir], src_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from pathlib import Path
 
 from aimet_quadapter.atomic import write_text_atomic
@@ -36,36 +37,55 @@ def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
     """``cells`` (results.json's, by key) with the seeds of one cell merged into one row under the key without
     ``#seed<N>``, in order of first appearance: its ``ppl`` and ``dev_ppl`` the mean over the seeds that finished,
     ``spread`` their [min, max], ``predict`` where another run lands (:func:`prediction_range`), ``seeds``
-    which ones, ``stopped_seeds`` those whose training diverged, and ``machines`` the thread counts and CPU kernels
-    where the seeds ran under more than one. Cells without a seed are returned as they are."""
-    groups: dict[str, list[dict]] = {}
+    which ones, ``stopped_seeds`` those whose training diverged, ``nonfinite_seeds`` those that finished with an
+    inf or NaN perplexity (in no mean and not in ``seeds``), and ``machines`` the thread counts, CPU kernels and
+    devices where the seeds ran under more than one. A row is the seeds of one ``row_fingerprint`` (the cell's
+    settings less its seed): where a key's seeds ran under more than one, each set is a row of its own, its key
+    and ``settings`` naming that fingerprint (seeds recorded before it: "not recorded", one row). Cells without a
+    seed are returned as they are."""
+    groups: dict[tuple[str, bool, str | None], list[dict]] = {}
     for key, c in cells.items():
-        groups.setdefault(key.rsplit("#seed", 1)[0] if c.get("seed") is not None else key, []).append(c)
+        if c.get("seed") is None:
+            groups[key, False, None] = [c]
+        else:  # seeds of other settings (run into one folder, or merged from another) are another measurement
+            groups.setdefault((key.rsplit("#seed", 1)[0], True, c.get("row_fingerprint")), []).append(c)
+    rows_of_key = Counter(key for key, _, _ in groups)
     rows = {}
-    for key, members in groups.items():
-        if members[0].get("seed") is None:
+    for (key, seeded, settings), members in groups.items():
+        if not seeded:
             rows[key] = members[0]
             continue
         # a seed whose training stopped has no perplexity: the row is the mean of the others, and says so
         finished = [m for m in members if not m.get("error")]
-        row = {**(finished or members)[0], "seeds": [m["seed"] for m in finished], "spread": {}}
+        # nor has a seed whose perplexity is inf or NaN somewhere a number to average: a row that counted it
+        # would claim more seeds than its mean and range come from
+        counted = [m for m in finished if all(_finite(v) for f in ("ppl", "dev_ppl") for v in m.get(f, {}).values())]
+        nonfinite = [m for m in finished if m not in counted]
+        row = {**(counted or finished or members)[0], "seeds": [m["seed"] for m in counted], "spread": {}}
         stopped = [m for m in members if m.get("error")]
         if stopped:
             row["error"] = stopped[0]["error"]
             row["stopped_seeds"] = [m["seed"] for m in stopped]
-        machines = sorted({machine_label(m) for m in finished if m.get("threads") is not None})
+        if nonfinite:
+            row["nonfinite_seeds"] = [m["seed"] for m in nonfinite]
+        machines = sorted({machine_label(m) for m in counted if m.get("threads") is not None})
         if len(machines) > 1:  # sums in another order: another measurement, not another seed alone
             row["machines"] = machines
         row["predict"] = {}
         for field in ("ppl", "dev_ppl"):
             row[field], row["spread"][field], row["predict"][field] = {}, {}, {}
             for col in dict.fromkeys(col for m in finished for col in m.get(field, {})):
-                values = [m[field][col] for m in finished if _finite(m.get(field, {}).get(col))]
+                values = [m[field][col] for m in counted if col in m.get(field, {})]
                 if values:
                     row[field][col] = sum(values) / len(values)
                     row["spread"][field][col] = [min(values), max(values)]
+                else:  # every seed's is inf or NaN: the table says so rather than nothing
+                    row[field][col] = next(m[field][col] for m in nonfinite if col in m.get(field, {}))
                 if len(values) > 1:
                     row["predict"][field][col] = list(prediction_range(values))
+        if rows_of_key[key] > 1:
+            row["settings"] = settings[:8] if settings else "not recorded"
+            key = f"{key} (settings {row['settings']})"
         rows[key] = row
     return rows
 
@@ -86,9 +106,11 @@ def prediction_range(values: list[float], level: float = 0.95) -> tuple[float, f
 
 
 def machine_label(cell: dict) -> str:
-    """What a cell ran under that orders its sums: "2 threads on AVX2" (no kernels in cells written before them)."""
+    """What a cell ran under that orders its sums: "2 threads on AVX2", "... with cuda (NVIDIA H200)" where a GPU
+    computed it (no kernels, or no device, in cells written before they were recorded: unknown, so not said)."""
     threads = f"{cell['threads']} thread{'s' if cell['threads'] != 1 else ''}"
-    return f"{threads} on {cell['kernels']}" if cell.get("kernels") else threads
+    label = f"{threads} on {cell['kernels']}" if cell.get("kernels") else threads
+    return f"{label} with {cell['device']}" if cell.get("device") not in (None, "cpu") else label
 
 
 def summary(results: dict) -> dict[str, dict]:
@@ -99,6 +121,7 @@ def summary(results: dict) -> dict[str, dict]:
             "method": row["method"],
             "group": row["group"],
             "seeds": row["seeds"],
+            **({"nonfinite_seeds": row["nonfinite_seeds"]} if row.get("nonfinite_seeds") else {}),
             **{
                 field: {
                     col: {
@@ -108,6 +131,7 @@ def summary(results: dict) -> dict[str, dict]:
                         **dict(zip(("predict_low", "predict_high"), row["predict"][field].get(col, ()))),
                     }
                     for col, value in row[field].items()
+                    if col in row["spread"][field]  # a column of no finite seed has no statistics
                 }
                 for field in ("ppl", "dev_ppl")
             },

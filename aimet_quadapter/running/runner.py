@@ -152,6 +152,16 @@ def _fingerprint(payload: dict) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _seedless(value: Any) -> Any:
+    """A fingerprint's payload without the seeds (calibration's, generated text's, phase 1's) that
+    :meth:`Recipe.for_seed` sets: what the seeds of one row share."""
+    if isinstance(value, dict):
+        return {k: _seedless(v) for k, v in value.items() if k != "seed"}
+    if isinstance(value, (list, tuple)):
+        return [_seedless(v) for v in value]
+    return value
+
+
 class RecipeRun:
     """The plan of one recipe into one run folder, and its execution.
 
@@ -330,10 +340,18 @@ class RecipeRun:
     def fingerprint(self, cell: Cell, by_path: bool = False) -> str:
         """What ``cell`` is computed from; ``by_path``: as run folders before content hashes named a local text (by
         its path), under which their cells stay done."""
+        return _fingerprint(self._payload(cell, by_path))
+
+    def row_fingerprint(self, cell: Cell) -> str:
+        """:meth:`fingerprint` less the seeds: the same for every seed of ``cell`` under one set of settings, so
+        that a row averages only those (a folder can hold seeds run under other settings before)."""
+        return _fingerprint(_seedless(self._payload(cell)))
+
+    def _payload(self, cell: Cell, by_path: bool = False) -> dict:
         info = self.catalog[cell.method]
         payload = {"method": cell.method, **self._base_payload(by_path)}
         if not info.calibrates:
-            return _fingerprint(payload)
+            return payload
         payload.update(self._calibration_payload(cell.calibration_set, by_path))
         payload.update(self._sections(info.reads))
         for unused in info.unused:
@@ -345,7 +363,7 @@ class RecipeRun:
         if info.finetunes:
             payload["fid"] = self._sources(self.fids[cell.fid_name], by_path)
             payload["size"] = cell.size
-        return _fingerprint(payload)
+        return payload
 
     def bc_fingerprint(self, cal: str, by_path: bool = False) -> str:
         payload = {"model": self.model_name, **self._calibration_payload(cal, by_path)}
@@ -809,6 +827,8 @@ class RecipeRun:
 
     def _record(self, cell: Cell) -> dict:
         """What every results.json record of ``cell`` says, finished or stopped."""
+        from aimet_quadapter.models.devices import device_label
+
         return {
             "method": cell.method,
             "label": self.catalog[cell.method].label,
@@ -823,12 +843,14 @@ class RecipeRun:
             # cell computed under other versions than the newest cell's
             "versions": library_versions(),
             "commit": source_commit(),  # where to find the code that versions' source hash names
-            # nor these (the same): the thread count and the CPU's vector kernels (AVX2, AVX512) order the sums of
-            # Adam and the matmuls, so they change what training ends at; the report says where the seeds of one
-            # row ran under more than one
+            # nor these (the same): the thread count, the CPU's vector kernels (AVX2, AVX512) and the device (a GPU
+            # takes the whole batch in other kernels) order the sums of Adam and the matmuls, so they change what
+            # training ends at; the report says where the seeds of one row ran under more than one
             "threads": torch.get_num_threads(),
             "kernels": torch.backends.cpu.get_cpu_capability(),
+            "device": device_label(self.device),
             "fingerprint": self.fingerprint(cell),
+            "row_fingerprint": self.row_fingerprint(cell),
             "folder": cell.folder,
         }
 
@@ -863,6 +885,11 @@ class RecipeRun:
 
     def _run(self) -> dict:
         results = self._load_or_new()
+        pending = [c for c in self.cells if not self.is_done(results, c)]
+        for cell in self.cells:
+            # a cell recorded before rows kept settings apart, done under these settings: it is of their row
+            if cell not in pending:
+                results["cells"][cell.key].setdefault("row_fingerprint", self.row_fingerprint(cell))
         self._write(results)
         p2 = self.recipe.phase2
         seen = max(p2.steps, 1) * p2.batch_size
@@ -871,7 +898,6 @@ class RecipeRun:
                 f"note: phase 2 sees at most {seen} sequences (phase2.steps x phase2.batch_size); "
                 f"finetune_sizes above that use only their first {seen}"
             )
-        pending = [c for c in self.cells if not self.is_done(results, c)]
         skipped = len(self.cells) - len(pending)
         if skipped:
             self._say(f"{skipped} of {len(self.cells)} cells already in {self.out_dir / RESULTS}: skipped")
