@@ -97,6 +97,39 @@ def test_a_technique_state_exports_and_verifies(name, tmp_path):
     assert exported.manifest["verification"]
 
 
+def test_omniquants_learned_weight_ranges_outlive_calibration(monkeypatch):
+    """OmniQuant learns each weight's range; the static calibration after it, and any later one, must keep it
+    (recomputed from the quantize-dequantized weights it comes out a few ulps off), as AIMET keeps AdaScale's."""
+    from aimet_torch.experimental.omniquant.let_quantizer import OmqQuantizeDequantize
+
+    from aimet_quadapter.quant import aimet_adapter
+    from aimet_quadapter.quant.llm_techniques import apply_omniquant
+    from aimet_quadapter.quant.policy import build_sim, calibrate
+    from aimet_quadapter.quant.quantizers import quantizers
+
+    learned: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    plain = aimet_adapter._plain_weight_quantizers
+
+    def keep_learned(before: dict) -> None:  # OmniQuant's quantizers, as it leaves them
+        paths = {module: path for path, module in sim.model.named_modules()}
+        for module in before:
+            for name, q in module.param_quantizers.items():
+                if isinstance(q, OmqQuantizeDequantize):
+                    learned[f"{paths[module]}.{name}"] = (q.min.detach().clone(), q.max.detach().clone())
+        plain(before)
+
+    monkeypatch.setattr(aimet_adapter, "_plain_weight_quantizers", keep_learned)
+    model = toy_model("llama")
+    corpus = sample_corpus(model, 4, 32, seed=1)
+    sim = build_sim(model, QuantPolicy(symmetric_weights=True))
+    apply_omniquant(sim, model, [corpus[:2]], BaselineParameters(omniquant_iterations=2))
+    calibrate(sim, [corpus[2:4]])
+    found = {f"{path}.{role}": q for path, role, q in quantizers(sim.model)}
+    assert len(learned) == 14  # q, k, v, o, gate, up, down of both blocks
+    for key, (lo, hi) in learned.items():
+        assert torch.equal(found[key].min, lo) and torch.equal(found[key].max, hi), key
+
+
 @pytest.mark.parametrize("name", ["spinquant_quadapter", "spinquant_cle_phase2"])
 def test_a_rotated_training_state_rebuilds_the_sim_it_trained(name, tmp_path):
     """A state of training on the rotated model holds the rotated weights unfolded and its alphas apart: folded

@@ -212,8 +212,8 @@ def test_corrupt_state_is_one_line_before_the_model_loads(tmp_path, corpus_dir, 
 
 @pytest.mark.parametrize("other", ["wider gpt2", "llama"])
 def test_a_state_of_another_model_is_one_line(other, tmp_path, tiny_gpt2_dir, corpus_dir, capsys, monkeypatch):
-    """A state trained on another model (other widths, or another architecture): refused by the state's name
-    after the model loads (it takes the model) but before a sim is traced for it."""
+    """A state trained on another model (other widths, or another architecture): refused by the state's names
+    before a sim is traced for it (another family before the model loads: see the test below)."""
     from aimet_quadapter.quadapter.api import apply_cle
     from aimet_quadapter.quadapter.state import QuadapterState
     from aimet_quadapter.quant import policy
@@ -236,6 +236,86 @@ def test_a_state_of_another_model_is_one_line(other, tmp_path, tiny_gpt2_dir, co
     assert main([*argv, "--verify-dataset", str(corpus_dir)]) == 2
     line = _error_line(capsys)
     assert "other.safetensors" in line and "another model" in line
+
+
+@pytest.fixture
+def no_hub(monkeypatch, never_load):
+    """Asking the hub (or reading a tokenizer, which may) fails the test: the error must come before it."""
+    from aimet_quadapter.models import hub, loading
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the hub was asked before the error")
+
+    monkeypatch.setattr(hub, "hub_reachable", fail)
+    monkeypatch.setattr(loading, "load_tokenizer", fail)
+
+
+@pytest.fixture(scope="module")
+def smollm2_state(tmp_path_factory) -> Path:
+    """PTQ ranges of a toy Llama, saved as a run saves them for the demo's model (smollm2-135m)."""
+    from aimet_quadapter.quadapter.state import QuadapterState
+    from aimet_quadapter.quant.policy import build_sim, calibrate
+    from aimet_quadapter.testing import sample_corpus, toy_model
+
+    model = toy_model("llama")
+    sim = build_sim(model)
+    calibrate(sim, [sample_corpus(model, 2, 32, seed=1)])
+    state = QuadapterState.from_sim(sim, {}, method="ptq", model="smollm2-135m")
+    return state.save(tmp_path_factory.mktemp("smollm2") / "ptq.safetensors")
+
+
+# --model of each case: a hub id in no cache (refused by the name), a local GPT-2 (refused by the family)
+OTHER_MODELS = {"hub id": "some-org/a-model-in-no-cache", "gpt2 folder": "{model}"}
+
+
+@pytest.mark.parametrize("command", ["eval", "export"])
+@pytest.mark.parametrize("other", list(OTHER_MODELS))
+def test_a_state_of_another_named_model_is_one_line_before_the_hub(
+    command, other, smollm2_state, tiny_gpt2_dir, corpus_dir, tmp_path, capsys, no_hub
+):
+    """The state names its model: `--model gpt2` with the demo's SmolLM2 state is refused at once, not after the
+    hub was tried and a model loaded (16 s for eval, 38 s for export)."""
+    model = OTHER_MODELS[other].format(model=tiny_gpt2_dir)
+    if command == "eval":
+        argv = ["eval", "--model", model, "--state", str(smollm2_state), "--dataset", str(corpus_dir)]
+    else:
+        argv = ["export", str(smollm2_state), "--model", model, "--out", str(tmp_path / "e")]
+    assert main(argv) == 2
+    line = _error_line(capsys)
+    assert "ptq.safetensors was computed for another model (smollm2-135m, a llama model)" in line
+    assert f"--model {model}" in line
+
+
+def test_a_state_saved_before_it_named_its_model_is_named_by_its_run(smollm2_state, tmp_path, capsys, no_hub):
+    """A state of an earlier version names no model: the results.json of the run folder it lies in does."""
+    import dataclasses
+
+    from aimet_quadapter.quadapter.state import QuadapterState
+
+    state = QuadapterState.load(smollm2_state)
+    cell = tmp_path / "run" / "seed-0" / "calib-generated" / "ptq"
+    dataclasses.replace(state, metadata={"method": "ptq"}).save(cell / "ptq.safetensors")
+    (tmp_path / "run" / "results.json").write_text(json.dumps({"model": "smollm2-135m", "cells": {}}))
+    assert main(["export", str(cell), "--model", "some-org/a-model-in-no-cache", "--out", str(tmp_path / "e")]) == 2
+    assert "computed for another model (smollm2-135m, a llama model)" in _error_line(capsys)
+
+
+def test_a_run_saves_states_that_name_their_model(tmp_path, tiny_gpt2_dir):
+    """What the refusals above read: each state a run saves names the model it was loaded by, and its family;
+    and a state is not refused for the model it names, by that name or its folder's."""
+    from aimet_quadapter.methods.registry import MethodContext, run_method
+    from aimet_quadapter.quadapter.state import QuadapterState
+    from aimet_quadapter.quant.config import QuantPolicy
+    from aimet_quadapter.testing import sample_corpus, toy_model
+
+    model = toy_model("gpt2")
+    ctx = MethodContext(model, QuantPolicy(), [sample_corpus(model, 2, 32, seed=1)], out_dir=tmp_path, progress=False)
+    ctx.model_name = str(tiny_gpt2_dir)
+    run_method("ptq", ctx)
+    state = QuadapterState.load(tmp_path / "ptq.safetensors")
+    assert state.metadata["model"] == str(tiny_gpt2_dir) and state.metadata["family"] == "gpt2"
+    state.check_model(str(tiny_gpt2_dir))
+    state.check_model(str(tiny_gpt2_dir / ".." / tiny_gpt2_dir.name))
 
 
 RECIPE = "model: {model}\nmethods: [fp]\neval: {{datasets: [{corpus}], seq_len: 64, max_tokens: 256}}\n"

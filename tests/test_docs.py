@@ -64,3 +64,29 @@ def _check_run_path(path: Path) -> None:
     assert parts[3] in loaded.methods, f"{path}: recipe {recipe.name} runs no {parts[3]}"
     groups = {"+".join(group) for group in loaded.fid}
     assert parts[2] in groups, f"{path}: recipe {recipe.name} fine-tunes on {sorted(groups)}, not {parts[2]}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+# a link to a page, with or without a section, and the words of the page it quotes: `[x.md](x.md#s), "words"`,
+# or `docs/x.md, "words"` (a path from the page's folder or the repository's)
+REFERENCE = re.compile(r"\[[^\]]*\]\(([\w./-]+\.md)(?:#([\w-]+))?\)(?:, \"([^\"]+)\")?|([\w./-]+\.md), \"([^\"]+)\"")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_each_reference_to_a_page_finds_what_it_names(page):
+    """A link's page and section exist, and the words a reference quotes are on that page: a section renamed or
+    moved leaves no reference to it behind."""
+    for match in REFERENCE.finditer(page.read_text(encoding="utf-8")):
+        target, anchor, words = match.group(1) or match.group(4), match.group(2), match.group(3) or match.group(5)
+        path = next((p for p in (page.parent / target, ROOT / target) if p.is_file()), None)
+        assert path is not None, f"{page.name}: {target} does not exist"
+        text = path.read_text(encoding="utf-8")
+        if anchor:
+            headings = {_slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+            assert anchor in headings, f"{page.name}: {target} has no section #{anchor}"
+        if words:
+            assert words in text, f'{page.name}: {target} does not say "{words}"'

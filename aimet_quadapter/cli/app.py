@@ -213,6 +213,7 @@ def _eval_state(args: argparse.Namespace) -> int:
         raise QuadapterError("--state and --methods exclude each other: a state is scored as it was saved")
     path = resolve_state(args.state)
     state = QuadapterState.load(path)
+    state.check_model(args.model)
     args.methods = "fp"  # the recipe's eval section and model are all that is used
     recipe = _eval_recipe(args)
     from aimet_quadapter.running.runner import score_state

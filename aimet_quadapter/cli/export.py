@@ -115,6 +115,7 @@ def _cmd_export(args) -> int:
     start = time.time()
     state_path = resolve_state(args.state)
     state = QuadapterState.load(state_path)
+    state.check_model(args.model)
     kv = _checked_before_loading(args, state)
     result = _export(args, state, state_path, kv)
     _print_summary(args, result, len(state.metadata.get("prefix") or []))

@@ -68,6 +68,9 @@ class MethodContext:
     validation: list[torch.Tensor] | None = None
     # The saved state of the method this one continues from (catalog ``continues``), when the runner found it.
     start: QuadapterState | None = None
+    # The name the model was loaded by (a hub id, folder or alias): each saved state records it, so that `export`
+    # and `eval --state` refuse a state of another model before loading one.
+    model_name: str | None = None
     _bc: tuple[QuantizationSimModel, QuadapterResult] | None = None
 
 
@@ -425,7 +428,8 @@ def _save(ctx: MethodContext, name: str, state: QuadapterState) -> None:
     if folder is not None:
         # the method that made it, set here for every state the registry saves (a composition continues a state
         # that says "quadapter"): the export's manifest and `eval` name it from this
-        state = dataclasses.replace(state, metadata={**state.metadata, "method": name})
+        model = {"model": ctx.model_name} if ctx.model_name else {}
+        state = dataclasses.replace(state, metadata={**state.metadata, "method": name, **model})
         state.save(folder / f"{name}.safetensors")
 
 

@@ -133,19 +133,33 @@ def max_positions(name: str) -> int | None:
 
 
 def family_of(name: str) -> str | None:
-    """The package's family name of model ``name`` from its config alone (no weights); None where that would need
-    the hub, or for a model type of no family (refused when the model loads)."""
+    """The package's family name of model ``name`` from its config alone (no weights): an alias's, a folder's, or a
+    hub id's in the local hub cache; None where that would need the hub, or for a model type of no family
+    (refused when the model loads)."""
     from . import ARCHITECTURES
 
     if name in OFFLINE_MODELS:
         model_type: str | None = OFFLINE_MODELS[name].model_type
     else:
         config = Path(os.path.expanduser(name)) / "config.json"
+        if not config.is_file():
+            config = _cached_config(name) or config
         try:
             model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
         except (OSError, ValueError):
             return None  # max_positions says what is wrong with the file
     return next((a.name for a in ARCHITECTURES if model_type in a.model_types), None)
+
+
+def _cached_config(name: str) -> Path | None:
+    """A hub id's ``config.json`` in the local hub cache, read without asking the hub; None if it is not there."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(name, "config.json")
+    except Exception:  # not a hub id (huggingface_hub's validation errors differ between its versions)
+        return None
+    return Path(found) if isinstance(found, str) else None
 
 
 def position_limit(config: Mapping[str, Any]) -> int | None:

@@ -62,6 +62,9 @@ class QuadapterState:
                 # the raw parameters: get_min()/get_max() return values rounded onto the grid
                 ranges[f"{path}.{role}"] = (q.min.detach().clone(), q.max.detach().clone())
         policy = sim_policy(sim)
+        arch = getattr(sim.model, "arch", None)
+        if arch is not None:  # `export` and `eval --state` refuse a state of another family before loading a model
+            metadata.setdefault("family", arch.name)
         prefix = getattr(sim.model, "prefix_ids", None)
         if prefix is not None:  # the deployable model reads its text after this prefix
             metadata["prefix"] = prefix[0].tolist()
@@ -152,6 +155,46 @@ class QuadapterState:
                 + (f" (and {len(missing) - 3} more)" if len(missing) > 3 else "")
             )
 
+    def check_model(self, model: str) -> None:
+        """Refuse, before any model loads (or the hub is asked), a state computed for another model than ``model``
+        (a name ``--model`` takes): by the families where both are known without the hub, else by the names.
+
+        A state names its model in its metadata (written by a run), or through the ``results.json`` of the run
+        folder it lies in; its family is recorded where it was made. Weights of one family and other widths
+        are refused by :meth:`check_fits`, once the model is there.
+        """
+        from aimet_quadapter.models.loading import family_of
+
+        recorded = self.metadata.get("model") or self._run_model()
+        if recorded is not None and _same_model(recorded, model):
+            return
+        family = self.metadata.get("family") or (family_of(recorded) if recorded else None)
+        given = family_of(model)
+        what = ", ".join(x for x in (recorded, f"a {family} model" if family else None) if x)
+        if family and given and family != given:
+            raise QuadapterError(
+                f"{self._name()} was computed for another model ({what}), not --model {model} (a {given} model)"
+            )
+        if recorded and given is None:
+            raise QuadapterError(
+                f"{self._name()} was computed for another model ({what}) than --model {model}, whose config is not "
+                f"on this machine to compare: pass --model {recorded}, or that model's folder"
+            )
+
+    def _run_model(self) -> str | None:
+        """The model the run folder holding this state names in its results.json (a state saved before states
+        recorded it): the folder is the state's own, or up to three above it (``[seed-N/]<calibration>/<method>/``)."""
+        if self.source is None:
+            return None
+        for folder in list(self.source.resolve().parents)[:4]:
+            try:
+                results = json.loads((folder / "results.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(results, dict) and isinstance(results.get("cells"), dict):
+                return results["model"] if isinstance(results.get("model"), str) else None
+        return None
+
     def _name(self) -> str:
         return f"state {self.source}" if self.source else "the state"
 
@@ -176,6 +219,14 @@ class QuadapterState:
         sim = build_sim(model, self.policy, in_place=True)
         sim.quadapter_merged_ranges = load_ranges(sim, self.ranges, merge_shared_ranges, source=self._name())
         return sim
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Whether two names a ``--model`` takes name one model: equal, or one folder."""
+    if a == b:
+        return True
+    first, second = Path(a).expanduser(), Path(b).expanduser()
+    return first.exists() and second.exists() and first.resolve() == second.resolve()
 
 
 def load_ranges(

@@ -176,7 +176,7 @@ def omniquant_view(sim: Any) -> Iterator[Callable[..., Any]]:
 def _plain_weight_quantizers(before: dict) -> None:
     """AIMET's OmniQuant leaves its own quantizer class on every weight it touched (one that applies its scales,
     folded by then), and one on weights that had none: each goes back to a plain ``QuantizeDequantize`` with the
-    learned range, or to none."""
+    learned range, locked against ``compute_encodings``, or to none."""
     from aimet_torch.experimental.omniquant.let_quantizer import OmqQuantizeDequantize
 
     for module, quantizers in before.items():
@@ -188,6 +188,9 @@ def _plain_weight_quantizers(before: dict) -> None:
                 continue
             plain = QuantizeDequantize(q.shape, q.bitwidth, q.symmetric, block_size=q.block_size).to(q.min.device)
             plain.set_range(q.min.detach(), q.max.detach())
+            # locked, as AIMET locks AdaScale's and SeqMSE's: the static calibration after it would otherwise
+            # recompute the range from the quantize-dequantized weights, close to the learned one but not it
+            plain.allow_overwrite(False)
             module.param_quantizers[name] = plain
 
 

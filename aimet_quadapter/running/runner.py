@@ -722,6 +722,7 @@ class RecipeRun:
             baselines=self.recipe.baseline_parameters(),
             checkpoints=p2.checkpoint_every < p2.steps,
             validation=self.validation_batches(cal) if cal else None,
+            model_name=self.model_name,
         )
         return ctx
 
