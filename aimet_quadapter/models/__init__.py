@@ -19,7 +19,7 @@ from .llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from .loading import load_model, load_tokenizer, quiet_libraries
 from .phi3 import PHI3
 from .prefix import FixedPrefixCache
-from .residual import ResidualSpec, install_residual_adds, residual_adds
+from .residual import ResidualSpec, install_residual_adds
 from .storage import own_storage, parameter_bytes, reset_to, shares_storage, weight_sharing_copy
 
 ARCHITECTURES: tuple[Architecture, ...] = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GEMMA2, GEMMA3)
@@ -49,7 +49,6 @@ __all__ = [
     "untie_lm_head",
     "own_storage",
     "reset_to",
-    "residual_adds",
     "parameter_bytes",
     "shares_storage",
     "weight_sharing_copy",

@@ -64,9 +64,3 @@ def _residual_forward(spec: ResidualSpec, signature: inspect.Signature):
         return hidden_states
 
     return forward
-
-
-def residual_adds(block: nn.Module) -> list[nn.Module]:
-    """A prepared block's two sum modules (empty for a block that has none)."""
-    adds = getattr(block, "residual_adds", None)
-    return list(adds) if adds is not None else []
