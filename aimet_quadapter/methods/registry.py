@@ -71,6 +71,11 @@ class MethodContext:
     # The name the model was loaded by (a hub id, folder or alias): each saved state records it, so that `export`
     # and `eval --state` refuse a state of another model before loading one.
     model_name: str | None = None
+    # The fingerprint of the cell this context computes (set by the runner): every state saved carries it, and
+    # `export` / `eval --state` refuse a state in a run folder whose row records another.
+    fingerprint: str | None = None
+    # The states this context saved: run_method saves a quantized method's sim where the method saved none.
+    saved: set[str] = field(default_factory=set)
     _bc: tuple[QuantizationSimModel, QuadapterResult] | None = None
 
 
@@ -411,9 +416,9 @@ def run_method(name: str, ctx: MethodContext):
     start = time.time()
     out = REGISTRY[name](ctx)
     ctx.timings[name] = time.time() - start
-    folder = _write_dir(ctx)
-    if isinstance(out, QuantizationSimModel) and folder is not None and not (folder / f"{name}.safetensors").exists():
-        # every quantized row can be exported: its ranges, and the weights it changed (AdaRound's, QAT's)
+    if isinstance(out, QuantizationSimModel) and _write_dir(ctx) is not None and name not in ctx.saved:
+        # every quantized row can be exported: its ranges, and the weights it changed (AdaRound's, QAT's); saved by
+        # this run whatever a file of that name holds (an earlier run's, under other settings)
         _save(ctx, name, QuadapterState.from_sim(out, {}).with_weights(out.model, ctx.model))
     return out
 
@@ -429,8 +434,10 @@ def _save(ctx: MethodContext, name: str, state: QuadapterState) -> None:
         # the method that made it, set here for every state the registry saves (a composition continues a state
         # that says "quadapter"): the export's manifest and `eval` name it from this
         model = {"model": ctx.model_name} if ctx.model_name else {}
-        state = dataclasses.replace(state, metadata={**state.metadata, "method": name, **model})
+        stamp = {"fingerprint": ctx.fingerprint} if ctx.fingerprint else {}
+        state = dataclasses.replace(state, metadata={**state.metadata, "method": name, **model, **stamp})
         state.save(folder / f"{name}.safetensors")
+    ctx.saved.add(name)
 
 
 def _write_losses(ctx: MethodContext, name: str, losses: list[float]) -> None:
