@@ -74,6 +74,9 @@ class MethodContext:
     # The fingerprint of the cell this context computes (set by the runner): every state saved carries it, and
     # `export` / `eval --state` refuse a state in a run folder whose row records another.
     fingerprint: str | None = None
+    # False where phase 1 is a step inside another method whose own state is the cell's (SpinQuant + Quadapter):
+    # its state is then saved by no one, as no row was computed with it.
+    save_bc: bool = True
     # The states this context saved: run_method saves a quantized method's sim where the method saved none.
     saved: set[str] = field(default_factory=set)
     _bc: tuple[QuantizationSimModel, QuadapterResult] | None = None
@@ -185,7 +188,8 @@ def _quadapter_bc(ctx: MethodContext) -> QuantizationSimModel:
     result = apply_phase1(sim, ctx.model, ctx.calibration, params, ctx.progress, ctx.validation)
     ctx._bc = (sim, result)
     ctx.bc_state = result.state
-    _save(ctx, "quadapter_bc", result.state)
+    if ctx.save_bc:
+        _save(ctx, "quadapter_bc", result.state)
     if checkpoints is not None and distributed.is_main():  # the saved state is what a rerun starts from now
         shutil.rmtree(checkpoints, ignore_errors=True)
     if result.phase1 is not None and result.phase1.validation is not None:
@@ -336,7 +340,10 @@ def _on_rotated(ctx: MethodContext, name: str) -> tuple[PreparedLM, MethodContex
     checkpoints, in this cell's folder."""
     _phase2(ctx, name)  # fail before rotating when there is no fine-tuning data
     rotated = spinquant_model(ctx.model, ctx.baselines)
-    return rotated, dataclasses.replace(ctx, model=rotated, bc_state=None, _bc=None, info={})
+    # phase 1's state of the rotated model would be its alphas without the rotated weights they belong to, folded
+    # into the unrotated ones by an export: a wrong model; the cell's state (both phases, the weights) is saved
+    inner = dataclasses.replace(ctx, model=rotated, bc_state=None, _bc=None, info={}, save_bc=False)
+    return rotated, inner
 
 
 @method("spinquant_quadapter")
