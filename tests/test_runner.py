@@ -1012,3 +1012,18 @@ def test_a_cell_computed_again_writes_its_own_state_stamped_with_its_fingerprint
     err = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "\n".join(err)
     assert "ptq.safetensors is not the state of row calib:a/ptq" in err[-1] and "other settings" in err[-1]
+
+
+def test_a_composition_continues_only_a_state_stamped_with_its_rows_fingerprint(world, tmp_path):
+    """`continues` starts from Quadapter's saved state only where the state is the one its row was computed with
+    (its fingerprint stamp), as phase 1's shared state is read only under its stamp."""
+    recipe = load_recipe(world / "r.yaml", ["methods=[quadapter,quadapter_seq_mse]"])
+    run = RecipeRun(recipe, tmp_path / "run", progress=False)
+    before, after = (run._finetune_cell(m, "a", None) for m in ("quadapter", "quadapter_seq_mse"))
+    record = {"fingerprint": run.fingerprint(before), "ppl": {"a": 2.0, "b": 2.0}, "dev_ppl": {"a": 2.0}}
+    results = {"cells": {before.key: record}}
+    path = tmp_path / "run" / before.folder / "quadapter.safetensors"
+    for stamp in (None, "0" * 16, record["fingerprint"]):
+        QuadapterState({}, {}, metadata={} if stamp is None else {"fingerprint": stamp}).save(path)
+        origin = run._start_of(after, results)
+        assert (origin is not None) == (stamp == record["fingerprint"]), stamp

@@ -770,7 +770,13 @@ class RecipeRun:
         state_file = self.out_dir / before.folder / f"{origin}.safetensors"
         if not (self.is_done(results, before) and state_file.is_file()):
             return None
-        return before.key, QuadapterState.load(state_file)
+        state = QuadapterState.load(state_file)
+        # the row's own state only: a file left by another run (other settings, or saved before states carried
+        # their cell's fingerprint) would give this cell another start than its fingerprint says
+        if state.metadata.get("fingerprint") != results["cells"][before.key]["fingerprint"]:
+            self._say(f"{cell.key}: {state_file} is not the state of row {before.key}; computing it again")
+            return None
+        return before.key, state
 
     def run_cell(self, cell: Cell, results: dict) -> dict:
         """Compute ``cell``; ``results``: the run's results so far (what a cell may continue from)."""
