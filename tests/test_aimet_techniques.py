@@ -149,6 +149,8 @@ def test_a_rotated_training_state_rebuilds_the_sim_it_trained(name, tmp_path):
     sim = run_method(name, ctx)
     state = QuadapterState.load(tmp_path / f"{name}.safetensors")
     assert state.weights and state.alphas
+    # the cell's one state: phase 1's alphas of the rotated model, without its weights, are no model to export
+    assert [p.name for p in tmp_path.glob("*.safetensors")] == [f"{name}.safetensors"]
     windows = [w for row in corpus[4:8] for w in eval_windows(row, 32)]
     assert perplexity(state.build_sim(model).model, windows, progress=False).ppl == pytest.approx(
         perplexity(sim.model, windows, progress=False).ppl, rel=1e-5

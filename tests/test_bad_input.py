@@ -318,6 +318,48 @@ def test_a_run_saves_states_that_name_their_model(tmp_path, tiny_gpt2_dir):
     state.check_model(str(tiny_gpt2_dir / ".." / tiny_gpt2_dir.name))
 
 
+# (where the state lies in the run folder, its fingerprint stamp, a word of the refusal)
+NOT_THE_ROWS_STATE = {
+    "other settings": ("calib-a/ptq/ptq.safetensors", "1" * 16, "under other settings"),
+    "no stamp": ("calib-a/ptq/ptq.safetensors", None, "carries no fingerprint"),
+    "no row": ("a/spinquant_quadapter/quadapter_bc.safetensors", "0" * 16, "no row of"),
+}
+
+
+@pytest.mark.parametrize("command", ["eval", "export"])
+@pytest.mark.parametrize("case", list(NOT_THE_ROWS_STATE))
+def test_a_state_that_is_not_its_rows_is_one_line_before_the_model_loads(
+    command, case, smollm2_state, tmp_path, capsys, no_hub
+):
+    """A state in a run folder is used only where it is the one its row in results.json was computed with: a state
+    of an earlier setting left beside a recomputed row, or a state no row was computed with, is refused."""
+    import dataclasses
+
+    from aimet_quadapter.quadapter.state import QuadapterState
+
+    where, stamp, word = NOT_THE_ROWS_STATE[case]
+    run = tmp_path / "run"
+    cell = {"method": "ptq", "folder": "calib-a/ptq", "fingerprint": "0" * 16, "ppl": {"t": 1.0}}
+    (run / "calib-a").mkdir(parents=True)
+    (run / "results.json").write_text(json.dumps({"model": "smollm2-135m", "cells": {"calib:a/ptq": cell}}))
+    state = QuadapterState.load(smollm2_state)
+    metadata = {**state.metadata, **({"fingerprint": stamp} if stamp else {})}
+    path = dataclasses.replace(state, metadata=metadata).save(run / where)
+    if command == "eval":
+        argv = ["eval", "--model", "smollm2-135m", "--state", str(path), "--dataset", "ptb"]
+    else:
+        argv = ["export", str(path), "--model", "smollm2-135m", "--out", str(tmp_path / "e")]
+    assert main(argv) == 2
+    line = _error_line(capsys)
+    assert path.name in line and word in line
+    # the row's own state passes, and so does any state outside a run folder
+    dataclasses.replace(state, metadata={**state.metadata, "fingerprint": "0" * 16}, source=None).save(
+        run / "calib-a" / "ptq" / "ptq.safetensors"
+    )
+    QuadapterState.load(run / "calib-a" / "ptq" / "ptq.safetensors").check_row()
+    QuadapterState.load(smollm2_state).check_row()
+
+
 RECIPE = "model: {model}\nmethods: [fp]\neval: {{datasets: [{corpus}], seq_len: 64, max_tokens: 256}}\n"
 
 

@@ -766,6 +766,25 @@ def test_an_unreadable_phase1_checkpoint_is_said_and_every_site_calibrated_again
     assert len(result.losses) == len(qset)
 
 
+@pytest.mark.parametrize("setup", ["gpt2"], indirect=True)
+def test_phase1_resumes_only_a_checkpoint_of_its_own_quantization_policy(setup, tmp_path):
+    """Phase 1 under 4-bit activations does not resume the sites a W8A8 phase 1 left in the same folder: the
+    sites' errors, and so their alphas, depend on the quantizers."""
+    model, calib = setup["model"], setup["calib"]
+    params = Phase1Parameters(steps=1, checkpoint_dir=str(tmp_path))
+
+    def calibrated(policy: QuantPolicy) -> list[str]:
+        sim = build_sim(model, policy)
+        qset = attach_quadapters(sim)
+        done: list[str] = []
+        run_phase1(sim.model, model, qset, calib, params, progress=False, on_site_done=lambda s, _: done.append(s))
+        return done
+
+    every = calibrated(QuantPolicy())
+    assert every and calibrated(QuantPolicy()) == []  # the same policy: every site resumed
+    assert calibrated(QuantPolicy(activation_bits=4)) == every
+
+
 def test_phase2_stops_at_a_nan_loss_and_keeps_the_last_good_checkpoint(setup, tmp_path):
     from aimet_quadapter.errors import TrainingDiverged
 

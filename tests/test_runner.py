@@ -988,3 +988,42 @@ def test_seeds_merged_from_a_folder_that_ran_them_under_other_settings_stay_a_ro
         "g/ptq (settings aaaaaaaa)": [0],
         "g/ptq (settings bbbbbbbb)": [1],
     }
+
+
+def test_a_cell_computed_again_writes_its_own_state_stamped_with_its_fingerprint(world, tmp_path, capsys):
+    """The issue's case: PTQ run again under other settings. PTQ saves no state itself (run_method does): the state
+    after the second run is that run's, carries the row's fingerprint, and no file of the first run stays beside
+    it; the first run's state put back is refused by `eval --state`, in one line."""
+    run = tmp_path / "run"
+    argv = ["run", str(world / "r.yaml"), "--out", str(run), "--no-progress", "--set", "methods=[ptq]"]
+    assert main(argv) == 0
+    state_file = run / "calib-a" / "ptq" / "ptq.safetensors"
+    first = state_file.read_bytes()
+    stray = state_file.with_name("quadapter_bc.safetensors")  # a state this cell never writes
+    shutil.copyfile(state_file, stray)
+    assert main([*argv, "--set", "calibration.samples=1"]) == 0
+    cell = _results(run)["cells"]["calib:a/ptq"]
+    assert QuadapterState.load(state_file).metadata["fingerprint"] == cell["fingerprint"]
+    assert state_file.read_bytes() != first and not stray.exists()
+    state_file.write_bytes(first)
+    capsys.readouterr()
+    args = ["eval", "--model", str(world / "model"), "--state", str(state_file), "--dataset", str(world / "b.txt")]
+    assert main([*args, "--seq-len", "64", "--max-tokens", "128", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    assert "ptq.safetensors is not the state of row calib:a/ptq" in err[-1] and "other settings" in err[-1]
+
+
+def test_a_composition_continues_only_a_state_stamped_with_its_rows_fingerprint(world, tmp_path):
+    """`continues` starts from Quadapter's saved state only where the state is the one its row was computed with
+    (its fingerprint stamp), as phase 1's shared state is read only under its stamp."""
+    recipe = load_recipe(world / "r.yaml", ["methods=[quadapter,quadapter_seq_mse]"])
+    run = RecipeRun(recipe, tmp_path / "run", progress=False)
+    before, after = (run._finetune_cell(m, "a", None) for m in ("quadapter", "quadapter_seq_mse"))
+    record = {"fingerprint": run.fingerprint(before), "ppl": {"a": 2.0, "b": 2.0}, "dev_ppl": {"a": 2.0}}
+    results = {"cells": {before.key: record}}
+    path = tmp_path / "run" / before.folder / "quadapter.safetensors"
+    for stamp in (None, "0" * 16, record["fingerprint"]):
+        QuadapterState({}, {}, metadata={} if stamp is None else {"fingerprint": stamp}).save(path)
+        origin = run._start_of(after, results)
+        assert (origin is not None) == (stamp == record["fingerprint"]), stamp

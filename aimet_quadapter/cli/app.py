@@ -214,6 +214,7 @@ def _eval_state(args: argparse.Namespace) -> int:
     path = resolve_state(args.state)
     state = QuadapterState.load(path)
     state.check_model(args.model)
+    state.check_row()
     args.methods = "fp"  # the recipe's eval section and model are all that is used
     recipe = _eval_recipe(args)
     from aimet_quadapter.running.runner import score_state

@@ -116,6 +116,7 @@ def _cmd_export(args) -> int:
     state_path = resolve_state(args.state)
     state = QuadapterState.load(state_path)
     state.check_model(args.model)
+    state.check_row()
     kv = _checked_before_loading(args, state)
     result = _export(args, state, state_path, kv)
     _print_summary(args, result, len(state.metadata.get("prefix") or []))

@@ -71,6 +71,14 @@ class MethodContext:
     # The name the model was loaded by (a hub id, folder or alias): each saved state records it, so that `export`
     # and `eval --state` refuse a state of another model before loading one.
     model_name: str | None = None
+    # The fingerprint of the cell this context computes (set by the runner): every state saved carries it, and
+    # `export` / `eval --state` refuse a state in a run folder whose row records another.
+    fingerprint: str | None = None
+    # False where phase 1 is a step inside another method whose own state is the cell's (SpinQuant + Quadapter):
+    # its state is then saved by no one, as no row was computed with it.
+    save_bc: bool = True
+    # The states this context saved: run_method saves a quantized method's sim where the method saved none.
+    saved: set[str] = field(default_factory=set)
     _bc: tuple[QuantizationSimModel, QuadapterResult] | None = None
 
 
@@ -180,7 +188,8 @@ def _quadapter_bc(ctx: MethodContext) -> QuantizationSimModel:
     result = apply_phase1(sim, ctx.model, ctx.calibration, params, ctx.progress, ctx.validation)
     ctx._bc = (sim, result)
     ctx.bc_state = result.state
-    _save(ctx, "quadapter_bc", result.state)
+    if ctx.save_bc:
+        _save(ctx, "quadapter_bc", result.state)
     if checkpoints is not None and distributed.is_main():  # the saved state is what a rerun starts from now
         shutil.rmtree(checkpoints, ignore_errors=True)
     if result.phase1 is not None and result.phase1.validation is not None:
@@ -331,7 +340,10 @@ def _on_rotated(ctx: MethodContext, name: str) -> tuple[PreparedLM, MethodContex
     checkpoints, in this cell's folder."""
     _phase2(ctx, name)  # fail before rotating when there is no fine-tuning data
     rotated = spinquant_model(ctx.model, ctx.baselines)
-    return rotated, dataclasses.replace(ctx, model=rotated, bc_state=None, _bc=None, info={})
+    # phase 1's state of the rotated model would be its alphas without the rotated weights they belong to, folded
+    # into the unrotated ones by an export: a wrong model; the cell's state (both phases, the weights) is saved
+    inner = dataclasses.replace(ctx, model=rotated, bc_state=None, _bc=None, info={}, save_bc=False)
+    return rotated, inner
 
 
 @method("spinquant_quadapter")
@@ -411,9 +423,9 @@ def run_method(name: str, ctx: MethodContext):
     start = time.time()
     out = REGISTRY[name](ctx)
     ctx.timings[name] = time.time() - start
-    folder = _write_dir(ctx)
-    if isinstance(out, QuantizationSimModel) and folder is not None and not (folder / f"{name}.safetensors").exists():
-        # every quantized row can be exported: its ranges, and the weights it changed (AdaRound's, QAT's)
+    if isinstance(out, QuantizationSimModel) and _write_dir(ctx) is not None and name not in ctx.saved:
+        # every quantized row can be exported: its ranges, and the weights it changed (AdaRound's, QAT's); saved by
+        # this run whatever a file of that name holds (an earlier run's, under other settings)
         _save(ctx, name, QuadapterState.from_sim(out, {}).with_weights(out.model, ctx.model))
     return out
 
@@ -429,8 +441,10 @@ def _save(ctx: MethodContext, name: str, state: QuadapterState) -> None:
         # the method that made it, set here for every state the registry saves (a composition continues a state
         # that says "quadapter"): the export's manifest and `eval` name it from this
         model = {"model": ctx.model_name} if ctx.model_name else {}
-        state = dataclasses.replace(state, metadata={**state.metadata, "method": name, **model})
+        stamp = {"fingerprint": ctx.fingerprint} if ctx.fingerprint else {}
+        state = dataclasses.replace(state, metadata={**state.metadata, "method": name, **model, **stamp})
         state.save(folder / f"{name}.safetensors")
+    ctx.saved.add(name)
 
 
 def _write_losses(ctx: MethodContext, name: str, losses: list[float]) -> None:

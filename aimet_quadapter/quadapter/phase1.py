@@ -55,7 +55,7 @@ from aimet_quadapter.errors import QuadapterError, TrainingDiverged
 from aimet_quadapter.models import FixedPrefixCache, PreparedLM, Site, device_of
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quadapter.config import Phase1Parameters
-from aimet_quadapter.quant.quantizers import DynamicRanges, plain_tensors, quantizers_in, refresh_prefix
+from aimet_quadapter.quant.quantizers import DynamicRanges, plain_tensors, quantizers, quantizers_in, refresh_prefix
 
 log = logging.getLogger(__name__)
 
@@ -325,14 +325,19 @@ def _input_scale(qset: QuadapterSet, scope: str) -> torch.Tensor | float:
 class _Checkpoint:
     """Phase 1's alphas and curves after every finished site, so that a killed run resumes from there.
 
-    The file names what it was computed from (settings, sites, starting alphas, the calibration
-    activations), and a run from anything else starts over rather than resume another run's sites.
+    The file names what it was computed from (settings, the quantization policy, sites, starting alphas, the
+    calibration activations), and a run from anything else starts over rather than resume another run's sites.
     """
 
-    def __init__(self, folder: str, params: Phase1Parameters, qset: QuadapterSet, fp_call: Captured):
+    def __init__(
+        self, folder: str, params: Phase1Parameters, qset: QuadapterSet, fp_call: Captured, sim_model: nn.Module
+    ):
         self.path = Path(folder) / "phase1.pt"
         settings = params.model_dump(exclude={"checkpoint_dir"})
-        digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+        # the policy as phase 1 meets it, the sim's quantizers: which tensors, their bits, symmetry and granularity
+        # (its ranges are the min-max of each tensor, whatever the policy's calibration scheme)
+        policy = [(f"{p}.{r}", q.bitwidth, bool(q.symmetric), tuple(q.shape)) for p, r, q in quantizers(sim_model)]
+        digest = hashlib.sha256(json.dumps([settings, policy], sort_keys=True, default=str).encode())
         for q in qset:
             digest.update(q.site.name.encode())
             digest.update(q.theta.detach().cpu().numpy().tobytes())
@@ -404,7 +409,7 @@ def run_phase1(
         (by_block[owner] if owner else head_sites).append(q.site)
 
     result = Phase1Result({}, {}, {})
-    checkpoint = _Checkpoint(params.checkpoint_dir, params, qset, fp_call) if params.checkpoint_dir else None
+    checkpoint = _Checkpoint(params.checkpoint_dir, params, qset, fp_call, sim_model) if params.checkpoint_dir else None
     done = checkpoint.resume(qset, result) if checkpoint else set()
     outer = tqdm(
         total=len(qset) - len(kept),

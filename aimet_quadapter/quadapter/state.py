@@ -181,9 +181,54 @@ class QuadapterState:
                 f"on this machine to compare: pass --model {recorded}, or that model's folder"
             )
 
-    def _run_model(self) -> str | None:
-        """The model the run folder holding this state names in its results.json (a state saved before states
-        recorded it): the folder is the state's own, or up to three above it (``[seed-N/]<calibration>/<method>/``)."""
+    def check_row(self) -> None:
+        """Refuse a state that lies in a run folder but is not the one its row there was computed with: a state of
+        an earlier setting left beside a row computed again, or one no row was computed with (the step of another
+        method). A row's state carries its cell's fingerprint, as ``results.json`` records it for the row; phase 1's
+        state of a run that has no Quadapter BC row, the fingerprint of its folder's ``bc_fingerprint.txt``.
+        A state outside any run folder is the user's to vouch for."""
+        from aimet_quadapter.methods.catalog import BC
+
+        found = self._run_folder()
+        if found is None or self.source is None:
+            return
+        run, results = found
+        folder = self.source.resolve().parent.relative_to(run).as_posix()
+        name = self.source.stem
+        rows = [
+            (key, cell)
+            for key, cell in results["cells"].items()
+            if isinstance(cell, dict) and cell.get("folder") == folder and cell.get("method") == name
+        ]
+        stamp = self.metadata.get("fingerprint")
+        results_file = run / "results.json"
+        expected: str | None = None
+        side = self.source.parent / "bc_fingerprint.txt"  # phase 1 run on the side, shared by its methods
+        if rows:
+            key, cell = rows[0]
+            expected, what = cell.get("fingerprint"), f"row {key} of {results_file}"
+        elif name == BC and side.is_file():
+            expected, what = side.read_text().strip(), f"the phase 1 its run shared ({side})"
+        if expected is not None and stamp == expected:
+            return
+        if expected is None:
+            why = f": no row of {results_file} was computed with it (an earlier run's, or a step of another method)"
+        elif stamp is None:
+            why = (
+                f" carries no fingerprint (saved before states recorded theirs): nothing says it is the state of {what}"
+            )
+        else:
+            why = (
+                f" is not the state of {what}: it was computed under other settings (fingerprint {stamp}, "
+                f"the row's {expected})"
+            )
+        raise QuadapterError(
+            f"{self._name()}{why}; run the cell again, or copy the file out of the run folder to use it as it is"
+        )
+
+    def _run_folder(self) -> tuple[Path, dict] | None:
+        """The run folder this state lies in and its results: the state's own folder, or up to three above it
+        (``[seed-N/]<calibration>/<method>/``); None outside any."""
         if self.source is None:
             return None
         for folder in list(self.source.resolve().parents)[:4]:
@@ -192,8 +237,17 @@ class QuadapterState:
             except (OSError, ValueError):
                 continue
             if isinstance(results, dict) and isinstance(results.get("cells"), dict):
-                return results["model"] if isinstance(results.get("model"), str) else None
+                return folder, results
         return None
+
+    def _run_model(self) -> str | None:
+        """The model the run folder holding this state names in its results.json (a state saved before states
+        recorded it)."""
+        found = self._run_folder()
+        if found is None:
+            return None
+        model = found[1].get("model")
+        return model if isinstance(model, str) else None
 
     def _name(self) -> str:
         return f"state {self.source}" if self.source else "the state"

@@ -707,7 +707,8 @@ class RecipeRun:
         check_roles(self.recipe.where(), [use("test", "eval dataset", s) for s in self.evals], others)
 
     # --- execution ----------------------------------------------------------------------------------
-    def _context(self, cell_dir: Path | None, cal: str | None, fid: str | None, size: int | None):
+    def _context(self, cell_dir: Path | None, cal: str | None, fid: str | None, size: int | None, fingerprint: str):
+        """What a method computes from; ``fingerprint``: the stamp of every state it saves."""
         from aimet_quadapter.methods.registry import MethodContext
 
         p2 = self.recipe.phase2
@@ -723,6 +724,7 @@ class RecipeRun:
             checkpoints=p2.checkpoint_every < p2.steps,
             validation=self.validation_batches(cal) if cal else None,
             model_name=self.model_name,
+            fingerprint=fingerprint,
         )
         return ctx
 
@@ -747,7 +749,8 @@ class RecipeRun:
         self._say(f"phase 1 (Quadapter BC) on calibration set {cal}, shared by the methods that continue from it")
         start = time.time()
         folder.mkdir(parents=True, exist_ok=True)
-        ctx = self._context(folder, cal, None, None)
+        # stamped as the folder is: where no row records this state, export compares it with bc_fingerprint.txt
+        ctx = self._context(folder, cal, None, None, self.bc_fingerprint(cal))
         run_method(BC, ctx)
         if self.main:
             write_text_atomic(stamp, self.bc_fingerprint(cal))
@@ -767,7 +770,13 @@ class RecipeRun:
         state_file = self.out_dir / before.folder / f"{origin}.safetensors"
         if not (self.is_done(results, before) and state_file.is_file()):
             return None
-        return before.key, QuadapterState.load(state_file)
+        state = QuadapterState.load(state_file)
+        # the row's own state only: a file left by another run (other settings, or saved before states carried
+        # their cell's fingerprint) would give this cell another start than its fingerprint says
+        if state.metadata.get("fingerprint") != results["cells"][before.key]["fingerprint"]:
+            self._say(f"{cell.key}: {state_file} is not the state of row {before.key}; computing it again")
+            return None
+        return before.key, state
 
     def run_cell(self, cell: Cell, results: dict) -> dict:
         """Compute ``cell``; ``results``: the run's results so far (what a cell may continue from)."""
@@ -784,6 +793,9 @@ class RecipeRun:
                 shutil.rmtree(checkpoints)
             checkpoints.mkdir(parents=True, exist_ok=True)
             write_text_atomic(stamp, fingerprint)
+            # the states of an earlier computation of this cell (other settings): none may stay beside the new row
+            for old in cell_dir.glob("*.safetensors"):
+                old.unlink()
         distributed.barrier()  # under torchrun: no process resumes from a checkpoint the first one removes
         extra: dict = {}
         start = time.time()
@@ -793,7 +805,7 @@ class RecipeRun:
                 extra["continued_from"] = origin[0]
                 self._say(f"{cell.key} starts from the saved state of {origin[0]}")
             bc_state = self._bc_state(cell.calibration_set, extra) if spec.from_bc and origin is None else None
-            ctx = self._context(cell_dir, cell.calibration, cell.fid, cell.size)
+            ctx = self._context(cell_dir, cell.calibration, cell.fid, cell.size, fingerprint)
             ctx.bc_state = bc_state
             ctx.start = origin[1] if origin is not None else None
             method_start = time.time()
