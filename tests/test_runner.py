@@ -658,6 +658,10 @@ def test_seeds_and_cells_run_in_other_folders_merge_into_one(world, tmp_path, ca
     next(iter(quiet["recipes"].values()))["settings"]["phase2"]["checkpoint_every"] = 3
     (other / "results.json").write_text(json.dumps(quiet))
     assert main(["merge", str(shutil.copytree(tmp_path / "a", tmp_path / "a2")), str(other)]) == 0
+    # nor one that no method of either run reads (catalog reads): FP32 and PTQ run no AdaRound
+    next(iter(quiet["recipes"].values()))["settings"]["baselines"]["adaround_iterations"] = 7
+    (other / "results.json").write_text(json.dumps(quiet))
+    assert main(["merge", str(shutil.copytree(tmp_path / "a", tmp_path / "a3")), str(other)]) == 0
     capsys.readouterr()
     assert main(["merge", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     assert f"added to {tmp_path / 'a'}: calib:a/ptq#seed1\n" in capsys.readouterr().out
