@@ -430,6 +430,62 @@ def test_settings_a_method_does_not_read_leave_its_cells_alone(tmp_path):
     assert ranges["cle_phase2"] != base["cle_phase2"] and ranges["qat"] != base["qat"]
 
 
+def test_a_baselines_field_computes_again_only_the_methods_that_read_it(tmp_path):
+    """Each method's fingerprint holds the fields it reads (catalog ``reads``): a baselines field of one technique
+    leaves Quadapter, PTQ and every other technique's cells done."""
+    from aimet_quadapter.methods.catalog import CATALOG
+
+    recipe_file = tmp_path / "m.yaml"
+    recipe_file.write_text(f"model: gpt2\nmethods: [{', '.join(CATALOG)}]\nfid: [ptb]\neval: {{datasets: [ptb]}}\n")
+
+    def fingerprints(*overrides: str) -> dict[str, str]:
+        run = RecipeRun(load_recipe(recipe_file, list(overrides)), tmp_path / "out", progress=False)
+        return {c.method: run.fingerprint(c) for c in run.cells}
+
+    base = fingerprints()
+    qat = {"qat", "qat_fixed_ranges", "quadapter_bc_qat", "quadapter_bc_qat_fixed_ranges", "fp_finetuned"}
+    for override, readers in (
+        ("baselines.adaround_iterations=7", {"adaround", "quadapter_adaround"}),
+        ("baselines.adaround_reg_param=0.5", {"adaround", "quadapter_adaround"}),
+        ("baselines.adaround_batches=1", {"adaround", "quadapter_adaround"}),
+        ("baselines.seq_mse_candidates=3", {"seq_mse", "quadapter_seq_mse"}),
+        ("baselines.seq_mse_any_bits=false", {"seq_mse", "quadapter_seq_mse"}),
+        ("baselines.spinquant_r2=true", {"spinquant", "spinquant_quadapter", "spinquant_cle_phase2"}),
+        ("baselines.fptquant_iterations=3", {"fptquant"}),
+        ("baselines.adascale_iterations=3", {"adascale"}),
+        ("baselines.omniquant_iterations=3", {"omniquant"}),
+        ("baselines.qat_lr_weights=0.5", qat),
+        ("quadapter.holdout=2", {m for m, i in CATALOG.items() if "quadapter" in i.reads}),
+    ):
+        changed = fingerprints(override)
+        assert {m for m in base if changed[m] != base[m]} == readers, override
+
+
+def test_cells_fingerprinted_by_every_section_stay_done_and_take_what_they_read(base_run, world, tmp_path, monkeypatch):
+    """Run folders from before reads were declared by field fingerprinted a method by whole sections (Quadapter by
+    all four): their cells stay done, are stamped with what they read, and a field they do not read leaves them
+    done thereafter."""
+    from aimet_quadapter.running.runner import _fingerprint
+
+    run = _copy(base_run, tmp_path)
+    planned = RecipeRun(load_recipe(world / "r.yaml"), run, progress=False)
+    results = _results(run)
+    wide = {c.key: _fingerprint(planned._payload(c, wide=True)) for c in planned.cells}
+    assert {k for k, f in wide.items() if f != results["cells"][k]["fingerprint"]} == {"calib:a/cle", "a/quadapter"}
+    for key, fingerprint in wide.items():
+        results["cells"][key]["fingerprint"] = fingerprint
+    (run / "results.json").write_text(json.dumps(results))
+    calls = _count_calls(monkeypatch)
+    args = ["run", str(world / "r.yaml"), "--out", str(run), "--no-progress"]
+    assert main(args) == 0
+    assert calls == {}
+    restamped = _results(run)["cells"]
+    assert {k: c["fingerprint"] for k, c in restamped.items()} == {c.key: planned.fingerprint(c) for c in planned.cells}
+    assert all(c["row_fingerprint"] == planned.row_fingerprint(p) for p in planned.cells for c in [restamped[p.key]])
+    assert main([*args, "--set", "baselines.adaround_iterations=7", "--set", "baselines.spinquant_r2=true"]) == 0
+    assert calls == {}, "no method of the recipe reads these"
+
+
 def test_the_report_shows_the_phase1_check_to_the_decimal_that_decides_it():
     from aimet_quadapter.reporting.report import info_text
 
@@ -602,6 +658,10 @@ def test_seeds_and_cells_run_in_other_folders_merge_into_one(world, tmp_path, ca
     next(iter(quiet["recipes"].values()))["settings"]["phase2"]["checkpoint_every"] = 3
     (other / "results.json").write_text(json.dumps(quiet))
     assert main(["merge", str(shutil.copytree(tmp_path / "a", tmp_path / "a2")), str(other)]) == 0
+    # nor one that no method of either run reads (catalog reads): FP32 and PTQ run no AdaRound
+    next(iter(quiet["recipes"].values()))["settings"]["baselines"]["adaround_iterations"] = 7
+    (other / "results.json").write_text(json.dumps(quiet))
+    assert main(["merge", str(shutil.copytree(tmp_path / "a", tmp_path / "a3")), str(other)]) == 0
     capsys.readouterr()
     assert main(["merge", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     assert f"added to {tmp_path / 'a'}: calib:a/ptq#seed1\n" in capsys.readouterr().out

@@ -21,9 +21,12 @@ class MethodInfo:
     quantized: bool = True  # False: a float reference (an upper bound), never a table's "best"
     finetunes: bool = False  # needs the F-ID training data
     from_bc: bool = False  # continues from Quadapter BC (phase 1), which runs first where not yet saved
-    # recipe sections the method reads: a change there computes its cells again, a change elsewhere does not
+    # what the method reads of SECTIONS, declared once: a whole section ("phase2") or one field of one
+    # ("baselines.spinquant_r2"). Its fingerprint holds these and nothing else of SECTIONS, so a change there
+    # computes its cells again and a change elsewhere does not; merge compares only what some method reads.
+    # The default, every section, is for a method added without saying: computed again too often, never stale.
     reads: tuple[str, ...] = SECTIONS
-    # settings ("section" or "section.field") within ``reads`` that the method never reads after all
+    # fields ("section.field") of a section read whole that the method never reads after all (it sets them itself)
     unused: tuple[str, ...] = ()
     # what the same training buys without the method (same data, steps, rates, loss): the report sets the
     # method against each of these
@@ -35,53 +38,141 @@ class MethodInfo:
     continues: str | None = None
 
     def __post_init__(self) -> None:
-        for name in (*self.reads, *(u.partition(".")[0] for u in self.unused)):
-            if name not in SECTIONS:
-                raise ValueError(f"method {self.label!r}: {name!r} is not a recipe section ({', '.join(SECTIONS)})")
+        for name in (*self.reads, *self.unused):
+            if name.partition(".")[0] not in SECTIONS:
+                raise ValueError(f"method {self.label!r}: {name!r} is not in a recipe section ({', '.join(SECTIONS)})")
+        for name in self.unused:
+            if name.partition(".")[0] not in self.reads or not name.partition(".")[2]:
+                raise ValueError(f"method {self.label!r}: unused {name!r} is no field of a section it reads whole")
+
+    def read_fields(self) -> dict[str, frozenset[str] | None]:
+        """Each section the method reads: the fields it reads of it, or None for all (less its ``unused``)."""
+        out: dict[str, frozenset[str] | None] = {}
+        for name in self.reads:
+            section, _, field = name.partition(".")
+            if not field:
+                out[section] = None
+            elif section not in out or out[section] is not None:
+                out[section] = (out.get(section) or frozenset()) | {field}
+        return out
+
+    def reads_setting(self, section: str, field: str) -> bool:
+        """Whether the setting ``section.field`` (a section of SECTIONS) can change this method's result."""
+        fields = self.read_fields()
+        if section not in fields:
+            return False
+        wanted = fields[section]
+        return f"{section}.{field}" not in self.unused if wanted is None else field in wanted
 
 
-# the settings of the adapter itself, which a method that trains no alpha never reads
-_NO_ADAPTER = ("phase1", "quadapter", "phase2.lr_alpha", "phase2.learn_ranges")
+def reads_setting(methods: list[str], key: str) -> bool:
+    """Whether the recipe setting ``key`` ("section.field"; any other setting: True) can change a result of
+    one of ``methods``; a method not in the catalog (of another version) reads every setting."""
+    section, _, field = key.partition(".")
+    if section not in SECTIONS:
+        return True
+    field = field.partition(".")[0]
+    return any(m not in CATALOG or CATALOG[m].reads_setting(section, field) for m in methods)
+
+
+# Phase 1 reads the adapter's section whole: its start (init), its sites and its held-out check (holdout).
+_PHASE1 = ("phase1", "quadapter")
+# rates a QAT-style row sets itself: no alpha trains, the ranges learn or not by the row, the weights' rate is
+# baselines.qat_lr_weights
+_QAT = ("phase2.lr_alpha", "phase2.learn_ranges", "phase2.lr_weights")
+_FIXED_RANGES = ("phase2.lr_ranges", "phase2.lr_ranges_relative")  # read only where the ranges learn
+_NO_ALPHA = ("phase2.lr_alpha", "phase2.learn_ranges")  # CLE's alphas fixed, the ranges learning
+_ADAROUND = ("baselines.adaround_iterations", "baselines.adaround_reg_param", "baselines.adaround_batches")
+_SEQ_MSE = ("baselines.seq_mse_candidates", "baselines.seq_mse_any_bits")
+_QAT_LR = "baselines.qat_lr_weights"
+_R2 = "baselines.spinquant_r2"
 
 CATALOG: dict[str, MethodInfo] = {
     "fp": MethodInfo("FP32", calibrates=False, quantized=False, reads=()),
-    "fp_finetuned": MethodInfo("FP fine-tuned", quantized=False, finetunes=True),
+    # the LM loss on the FP weights, whatever phase 2's loss, rates and ranges say
+    "fp_finetuned": MethodInfo(
+        "FP fine-tuned",
+        quantized=False,
+        finetunes=True,
+        reads=("phase2", _QAT_LR),
+        unused=(*_QAT, *_FIXED_RANGES, "phase2.loss"),
+    ),
     "ptq": MethodInfo("PTQ", reads=()),
-    "adaround": MethodInfo("AdaRound", reads=("baselines",)),
-    "seq_mse": MethodInfo("SeqMSE", reads=("baselines",)),
-    "cle": MethodInfo("CLE", reads=("quadapter",)),
-    "quadapter_bc": MethodInfo("Quadapter BC", reads=("phase1", "quadapter")),
+    "adaround": MethodInfo("AdaRound", reads=_ADAROUND),
+    "seq_mse": MethodInfo("SeqMSE", reads=_SEQ_MSE),
+    "cle": MethodInfo("CLE", reads=("quadapter.extra_sites",)),
+    "quadapter_bc": MethodInfo("Quadapter BC", reads=_PHASE1),
     # QAT starts from PTQ's sim: phase 1, the sites and the alphas' rate never enter it
-    "qat": MethodInfo("QAT", finetunes=True, unused=_NO_ADAPTER),
-    "qat_fixed_ranges": MethodInfo("QAT w/o LSQ+", finetunes=True, unused=_NO_ADAPTER),
-    "quadapter_bc_qat": MethodInfo("Quadapter BC+QAT", finetunes=True, from_bc=True, matched=("qat",)),
-    "quadapter_bc_qat_fixed_ranges": MethodInfo("Quadapter BC+QAT w/o LSQ+", finetunes=True, from_bc=True),
+    "qat": MethodInfo("QAT", finetunes=True, reads=("phase2", _QAT_LR), unused=_QAT),
+    "qat_fixed_ranges": MethodInfo(
+        "QAT w/o LSQ+", finetunes=True, reads=("phase2", _QAT_LR), unused=(*_QAT, *_FIXED_RANGES)
+    ),
+    "quadapter_bc_qat": MethodInfo(
+        "Quadapter BC+QAT",
+        finetunes=True,
+        from_bc=True,
+        matched=("qat",),
+        reads=(*_PHASE1, "phase2", _QAT_LR),
+        unused=_QAT,
+    ),
+    "quadapter_bc_qat_fixed_ranges": MethodInfo(
+        "Quadapter BC+QAT w/o LSQ+",
+        finetunes=True,
+        from_bc=True,
+        reads=(*_PHASE1, "phase2", _QAT_LR),
+        unused=(*_QAT, *_FIXED_RANGES),
+    ),
     # Quadapter's matched baseline: the same phase 2 (loss, data, steps, rates) on CLE's sim with no alpha to
     # train, the quantizer ranges learning instead; what the training budget buys without the adapter.
     "cle_phase2": MethodInfo(
-        "CLE + phase 2 (ranges)", finetunes=True, unused=("phase1", "phase2.lr_alpha", "phase2.learn_ranges")
+        "CLE + phase 2 (ranges)", finetunes=True, reads=("quadapter.extra_sites", "phase2"), unused=_NO_ALPHA
     ),
-    "quadapter": MethodInfo("Quadapter", finetunes=True, from_bc=True, matched=("cle_phase2", "qat")),
-    "quadapter_fixed_ranges": MethodInfo("Quadapter w/o LSQ+", finetunes=True, from_bc=True),
+    "quadapter": MethodInfo(
+        "Quadapter", finetunes=True, from_bc=True, matched=("cle_phase2", "qat"), reads=(*_PHASE1, "phase2")
+    ),
+    "quadapter_fixed_ranges": MethodInfo(
+        "Quadapter w/o LSQ+",
+        finetunes=True,
+        from_bc=True,
+        reads=(*_PHASE1, "phase2"),
+        unused=("phase2.learn_ranges", *_FIXED_RANGES),
+    ),
     # AIMET's LLM techniques, each through its own entry point (quant/llm_techniques.py), then static calibration
-    "spinquant": MethodInfo("SpinQuant", reads=("baselines",), aimet="spinquant"),
-    "fptquant": MethodInfo("FPTQuant", reads=("baselines",), aimet="fptquant"),
-    "adascale": MethodInfo("AdaScale", reads=("baselines",), aimet="adascale"),
-    "omniquant": MethodInfo("OmniQuant", reads=("baselines",), aimet="omniquant"),
+    "spinquant": MethodInfo("SpinQuant", reads=(_R2,), aimet="spinquant"),
+    "fptquant": MethodInfo("FPTQuant", reads=("baselines.fptquant_iterations",), aimet="fptquant"),
+    "adascale": MethodInfo("AdaScale", reads=("baselines.adascale_iterations",), aimet="adascale"),
+    "omniquant": MethodInfo("OmniQuant", reads=("baselines.omniquant_iterations",), aimet="omniquant"),
     # compositions: Quadapter (both phases) on SpinQuant's rotated model; AIMET's weight techniques on Quadapter's
     # folded model, its activation ranges kept
     "spinquant_quadapter": MethodInfo(
-        "SpinQuant + Quadapter", finetunes=True, aimet="spinquant", matched=("spinquant_cle_phase2", "quadapter")
+        "SpinQuant + Quadapter",
+        finetunes=True,
+        aimet="spinquant",
+        matched=("spinquant_cle_phase2", "quadapter"),
+        reads=(*_PHASE1, "phase2", _R2),
     ),
     # its matched baseline: the same rotation and phase 2, CLE's alphas fixed and the ranges learning
     "spinquant_cle_phase2": MethodInfo(
         "SpinQuant + CLE + phase 2 (ranges)",
         finetunes=True,
         aimet="spinquant",
-        unused=("phase1", "phase2.lr_alpha", "phase2.learn_ranges"),
+        reads=("quadapter.extra_sites", "phase2", _R2),
+        unused=_NO_ALPHA,
     ),
-    "quadapter_seq_mse": MethodInfo("Quadapter + SeqMSE", finetunes=True, from_bc=True, continues="quadapter"),
-    "quadapter_adaround": MethodInfo("Quadapter + AdaRound", finetunes=True, from_bc=True, continues="quadapter"),
+    "quadapter_seq_mse": MethodInfo(
+        "Quadapter + SeqMSE",
+        finetunes=True,
+        from_bc=True,
+        continues="quadapter",
+        reads=(*_PHASE1, "phase2", *_SEQ_MSE),
+    ),
+    "quadapter_adaround": MethodInfo(
+        "Quadapter + AdaRound",
+        finetunes=True,
+        from_bc=True,
+        continues="quadapter",
+        reads=(*_PHASE1, "phase2", *_ADAROUND),
+    ),
 }
 # Phase 1's own cell: the methods that continue from it share its result (and its settings' fingerprint).
 BC = "quadapter_bc"

@@ -4,7 +4,8 @@ A recipe's seeds are independent, and so are its cells once what they start from
 side by side (``run --set seeds=[0,1] --out A`` here, ``run --set seeds=[2] --out B`` elsewhere; or B a copy
 of A that runs other methods of the same seed), then ``merge A B`` adds B's cells to A's ``results.json``,
 with their folders, as if A had run them. Only runs under the same settings (all but ``seeds``, ``out`` and
-``methods``) merge, whatever their recipes' names; a cell A already has is left as A has it.
+``methods``, and those no method of theirs reads: catalog ``reads``) merge, whatever their recipes' names; a cell
+A already has is left as A has it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.methods.catalog import reads_setting
 from aimet_quadapter.running.lock import RunLock
 from aimet_quadapter.running.recipes import result_section
 from aimet_quadapter.running.results_file import RESULTS, load_results, write_results
@@ -36,10 +38,14 @@ def _flat(settings: dict, prefix: str = "") -> Iterator[tuple[str, object]]:
 
 
 def _difference(ours: dict, theirs: dict) -> str | None:
-    """The first setting (all but the per-folder ones) in which two recipes' results differ, said for an error."""
+    """The first setting (all but the per-folder ones, and those no method of either run reads: catalog
+    ``reads``) in which two recipes' results differ, said for an error."""
+    methods = [*ours.get("methods", []), *theirs.get("methods", [])]
     ours, theirs = dict(_flat(ours)), dict(_flat(theirs))
     for key in sorted(ours.keys() | theirs.keys()):
-        if key not in _PER_FOLDER and ours.get(key) != theirs.get(key):
+        if key in _PER_FOLDER or not reads_setting(methods, key):
+            continue
+        if ours.get(key) != theirs.get(key):
             return f"field {key} is {theirs.get(key)!r} there and {ours.get(key)!r} in the destination"
     return None
 

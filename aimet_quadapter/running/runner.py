@@ -148,6 +148,39 @@ def _per_run(method):
     return cached
 
 
+# What each method's fingerprint read of the recipe sections before catalog ``reads`` declared fields (issue 61;
+# reads, unused): wider than what it reads now, so a cell recorded under it was computed
+# under today's value of every field it reads, and stays done. Methods whose payload did not change are absent.
+_WIDE: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    **dict.fromkeys(("adaround", "seq_mse", "spinquant", "fptquant", "adascale", "omniquant"), (("baselines",), ())),
+    "cle": (("quadapter",), ()),
+    **dict.fromkeys(
+        ("qat", "qat_fixed_ranges"),
+        (
+            ("phase1", "phase2", "quadapter", "baselines"),
+            ("phase1", "quadapter", "phase2.lr_alpha", "phase2.learn_ranges"),
+        ),
+    ),
+    **dict.fromkeys(
+        ("cle_phase2", "spinquant_cle_phase2"),
+        (("phase1", "phase2", "quadapter", "baselines"), ("phase1", "phase2.lr_alpha", "phase2.learn_ranges")),
+    ),
+    **dict.fromkeys(
+        (
+            "fp_finetuned",
+            "quadapter_bc_qat",
+            "quadapter_bc_qat_fixed_ranges",
+            "quadapter",
+            "quadapter_fixed_ranges",
+            "spinquant_quadapter",
+            "quadapter_seq_mse",
+            "quadapter_adaround",
+        ),
+        (("phase1", "phase2", "quadapter", "baselines"), ()),
+    ),
+}
+
+
 def _fingerprint(payload: dict) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -347,19 +380,55 @@ class RecipeRun:
         that a row averages only those (a folder can hold seeds run under other settings before)."""
         return _fingerprint(_seedless(self._payload(cell)))
 
-    def _payload(self, cell: Cell, by_path: bool = False) -> dict:
+    def _reads(self, method: str) -> dict:
+        """What ``method`` reads of the recipe sections (catalog ``reads``), less what changes no result: a
+        section read whole is in the payload as before fields were declared, so its cells keep their fingerprint."""
+        info = self.catalog[method]
+        payload = {}
+        for section, fields in info.read_fields().items():
+            known = type(getattr(self.recipe, section)).model_fields
+            for name in (*(fields or ()), *(u.partition(".")[2] for u in info.unused if u.startswith(section + "."))):
+                if name not in known:
+                    raise QuadapterError(f"method {method}: catalog reads {section}.{name}, which is no setting")
+            values = self._sections((section,))[section]
+            payload[section] = {
+                k: v
+                for k, v in values.items()
+                if (k in fields if fields is not None else f"{section}.{k}" not in info.unused)
+            }
+        return payload
+
+    def _wide_reads(self, method: str) -> dict:
+        """What ``method``'s fingerprint read before its reads were declared by field (:data:`_WIDE`)."""
+        if method not in _WIDE:
+            return self._reads(method)
+        reads, unused = _WIDE[method]
+        payload = self._sections(reads)
+        for name in unused:
+            section, _, field = name.partition(".")
+            if field:
+                payload[section].pop(field, None)
+            else:
+                payload.pop(section, None)
+        return payload
+
+    def fingerprints(self, cell: Cell) -> tuple[str, ...]:
+        """Every fingerprint under which a record of ``cell`` holds its result under these settings: the
+        fingerprint, and those of run folders written before texts were hashed (``by_path``) or before reads
+        were declared by field (``wide``: every field read now was the same then)."""
+        return tuple(
+            dict.fromkeys(
+                _fingerprint(self._payload(cell, by_path, wide)) for wide in (False, True) for by_path in (False, True)
+            )
+        )
+
+    def _payload(self, cell: Cell, by_path: bool = False, wide: bool = False) -> dict:
         info = self.catalog[cell.method]
         payload = {"method": cell.method, **self._base_payload(by_path)}
         if not info.calibrates:
             return payload
         payload.update(self._calibration_payload(cell.calibration_set, by_path))
-        payload.update(self._sections(info.reads))
-        for unused in info.unused:
-            section, _, field = unused.partition(".")
-            if field:
-                payload[section].pop(field, None)
-            else:
-                payload.pop(section, None)
+        payload.update(self._wide_reads(cell.method) if wide else self._reads(cell.method))
         if info.finetunes:
             payload["fid"] = self._sources(self.fids[cell.fid_name], by_path)
             payload["size"] = cell.size
@@ -367,7 +436,7 @@ class RecipeRun:
 
     def bc_fingerprint(self, cal: str, by_path: bool = False) -> str:
         payload = {"model": self.model_name, **self._calibration_payload(cal, by_path)}
-        payload.update(self._sections(self.catalog[BC].reads))
+        payload.update(self._reads(BC))
         return _fingerprint(payload)
 
     # --- results file ---------------------------------------------------------------------------------
@@ -418,10 +487,7 @@ class RecipeRun:
 
     def is_done(self, results: dict, cell: Cell) -> bool:
         record = results["cells"].get(cell.key)
-        if not record or record.get("fingerprint") not in (
-            self.fingerprint(cell),
-            self.fingerprint(cell, by_path=True),
-        ):
+        if not record or record.get("fingerprint") not in self.fingerprints(cell):
             return False
         return all(s.ref.label in record.get("ppl", {}) for s in self.evals) and all(
             s.ref.label in record.get("dev_ppl", {}) for s in self.devs
@@ -789,7 +855,7 @@ class RecipeRun:
         checkpoints = cell_dir / "checkpoints"
         stamp = checkpoints / "fingerprint.txt"
         if self.main:
-            if checkpoints.exists() and not (stamp.is_file() and stamp.read_text() == fingerprint):
+            if checkpoints.exists() and not (stamp.is_file() and stamp.read_text() in self.fingerprints(cell)):
                 shutil.rmtree(checkpoints)
             checkpoints.mkdir(parents=True, exist_ok=True)
             write_text_atomic(stamp, fingerprint)
@@ -900,9 +966,16 @@ class RecipeRun:
         results = self._load_or_new()
         pending = [c for c in self.cells if not self.is_done(results, c)]
         for cell in self.cells:
+            if cell in pending:
+                continue
+            record = results["cells"][cell.key]
+            if record["fingerprint"] not in (self.fingerprint(cell), self.fingerprint(cell, by_path=True)):
+                # done under the fingerprint of every section it was said to read: stamped with what it reads, so
+                # that a later change of a field it does not read leaves it done, and its seeds one row
+                record["fingerprint"] = self.fingerprint(cell)
+                record["row_fingerprint"] = self.row_fingerprint(cell)
             # a cell recorded before rows kept settings apart, done under these settings: it is of their row
-            if cell not in pending:
-                results["cells"][cell.key].setdefault("row_fingerprint", self.row_fingerprint(cell))
+            record.setdefault("row_fingerprint", self.row_fingerprint(cell))
         self._write(results)
         p2 = self.recipe.phase2
         seen = max(p2.steps, 1) * p2.batch_size
