@@ -1,6 +1,6 @@
 """A PTQ state of a model under target htp (calibrated on PTB train, the demo's prefix), for `export --device-check`.
 
-    python scripts/htp_ptq_state.py --model smollm2-135m --out runs/htp-ptq/ptq.safetensors [--bit-overrides ...]
+python scripts/htp_ptq_state.py --model smollm2-135m --out htp-ptq.safetensors [--bit-overrides ...]
 """
 
 from __future__ import annotations
