@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from aimet_quadapter.quadapter.config import BC_STATE
+
 # The recipe sections a method's settings live in, beyond model, eval, policy and calibration.
 SECTIONS = ("phase1", "phase2", "quadapter", "baselines")
 
@@ -175,4 +177,4 @@ CATALOG: dict[str, MethodInfo] = {
     ),
 }
 # Phase 1's own cell: the methods that continue from it share its result (and its settings' fingerprint).
-BC = "quadapter_bc"
+BC = BC_STATE

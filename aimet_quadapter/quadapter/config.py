@@ -13,6 +13,9 @@ from pydantic import Field, field_validator
 from aimet_quadapter.models import EXTRA_SITE_GROUPS
 from aimet_quadapter.settings import Settings, setting
 
+# the name of phase 1's state (Quadapter BC) in a run folder; the method catalog names its row after it
+BC_STATE = "quadapter_bc"
+
 
 class Phase1Parameters(Settings):
     """Phase-1 settings; defaults are the paper's (Appendix, "Block-wise Calibration")."""

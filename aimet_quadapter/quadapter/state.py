@@ -23,6 +23,7 @@ from aimet_quadapter.atomic import write_atomic
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import PreparedLM, tensor_of, weight_sharing_copy
 from aimet_quadapter.quadapter.adapter import fold_alphas
+from aimet_quadapter.quadapter.config import BC_STATE
 from aimet_quadapter.quant.config import QuantPolicy
 
 if TYPE_CHECKING:
@@ -187,8 +188,6 @@ class QuadapterState:
         method). A row's state carries its cell's fingerprint, as ``results.json`` records it for the row; phase 1's
         state of a run that has no Quadapter BC row, the fingerprint of its folder's ``bc_fingerprint.txt``.
         A state outside any run folder is the user's to vouch for."""
-        from aimet_quadapter.methods.catalog import BC
-
         found = self._run_folder()
         if found is None or self.source is None:
             return
@@ -207,7 +206,7 @@ class QuadapterState:
         if rows:
             key, cell = rows[0]
             expected, what = cell.get("fingerprint"), f"row {key} of {results_file}"
-        elif name == BC and side.is_file():
+        elif name == BC_STATE and side.is_file():
             expected, what = side.read_text().strip(), f"the phase 1 its run shared ({side})"
         if expected is not None and stamp == expected:
             return
