@@ -114,12 +114,6 @@ def fptquant_model(fp_model: PreparedLM, params: BaselineParameters | None = Non
     return model
 
 
-def _forward(model: torch.nn.Module, batch: torch.Tensor):
-    from aimet_quadapter.models import device_of
-
-    return model(batch.to(device_of(model)))
-
-
 def apply_adascale(
     sim, fp_model: PreparedLM, calibration: Sequence[torch.Tensor], params: BaselineParameters | None = None
 ) -> dict:
@@ -128,12 +122,13 @@ def apply_adascale(
     read (AIMET samples the FP blocks from the sim with its quantizers off): the call shape of every technique."""
     from aimet_torch.adascale import apply_adascale as aimet_adascale
 
+    from aimet_quadapter.quant.baselines import aimet_forward
     from aimet_quadapter.quant.policy import calibrate
 
     params = params or BaselineParameters()
     batches = list(calibration)
     with tempfile.TemporaryDirectory(prefix="aimet-quadapter-adascale-") as folder:
-        aimet_adascale(sim, batches, forward_fn=_forward, num_iterations=params.adascale_iterations,
+        aimet_adascale(sim, batches, forward_fn=aimet_forward, num_iterations=params.adascale_iterations,
                        checkpoint_dir=folder)  # fmt: skip
     calibrate(sim, batches)
     return {"adascale_iterations": params.adascale_iterations}
@@ -147,6 +142,7 @@ def apply_omniquant(
     activation quantizers off and folded; AIMET leaves the weights quantize-dequantized. Then static calibration.
     One sequence a batch: AIMET's loss reads the first sequence of each (docs/method.md)."""
     from aimet_quadapter.quant.aimet_adapter import omniquant_view
+    from aimet_quadapter.quant.baselines import aimet_forward
     from aimet_quadapter.quant.policy import calibrate
 
     params = params or BaselineParameters()
@@ -159,6 +155,8 @@ def apply_omniquant(
         # AIMET lists a shared transform scale once per quantizer holding it; torch warns of the duplicate
         # parameters, which docs/method.md explains and the user cannot change
         warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
-        omniquant(sim, batches, forward_fn=_forward, num_iterations=params.omniquant_iterations, output_path=folder)
+        omniquant(
+            sim, batches, forward_fn=aimet_forward, num_iterations=params.omniquant_iterations, output_path=folder
+        )
     calibrate(sim, list(calibration))
     return {"omniquant_iterations": params.omniquant_iterations}
