@@ -36,6 +36,8 @@ class AimetSupport:
     families: tuple[str, ...]  # this package's family names whose backbone AIMET's registry holds
     symmetric_weights_only: bool = False  # AIMET asserts symmetric weight quantizers
     per_tensor_reason: str = ""
+    # run under the paper's placement only: its block reconstruction is not wired to target htp's AIMET config
+    htp_refused: bool = False
 
 
 # aimet-torch 2.42: SpinQuant.model_config_dict, fptquant_model_config_dict, adascale_model_config_dict and
@@ -43,8 +45,10 @@ class AimetSupport:
 AIMET_SUPPORT: dict[str, AimetSupport] = {
     "spinquant": AimetSupport(("llama", "qwen2", "qwen3", "phi3")),
     "fptquant": AimetSupport(("llama", "qwen2", "qwen3")),
-    "adascale": AimetSupport(("llama", "qwen2", "qwen3", "mistral", "phi3"), symmetric_weights_only=True),
-    "omniquant": AimetSupport(("llama", "qwen2", "mistral"), symmetric_weights_only=True),
+    "adascale": AimetSupport(
+        ("llama", "qwen2", "qwen3", "mistral", "phi3"), symmetric_weights_only=True, htp_refused=True
+    ),
+    "omniquant": AimetSupport(("llama", "qwen2", "mistral"), symmetric_weights_only=True, htp_refused=True),
 }
 
 
@@ -61,7 +65,7 @@ def refusal(technique: str, family: str | None, policy: QuantPolicy) -> str | No
             f"AIMET's {technique} quantizes weights symmetrically only (it asserts 'Only symmetric quantization "
             "is supported'): set policy.symmetric_weights: true"
         )
-    if policy.target == "htp" and technique in ("adascale", "omniquant"):
+    if support.htp_refused and policy.target == "htp":
         return f"AIMET's {technique} reconstructs Linear weights under this package's placement, not target htp"
     return None
 
