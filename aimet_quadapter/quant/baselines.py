@@ -23,7 +23,7 @@ from torch import nn
 from aimet_quadapter import distributed
 from aimet_quadapter.models import PreparedLM, device_of
 from aimet_quadapter.models.attention import set_mask_fill
-from aimet_quadapter.quant.aimet_adapter import htp_config_file, seq_mse_bitwidth_limit
+from aimet_quadapter.quant.aimet_private import htp_config_file, seq_mse_bitwidth_limit
 from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
 from aimet_quadapter.quant.policy import HTP_MASK_FILL, aimet_quant_scheme, calibrate, sim_policy
 

@@ -90,7 +90,7 @@ def spinquant_model(fp_model: PreparedLM, params: BaselineParameters | None = No
     import torch
     from aimet_torch.spinquant import apply_spinquant
 
-    from aimet_quadapter.quant.aimet_adapter import extra_hadamard_orders
+    from aimet_quadapter.quant.aimet_private import extra_hadamard_orders
 
     params = params or BaselineParameters()
     model = _transformed_copy(fp_model)
@@ -106,7 +106,7 @@ def fptquant_model(fp_model: PreparedLM, params: BaselineParameters | None = Non
     computed online on down_proj's input) is left out: the deployed graph holds plain weights (docs/method.md)."""
     import torch
 
-    from aimet_quadapter.quant.aimet_adapter import extra_hadamard_orders, fptquant
+    from aimet_quadapter.quant.aimet_private import extra_hadamard_orders, fptquant
 
     params = params or BaselineParameters()
     model = _transformed_copy(fp_model)
@@ -145,7 +145,7 @@ def apply_omniquant(
     transforms (norm -> q/k/v, v -> o, norm -> gate/up, up -> down) and the Linear weights' ranges, fitted with the
     activation quantizers off and folded; AIMET leaves the weights quantize-dequantized. Then static calibration.
     One sequence a batch: AIMET's loss reads the first sequence of each (docs/method.md)."""
-    from aimet_quadapter.quant.aimet_adapter import omniquant_view
+    from aimet_quadapter.quant.aimet_private import omniquant_view
     from aimet_quadapter.quant.baselines import aimet_forward
     from aimet_quadapter.quant.policy import calibrate
 
