@@ -508,7 +508,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_merge(args: argparse.Namespace) -> int:
     from aimet_quadapter.reporting.report import results_table
     from aimet_quadapter.running.merge import merge_runs
-    from aimet_quadapter.running.results_file import merge_seeds
+    from aimet_quadapter.running.statistics import merge_seeds
 
     results, added = merge_runs(args.run_dir, args.others)
     print(results_table(results))

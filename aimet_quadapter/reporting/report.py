@@ -19,7 +19,8 @@ from pathlib import Path
 
 from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.methods.catalog import CATALOG
-from aimet_quadapter.running.results_file import load_results, merge_seeds
+from aimet_quadapter.running.results_file import load_results
+from aimet_quadapter.running.statistics import merge_seeds
 
 
 def _fmt(value) -> str:
