@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from aimet_quadapter.running.results_file import load_results, machine_label, merge_seeds
+from aimet_quadapter.running.results_file import load_results
+from aimet_quadapter.running.statistics import machine_label, merge_seeds
 
 
 def _where(cell: dict) -> str:

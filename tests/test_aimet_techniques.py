@@ -137,13 +137,13 @@ def test_omniquants_learned_weight_ranges_outlive_calibration(monkeypatch):
     (recomputed from the quantize-dequantized weights it comes out a few ulps off), as AIMET keeps AdaScale's."""
     from aimet_torch.experimental.omniquant.let_quantizer import OmqQuantizeDequantize
 
-    from aimet_quadapter.quant import aimet_adapter
+    from aimet_quadapter.quant import aimet_private
     from aimet_quadapter.quant.llm_techniques import apply_omniquant
     from aimet_quadapter.quant.policy import build_sim, calibrate
     from aimet_quadapter.quant.quantizers import quantizers
 
     learned: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    plain = aimet_adapter._plain_weight_quantizers
+    plain = aimet_private._plain_weight_quantizers
 
     def keep_learned(before: dict) -> None:  # OmniQuant's quantizers, as it leaves them
         paths = {module: path for path, module in sim.model.named_modules()}
@@ -153,7 +153,7 @@ def test_omniquants_learned_weight_ranges_outlive_calibration(monkeypatch):
                     learned[f"{paths[module]}.{name}"] = (q.min.detach().clone(), q.max.detach().clone())
         plain(before)
 
-    monkeypatch.setattr(aimet_adapter, "_plain_weight_quantizers", keep_learned)
+    monkeypatch.setattr(aimet_private, "_plain_weight_quantizers", keep_learned)
     model = toy_model("llama")
     corpus = sample_corpus(model, 4, 32, seed=1)
     sim = build_sim(model, QuantPolicy(symmetric_weights=True))
@@ -197,7 +197,7 @@ def test_an_order_576_hadamard_is_one_and_leaves_aimets_own_orders_alone():
     Hadamard matrix, through AIMET's own builder, which then gives every order it gave before unchanged."""
     from aimet_torch.common.hadamard.hadamard_utils import get_hadamard_matrix
 
-    from aimet_quadapter.quant.aimet_adapter import extra_hadamard_orders
+    from aimet_quadapter.quant.aimet_private import extra_hadamard_orders
 
     before = {n: get_hadamard_matrix(n) for n in (64, 96, 768)}
     with pytest.raises(AssertionError, match="576 not supported"):

@@ -39,7 +39,7 @@ from aimet_quadapter.quadapter.api import QuadapterParameters, apply_quadapter
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters
 from aimet_quadapter.quadapter.phase2 import Phase2Parameters
 from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
-from aimet_quadapter.quant.aimet_adapter import qdq_weights_module_by_module, wrapped_aimet_onnx_export
+from aimet_quadapter.quant.aimet_private import qdq_weights_module_by_module, wrapped_aimet_onnx_export
 from aimet_quadapter.quant.config import QuantPolicy
 from aimet_quadapter.quant.policy import build_sim, calibrate
 from aimet_quadapter.quant.quantizers import quantizers, shared_activation_groups

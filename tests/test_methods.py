@@ -13,7 +13,7 @@ from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.api import QuadapterParameters
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters
 from aimet_quadapter.quadapter.phase2 import Phase2Parameters
-from aimet_quadapter.quant.aimet_adapter import seq_mse_bitwidth_limit, seq_mse_weight_bitwidth_limit
+from aimet_quadapter.quant.aimet_private import seq_mse_bitwidth_limit, seq_mse_weight_bitwidth_limit
 from aimet_quadapter.quant.baselines import BaselineParameters, linear_weight_quantizers
 from aimet_quadapter.quant.llm_techniques import refusal
 from aimet_quadapter.quant.policy import QuantPolicy

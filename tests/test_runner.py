@@ -22,8 +22,8 @@ from aimet_quadapter.quadapter.state import QuadapterState
 from aimet_quadapter.reporting.figures import perplexity_bars
 from aimet_quadapter.reporting.report import matched_comparisons, ordered_rows
 from aimet_quadapter.running.recipes import load_recipe
-from aimet_quadapter.running.results_file import prediction_range
 from aimet_quadapter.running.runner import RecipeRun
+from aimet_quadapter.running.statistics import prediction_range
 
 quiet_libraries()
 VOCAB = 512  # the tiny GPT-2 config's vocabulary
@@ -801,7 +801,7 @@ def test_the_seeds_of_a_row_computed_on_a_gpu_and_on_the_cpu_are_marked():
 
 
 def test_a_row_with_a_stopped_seed_is_the_mean_of_the_others_and_says_so():
-    from aimet_quadapter.running.results_file import merge_seeds
+    from aimet_quadapter.running.statistics import merge_seeds
 
     cells = {
         f"g/quadapter#seed{s}": {"method": "quadapter", "label": "Quadapter", "group": "g", "seed": s, "ppl": {"a": v}}
@@ -830,7 +830,7 @@ def test_the_prediction_range_holds_one_more_run_as_often_as_it_says_and_the_min
 
 def test_the_report_gives_where_another_run_lands_for_rows_of_more_than_one_seed():
     from aimet_quadapter.reporting.report import prediction_table
-    from aimet_quadapter.running.results_file import merge_seeds
+    from aimet_quadapter.running.statistics import merge_seeds
 
     cells = {
         f"g/ptq#seed{s}": {"method": "ptq", "label": "PTQ", "group": "g", "seed": s, "ppl": {"a": v}}
@@ -923,7 +923,7 @@ def test_merge_reads_the_destination_under_its_lock(tmp_path, monkeypatch):
 
 def test_a_seed_of_inf_or_nan_perplexity_is_named_and_neither_averaged_nor_counted():
     from aimet_quadapter.reporting.report import results_table
-    from aimet_quadapter.running.results_file import merge_seeds, summary
+    from aimet_quadapter.running.statistics import merge_seeds, summary
 
     values = {0: 10.0, 1: 12.0, 2: float("inf"), 3: 11.0}
     cells = {f"g/ptq#seed{s}": _cell("ptq", "g", s, {"t": v}) for s, v in values.items()}
@@ -996,7 +996,7 @@ def test_seeds_run_under_other_settings_into_one_folder_are_rows_of_their_own(wo
 
 
 def test_a_row_is_the_mean_of_the_seeds_of_one_set_of_settings_and_cells_from_before_stay_one_row():
-    from aimet_quadapter.running.results_file import merge_seeds
+    from aimet_quadapter.running.statistics import merge_seeds
 
     cells = {
         f"g/qat#seed{s}": _cell("qat", "g", s, {"t": v}, row_fingerprint=fp)

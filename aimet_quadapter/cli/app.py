@@ -26,8 +26,13 @@ from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.settings import default_of
 from aimet_quadapter.text import EVAL_SEQ_LEN
 
-if TYPE_CHECKING:  # for the annotation only
+if TYPE_CHECKING:  # for the annotations only
+    from typing import TypeAlias
+
     from aimet_quadapter.running.recipes import Recipe
+
+    # what add_subparsers returns: argparse names its class privately
+    SubParsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
 _PREFIX = "section:"
 
@@ -367,7 +372,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Quadapter quantization of GPT-2, Llama, Mistral, Qwen, Phi-3 and Gemma language models on AIMET",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # one helper a command, in the order `--help` lists them
+    _add_eval_command(sub)
+    _add_describe_command(sub)
+    _add_sensitivity_command(sub)
+    _add_run_command(sub)
+    _add_report_and_merge_commands(sub)
+    add_export_command(sub)
+    _add_talk_options(sub)
+    return parser
 
+
+def _add_eval_command(sub: SubParsers) -> None:
+    """`eval`: a recipe built from the options, run like `run`."""
     p = sub.add_parser(
         "eval",
         help="perplexity of methods on datasets: a recipe built from the options, run like `run`",
@@ -405,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_section_options(p, section, source, exclude)
     p.set_defaults(func=_cmd_eval)
 
+
+def _add_describe_command(sub: SubParsers) -> None:
+    """`describe`: every quantizer of the sim and every Quadapter site."""
     p = sub.add_parser("describe", help="list every quantizer of the sim and every Quadapter site")
     _add_model_option(p)
     p.add_argument("--no-extra-sites", action="store_true", help="list only the paper's norm -> linear sites")
@@ -415,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_section_options(p, *_sections()[0])
     p.set_defaults(func=_cmd_describe)
 
+
+def _add_sensitivity_command(sub: SubParsers) -> None:
+    """`sensitivity`: which kind of quantizer costs most."""
     p = sub.add_parser(
         "sensitivity",
         help="which kind of quantizer costs most: each given more bits in turn (choosing bit_overrides)",
@@ -433,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_section_options(p, *_sections()[0])
     p.set_defaults(func=_cmd_sensitivity)
 
+
+def _add_run_command(sub: SubParsers) -> None:
+    """`run`: a recipe YAML file."""
     p = sub.add_parser("run", help="run a recipe: methods x F-ID sets, each evaluated on every eval dataset")
     p.add_argument("recipe", help="recipe YAML file (see recipes/)")
     p.add_argument("--out", help="run folder (default: the recipe's `out`, else runs/<recipe name>)")
@@ -449,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_option(p, recipe=True)
     p.set_defaults(func=_cmd_run)
 
+
+def _add_report_and_merge_commands(sub: SubParsers) -> None:
+    """`report` and `merge`, which read run folders."""
     p = sub.add_parser("report", help="markdown tables and figures of a run folder (writes RUN_DIR/report.md)")
     p.add_argument("run_dir", help="a folder written by `run`")
     p.set_defaults(func=_cmd_report)
@@ -461,7 +490,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run folder that receives the cells")
     p.add_argument("others", nargs="+", metavar="other_run_dir", help="run folders of the same recipe and settings")
     p.set_defaults(func=_cmd_merge)
-    add_export_command(sub)
+
+
+def _add_talk_options(sub: SubParsers) -> None:
+    """-v / -q on every command, export's included (added last, so it sees them all)."""
     for command in sub.choices.values():
         talk = command.add_mutually_exclusive_group()
         talk.add_argument("-v", "--verbose", action="store_true", help="also the debug messages")
@@ -471,7 +503,6 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help="warnings and errors only, no progress bars (results still print)",
         )
-    return parser
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -508,7 +539,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_merge(args: argparse.Namespace) -> int:
     from aimet_quadapter.reporting.report import results_table
     from aimet_quadapter.running.merge import merge_runs
-    from aimet_quadapter.running.results_file import merge_seeds
+    from aimet_quadapter.running.statistics import merge_seeds
 
     results, added = merge_runs(args.run_dir, args.others)
     print(results_table(results))

@@ -25,7 +25,7 @@ import torch
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.formats import ENCODINGS, FP_ONNX, INPUT_NAME
-from aimet_quadapter.quant.aimet_adapter import HTP_VERSION
+from aimet_quadapter.quant.aimet_private import HTP_VERSION
 
 REPORT = "device_check.json"
 EXTRA = "device-check"  # the optional dependency group that brings aimet-onnx

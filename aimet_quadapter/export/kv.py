@@ -367,18 +367,12 @@ def verify_kv_graphs(
     windows by the graphs and by the sim.
     Raises where the graphs differ from the sim by more than the bounds (the full-sequence export's, set by
     the float32 floor it measured) or from the full-sequence graph by more than float rounding."""
-    from aimet_quadapter.export.exporter import one_ulp_inputs
-    from aimet_quadapter.export.onnx_eval import OnnxLM
-
     model = sim.model
     prefix = model.prefix_length
     check_windows_fit(graphs, windows, prefix)
     # the full-sequence graph's logits first, its session closed before the KV graphs' two open: one copy of
     # the weights fewer in memory at once
-    full = OnnxLM(full_graph, low_memory=True)
-    full_logits = [full(window.ids[None]) for window in windows]
-    del full
-    release_freed_memory()
+    full_logits = _full_graph_logits(full_graph, windows)
     runner = KVGraphRunner(folder, graphs, model.kv_shape())
     sim_nll, graphs_nll = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     tokens, max_diff, full_diff, same, greedy_same, greedy_total, floor_same = 0, 0.0, 0.0, 0, 0, 0, 0
@@ -401,10 +395,7 @@ def verify_kv_graphs(
             if index >= greedy_prompts:
                 continue
             steps = min(greedy_steps, graphs.context - 1 - prefix - prefill)
-            want = sim_greedy(model, ids[:prefill], steps)
-            got = runner.generate(ids[:prefill].tolist(), steps)
-            with one_ulp_inputs(model, index):
-                noisy = sim_greedy(model, ids[:prefill], steps)
+            want, got, noisy = _greedy_runs(model, runner, ids[:prefill], steps, index)
             greedy_same += sum(a == b for a, b in zip(want, got))
             floor_same += sum(a == b for a, b in zip(want, noisy))
             greedy_total += steps
@@ -426,11 +417,44 @@ def verify_kv_graphs(
         greedy_floor_agreement=floor_same / max(greedy_total, 1),
         greedy_floor_common_prefix=sum(floor_prefixes) / max(len(floor_prefixes), 1),
     )
-    if agreement.ppl_rel_diff > ppl_bound or max_diff > logit_bound or full_diff > logit_bound:
+    _check_agreement(agreement, ppl_bound, logit_bound)
+    return agreement
+
+
+def _full_graph_logits(full_graph: Path, windows: Sequence[Window]) -> list[torch.Tensor]:
+    """Each window's logits from the full-sequence QDQ graph, its session closed (and its memory freed) on return."""
+    from aimet_quadapter.export.onnx_eval import OnnxLM
+
+    full = OnnxLM(full_graph, low_memory=True)
+    full_logits = [full(window.ids[None]) for window in windows]
+    del full
+    release_freed_memory()
+    return full_logits
+
+
+def _greedy_runs(
+    model: PreparedLM, runner: KVGraphRunner, prompt: torch.Tensor, steps: int, index: int
+) -> tuple[list[int], list[int], list[int]]:
+    """``steps`` greedy tokens after ``prompt`` from the sim, from the graphs, and from the sim with one-ulp
+    quantizer inputs (``index`` seeds them): the floor float32 noise sets on their agreement."""
+    from aimet_quadapter.export.exporter import one_ulp_inputs
+
+    want = sim_greedy(model, prompt, steps)
+    got = runner.generate(prompt.tolist(), steps)
+    with one_ulp_inputs(model, index):
+        noisy = sim_greedy(model, prompt, steps)
+    return want, got, noisy
+
+
+def _check_agreement(agreement: KVAgreement, ppl_bound: float, logit_bound: float) -> None:
+    """Raises where the graphs differ from the sim by more than the bounds, or from the full-sequence graph by
+    more than ``logit_bound``."""
+    a = agreement
+    max_diff, full_diff = a.max_abs_logit_diff, a.vs_full_graph_max_abs_logit_diff
+    if a.ppl_rel_diff > ppl_bound or max_diff > logit_bound or full_diff > logit_bound:
         raise QuadapterError(
             f"the KV-cache graphs (prefill, then decode) do not compute what the sim computes: perplexity "
-            f"{graphs_ppl:.4f} vs sim {sim_ppl:.4f} (rel. diff {agreement.ppl_rel_diff:.2e}, allowed {ppl_bound:.2e}), "
+            f"{a.graphs_ppl:.4f} vs sim {a.sim_ppl:.4f} (rel. diff {a.ppl_rel_diff:.2e}, allowed {ppl_bound:.2e}), "
             f"max |logit diff| {max_diff:.3g} against the sim and {full_diff:.3g} against the full-sequence graph "
             f"(allowed {logit_bound:.3g})"
         )
-    return agreement

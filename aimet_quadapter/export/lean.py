@@ -19,7 +19,7 @@ import torch
 
 from aimet_quadapter.memory import release_freed_memory
 from aimet_quadapter.models.storage import shares_storage
-from aimet_quadapter.quant.aimet_adapter import qdq_weights_module_by_module, wrapped_aimet_onnx_export
+from aimet_quadapter.quant.aimet_private import qdq_weights_module_by_module, wrapped_aimet_onnx_export
 
 # --- the sim's own weights, parked on disk while AIMET exports their quantize-dequantized copies ----------
 

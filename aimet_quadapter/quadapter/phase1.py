@@ -375,6 +375,77 @@ class _Checkpoint:
         write_atomic(self.path, lambda tmp: torch.save(state, tmp))
 
 
+def _kept_sites(sim_model: PreparedLM, qset: QuadapterSet, params: Phase1Parameters) -> set[str]:
+    """The sites phase 1 leaves at their starting alpha; with a prefix, its cache is refreshed through them."""
+    kept = kept_at_start([q.site.name for q in qset], params.keep_start)
+    if sim_model.prefix_ids is not None:
+        # Their alphas change the prefix's cached keys or values, which stay fixed while a site trains here;
+        # phase 2 trains them, the cache recomputed after every step.
+        kept |= {q.site.name for q in qset if q.site.cached}
+        refresh_prefix(sim_model)  # through the alphas the hooks apply now
+    return kept
+
+
+def _first_block_inputs(
+    fp_model: PreparedLM,
+    sim_model: PreparedLM,
+    first_block: str,
+    calibration_batches: Sequence[torch.Tensor],
+    from_fp: bool,
+) -> tuple[Captured, Captured]:
+    """The FP model's and the sim's calls of the first block (the sim's: the FP one's under its own prefix when
+    phase 1's inputs come from the FP model)."""
+    fp_call = batched(capture_inputs(fp_model, first_block, calibration_batches))
+    if from_fp:
+        return fp_call, _own_prefix(fp_call, sim_model)
+    with DynamicRanges(quantizers_in([sim_model])), torch.no_grad():
+        return fp_call, batched(capture_inputs(sim_model, first_block, calibration_batches))
+
+
+def _sites_by_block(qset: QuadapterSet, kept: set[str], blocks: list[str]) -> tuple[dict[str, list[Site]], list[Site]]:
+    """The sites to calibrate, by the block their producer is in, and those after every block (the head's)."""
+    by_block: dict[str, list[Site]] = {b: [] for b in blocks}
+    head_sites: list[Site] = []
+    for q in qset:
+        if q.site.name in kept:
+            continue
+        owner = next((b for b in blocks if q.site.producer.startswith(b + ".")), None)
+        (by_block[owner] if owner else head_sites).append(q.site)
+    return by_block, head_sites
+
+
+def _calibrate_block(
+    path: str,
+    sites: list[Site],
+    fp_model: PreparedLM,
+    sim_model: PreparedLM,
+    fp_call: Captured,
+    q_call: Captured,
+    from_fp: bool,
+    calibrate: Callable[[Site, Captured, Captured], None],
+) -> tuple[Captured, Captured]:
+    """``calibrate`` on each of block ``path``'s sites, bottom to top, with its FP and sim inputs; the calls of
+    the next block (the FP one's, and the sim's through the alphas just calibrated)."""
+    fp_block, q_block = fp_model.get_submodule(path), sim_model.get_submodule(path)
+    entries = [s.scope or s.producer for s in sites]
+    fp_out, fp_seen = run_capturing(fp_block, fp_call, fp_model, entries)
+    for site in sites:
+        entry = site.scope or site.producer
+        if from_fp:
+            q_in = _own_prefix(fp_seen[entry], sim_model)
+        else:  # rerun the sim block: the sites below in this block changed its input
+            with DynamicRanges(quantizers_in([q_block])):
+                _, q_seen = run_capturing(q_block, q_call, sim_model, [entry])
+            q_in = q_seen[entry]
+        calibrate(site, fp_seen[entry], q_in)
+    fp_call = _with_hidden(fp_call, fp_out)
+    if from_fp:
+        return fp_call, _own_prefix(fp_call, sim_model)
+    with DynamicRanges(quantizers_in([q_block])):
+        q_out, _ = run_capturing(q_block, q_call, sim_model, [])
+    return fp_call, _with_hidden(q_call, q_out)
+
+
 def run_phase1(
     sim_model: PreparedLM,
     fp_model: PreparedLM,
@@ -386,27 +457,11 @@ def run_phase1(
 ) -> Phase1Result:
     """Phase 1 on every site of ``qset`` (attached to ``sim_model``), bottom to top."""
     params = params or Phase1Parameters()
-    kept = kept_at_start([q.site.name for q in qset], params.keep_start)
-    if sim_model.prefix_ids is not None:
-        # Their alphas change the prefix's cached keys or values, which stay fixed while a site trains here;
-        # phase 2 trains them, the cache recomputed after every step.
-        kept |= {q.site.name for q in qset if q.site.cached}
-        refresh_prefix(sim_model)  # through the alphas the hooks apply now
+    kept = _kept_sites(sim_model, qset, params)
     from_fp = params.input_source == "fp"
     blocks = sim_model.block_paths()
-    fp_call = batched(capture_inputs(fp_model, blocks[0], calibration_batches))
-    if from_fp:
-        q_call = _own_prefix(fp_call, sim_model)
-    else:
-        with DynamicRanges(quantizers_in([sim_model])), torch.no_grad():
-            q_call = batched(capture_inputs(sim_model, blocks[0], calibration_batches))
-    by_block: dict[str, list[Site]] = {b: [] for b in blocks}
-    head_sites: list[Site] = []
-    for q in qset:
-        if q.site.name in kept:
-            continue
-        owner = next((b for b in blocks if q.site.producer.startswith(b + ".")), None)
-        (by_block[owner] if owner else head_sites).append(q.site)
+    fp_call, q_call = _first_block_inputs(fp_model, sim_model, blocks[0], calibration_batches, from_fp)
+    by_block, head_sites = _sites_by_block(qset, kept, blocks)
 
     result = Phase1Result({}, {}, {})
     checkpoint = _Checkpoint(params.checkpoint_dir, params, qset, fp_call, sim_model) if params.checkpoint_dir else None
@@ -437,26 +492,9 @@ def run_phase1(
         outer.set_postfix(site=site.name, err=f"{result.error_before[site.name]:.3g}->{site_result.best:.3g}")
 
     for path in blocks:
-        fp_block, q_block = fp_model.get_submodule(path), sim_model.get_submodule(path)
-        sites = by_block[path]
-        entries = [s.scope or s.producer for s in sites]
-        fp_out, fp_seen = run_capturing(fp_block, fp_call, fp_model, entries)
-        for site in sites:
-            entry = site.scope or site.producer
-            if from_fp:
-                q_in = _own_prefix(fp_seen[entry], sim_model)
-            else:  # rerun the sim block: the sites below in this block changed its input
-                with DynamicRanges(quantizers_in([q_block])):
-                    _, q_seen = run_capturing(q_block, q_call, sim_model, [entry])
-                q_in = q_seen[entry]
-            calibrate(site, fp_seen[entry], q_in)
-        fp_call = _with_hidden(fp_call, fp_out)
-        if from_fp:
-            q_call = _own_prefix(fp_call, sim_model)
-        else:
-            with DynamicRanges(quantizers_in([q_block])):
-                q_out, _ = run_capturing(q_block, q_call, sim_model, [])
-            q_call = _with_hidden(q_call, q_out)
+        fp_call, q_call = _calibrate_block(
+            path, by_block[path], fp_model, sim_model, fp_call, q_call, from_fp, calibrate
+        )
 
     # The head site's producer (the final norm) takes the last block's output.
     for site in head_sites:

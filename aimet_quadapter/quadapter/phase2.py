@@ -102,12 +102,7 @@ def run_phase2(
     ``params.loss`` names.
     """
     params = for_device(params or Phase2Parameters(), device_of(sim_model))
-    if loss_fn is None:
-        if params.loss != "lm":  # not silently the LM loss: the teacher is the caller's to give
-            raise QuadapterError(
-                f"phase2.loss = {params.loss!r} needs its teacher: pass loss_fn=phase2_loss(params, fp_model)"
-            )
-        loss_fn = lm_loss
+    loss_fn = _loss_or_lm(params, loss_fn)
     if not batches:
         raise QuadapterError("phase 2 needs at least one fine-tuning batch")
     sim_model.eval()  # dropout off: the model is frozen, only its quantization is being trained
@@ -117,17 +112,9 @@ def run_phase2(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1.0 - step / total))
 
     result = Phase2Result()
-    start = 0
     ckpt = Path(params.checkpoint_dir) / "phase2.pt" if params.checkpoint_dir else None
     key = _checkpoint_key(params, sim_model, qset, batches) if ckpt is not None else ""
-    state = _read_checkpoint(ckpt, key, device_of(sim_model)) if ckpt is not None else None
-    if state is not None:
-        _load_trainable(sim_model, qset, state)
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        start = result.resumed_from = state["step"]
-        result.losses = list(state["losses"])
-        refresh_prefix(sim_model)
+    start = _resume(ckpt, key, sim_model, qset, optimizer, schedule, result)
 
     trainable = [p for group in groups for p in group["params"]]
     # named before gathered_embedding_quantization takes the embedding's quantizer out of the module tree
@@ -172,6 +159,40 @@ def run_phase2(
         for p in sim_model.parameters():
             p.requires_grad_(False)
     return result
+
+
+def _loss_or_lm(params: Phase2Parameters, loss_fn: LossFn | None) -> LossFn:
+    """``loss_fn``, or the LM loss where none is given and ``params.loss`` asks for it."""
+    if loss_fn is None:
+        if params.loss != "lm":  # not silently the LM loss: the teacher is the caller's to give
+            raise QuadapterError(
+                f"phase2.loss = {params.loss!r} needs its teacher: pass loss_fn=phase2_loss(params, fp_model)"
+            )
+        loss_fn = lm_loss
+    return loss_fn
+
+
+def _resume(
+    ckpt: Path | None,
+    key: str,
+    sim_model: nn.Module,
+    qset: QuadapterSet | None,
+    optimizer: GroupedAdam,
+    schedule: torch.optim.lr_scheduler.LambdaLR,
+    result: Phase2Result,
+) -> int:
+    """The step to start from: where this run's own checkpoint ``ckpt`` stopped (its parameters, optimizer,
+    schedule and losses loaded), else 0."""
+    state = _read_checkpoint(ckpt, key, device_of(sim_model)) if ckpt is not None else None
+    if state is None:
+        return 0
+    _load_trainable(sim_model, qset, state)
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    result.resumed_from = state["step"]
+    result.losses = list(state["losses"])
+    refresh_prefix(sim_model)
+    return result.resumed_from
 
 
 def _trained_groups(sim_model: nn.Module, qset: QuadapterSet | None, params: Phase2Parameters) -> list[dict[str, Any]]:

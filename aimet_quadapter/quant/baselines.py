@@ -23,13 +23,14 @@ from torch import nn
 from aimet_quadapter import distributed
 from aimet_quadapter.models import PreparedLM, device_of
 from aimet_quadapter.models.attention import set_mask_fill
-from aimet_quadapter.quant.aimet_adapter import htp_config_file, seq_mse_bitwidth_limit
+from aimet_quadapter.quant.aimet_private import htp_config_file, seq_mse_bitwidth_limit
 from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
 from aimet_quadapter.quant.policy import HTP_MASK_FILL, aimet_quant_scheme, calibrate, sim_policy
 
 
-def _forward(model: nn.Module, batch: torch.Tensor):
-    # AIMET's forward_fn(model, inputs): our batches are plain id tensors.
+def aimet_forward(model: nn.Module, batch: torch.Tensor):
+    """AIMET's ``forward_fn(model, inputs)`` for every technique here and in :mod:`.llm_techniques`: our batches
+    are plain id tensors, moved to the model's device."""
     return model(batch.to(device_of(model)))
 
 
@@ -95,7 +96,7 @@ def apply_adaround(
             num_batches=min(params.adaround_batches or len(batches), len(batches)),
             default_num_iterations=params.adaround_iterations,
             default_reg_param=params.adaround_reg_param,
-            forward_fn=_forward,
+            forward_fn=aimet_forward,
         )
         dummy = torch.zeros((1, 16), dtype=torch.long, device=device_of(fp_model))
         if policy.target == "htp":  # AIMET quantizes the softmax input of its own sim of the FP model too
@@ -172,7 +173,7 @@ def apply_seq_mse(
     batches = list(calibration)
     limit = max(sim_policy(sim).weight_bits, 4) if params.seq_mse_any_bits else 4
     with seq_mse_bitwidth_limit(limit):
-        aimet_seq_mse(sim, batches, num_candidates=params.seq_mse_candidates, forward_fn=_forward)
+        aimet_seq_mse(sim, batches, num_candidates=params.seq_mse_candidates, forward_fn=aimet_forward)
     if calibrate_after:
         calibrate(sim, batches)
     return {"seq_mse_candidates": params.seq_mse_candidates, **seq_mse_changes(sim)}

@@ -118,7 +118,7 @@ class BaselineParameters(Settings):
     # inputs and outputs, on top of the iterations.
     adaround_batches: int | None = setting(None, ge=1, help="calibration batches AdaRound uses (None: all)")
     seq_mse_candidates: int = setting(20, ge=1, help="SeqMSE's candidate ranges per layer")
-    # AIMET skips every layer above 4 weight bits (see quant/aimet_adapter.py)
+    # AIMET skips every layer above 4 weight bits (see quant/aimet_private.py)
     seq_mse_any_bits: bool = setting(True, help="lift AIMET's 4-bit limit so that SeqMSE searches 8-bit ranges")
     qat_lr_weights: float = setting(1e-5, gt=0, help="learning rate of the model weights in every QAT-style row")
     spinquant_r2: bool = setting(

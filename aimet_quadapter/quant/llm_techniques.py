@@ -36,6 +36,8 @@ class AimetSupport:
     families: tuple[str, ...]  # this package's family names whose backbone AIMET's registry holds
     symmetric_weights_only: bool = False  # AIMET asserts symmetric weight quantizers
     per_tensor_reason: str = ""
+    # run under the paper's placement only: its block reconstruction is not wired to target htp's AIMET config
+    htp_refused: bool = False
 
 
 # aimet-torch 2.42: SpinQuant.model_config_dict, fptquant_model_config_dict, adascale_model_config_dict and
@@ -43,8 +45,10 @@ class AimetSupport:
 AIMET_SUPPORT: dict[str, AimetSupport] = {
     "spinquant": AimetSupport(("llama", "qwen2", "qwen3", "phi3")),
     "fptquant": AimetSupport(("llama", "qwen2", "qwen3")),
-    "adascale": AimetSupport(("llama", "qwen2", "qwen3", "mistral", "phi3"), symmetric_weights_only=True),
-    "omniquant": AimetSupport(("llama", "qwen2", "mistral"), symmetric_weights_only=True),
+    "adascale": AimetSupport(
+        ("llama", "qwen2", "qwen3", "mistral", "phi3"), symmetric_weights_only=True, htp_refused=True
+    ),
+    "omniquant": AimetSupport(("llama", "qwen2", "mistral"), symmetric_weights_only=True, htp_refused=True),
 }
 
 
@@ -61,7 +65,7 @@ def refusal(technique: str, family: str | None, policy: QuantPolicy) -> str | No
             f"AIMET's {technique} quantizes weights symmetrically only (it asserts 'Only symmetric quantization "
             "is supported'): set policy.symmetric_weights: true"
         )
-    if policy.target == "htp" and technique in ("adascale", "omniquant"):
+    if support.htp_refused and policy.target == "htp":
         return f"AIMET's {technique} reconstructs Linear weights under this package's placement, not target htp"
     return None
 
@@ -86,7 +90,7 @@ def spinquant_model(fp_model: PreparedLM, params: BaselineParameters | None = No
     import torch
     from aimet_torch.spinquant import apply_spinquant
 
-    from aimet_quadapter.quant.aimet_adapter import extra_hadamard_orders
+    from aimet_quadapter.quant.aimet_private import extra_hadamard_orders
 
     params = params or BaselineParameters()
     model = _transformed_copy(fp_model)
@@ -102,7 +106,7 @@ def fptquant_model(fp_model: PreparedLM, params: BaselineParameters | None = Non
     computed online on down_proj's input) is left out: the deployed graph holds plain weights (docs/method.md)."""
     import torch
 
-    from aimet_quadapter.quant.aimet_adapter import extra_hadamard_orders, fptquant
+    from aimet_quadapter.quant.aimet_private import extra_hadamard_orders, fptquant
 
     params = params or BaselineParameters()
     model = _transformed_copy(fp_model)
@@ -114,12 +118,6 @@ def fptquant_model(fp_model: PreparedLM, params: BaselineParameters | None = Non
     return model
 
 
-def _forward(model: torch.nn.Module, batch: torch.Tensor):
-    from aimet_quadapter.models import device_of
-
-    return model(batch.to(device_of(model)))
-
-
 def apply_adascale(
     sim, fp_model: PreparedLM, calibration: Sequence[torch.Tensor], params: BaselineParameters | None = None
 ) -> dict:
@@ -128,12 +126,13 @@ def apply_adascale(
     read (AIMET samples the FP blocks from the sim with its quantizers off): the call shape of every technique."""
     from aimet_torch.adascale import apply_adascale as aimet_adascale
 
+    from aimet_quadapter.quant.baselines import aimet_forward
     from aimet_quadapter.quant.policy import calibrate
 
     params = params or BaselineParameters()
     batches = list(calibration)
     with tempfile.TemporaryDirectory(prefix="aimet-quadapter-adascale-") as folder:
-        aimet_adascale(sim, batches, forward_fn=_forward, num_iterations=params.adascale_iterations,
+        aimet_adascale(sim, batches, forward_fn=aimet_forward, num_iterations=params.adascale_iterations,
                        checkpoint_dir=folder)  # fmt: skip
     calibrate(sim, batches)
     return {"adascale_iterations": params.adascale_iterations}
@@ -146,7 +145,8 @@ def apply_omniquant(
     transforms (norm -> q/k/v, v -> o, norm -> gate/up, up -> down) and the Linear weights' ranges, fitted with the
     activation quantizers off and folded; AIMET leaves the weights quantize-dequantized. Then static calibration.
     One sequence a batch: AIMET's loss reads the first sequence of each (docs/method.md)."""
-    from aimet_quadapter.quant.aimet_adapter import omniquant_view
+    from aimet_quadapter.quant.aimet_private import omniquant_view
+    from aimet_quadapter.quant.baselines import aimet_forward
     from aimet_quadapter.quant.policy import calibrate
 
     params = params or BaselineParameters()
@@ -159,6 +159,8 @@ def apply_omniquant(
         # AIMET lists a shared transform scale once per quantizer holding it; torch warns of the duplicate
         # parameters, which docs/method.md explains and the user cannot change
         warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
-        omniquant(sim, batches, forward_fn=_forward, num_iterations=params.omniquant_iterations, output_path=folder)
+        omniquant(
+            sim, batches, forward_fn=aimet_forward, num_iterations=params.omniquant_iterations, output_path=folder
+        )
     calibrate(sim, list(calibration))
     return {"omniquant_iterations": params.omniquant_iterations}

@@ -39,7 +39,7 @@ from torch import nn
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import PreparedLM, device_of, weight_sharing_copy
 from aimet_quadapter.models.attention import set_mask_fill
-from aimet_quadapter.quant.aimet_adapter import htp_config_file
+from aimet_quadapter.quant.aimet_private import htp_config_file
 from aimet_quadapter.quant.config import QUANT_SCHEMES, QuantPolicy
 from aimet_quadapter.quant.quantizers import DynamicRanges, quantizers, quantizers_in, shared_activation_groups
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from aimet_quadapter.memory import LARGE_WEIGHTS_BYTES
 from aimet_quadapter.models import PreparedLM, device_of, shares_storage
-from aimet_quadapter.quant.aimet_adapter import minimum_scale, precomputed_encodings, qtensor_casting
+from aimet_quadapter.quant.aimet_private import minimum_scale, precomputed_encodings, qtensor_casting
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.methods.catalog import CATALOG
-from aimet_quadapter.running.results_file import load_results, merge_seeds
+from aimet_quadapter.running.results_file import load_results
+from aimet_quadapter.running.statistics import merge_seeds
 
 
 def _fmt(value) -> str:
@@ -336,15 +337,26 @@ def _images(run_dir: Path, pattern: str) -> list[str]:
 
 
 def build_report(run_dir: str | Path) -> str:
-    from aimet_quadapter.reporting.figures import plot_data_size, plot_fp_comparison, plot_perplexities
-
     run_dir = Path(run_dir)
     results = load_results(run_dir)
     if not results.get("cells"):
         return f"# Report of {run_dir}\n\nNo finished cell yet.\n"
     versions = _versions_note(results)  # before the tables: it marks their rows
     parts = [f"# Report of `{run_dir.name}`", "", *_settings_lines(results), ""]
-    parts += [
+    parts += _table1_section(results, versions)
+    parts += _prediction_section(results)
+    comparisons = matched_comparisons(results)
+    if comparisons:
+        parts += ["## Against the matched baselines", "", *comparisons, ""]
+    parts += _dev_section(results)
+    parts += _figure_sections(run_dir, results)
+    parts += ["## Cells and wall time", "", timing_table(results), ""]
+    return "\n".join(parts)
+
+
+def _table1_section(results: dict, versions: str | None) -> list[str]:
+    """The perplexity table (the paper's Table 1 layout), with what marks its rows."""
+    return [
         "## Perplexity (Table 1 layout)",
         "",
         "Lower is better. <ins>Underlined</ins>: the row's own F-ID (its fine-tuning data). **Bold**: best "
@@ -359,6 +371,11 @@ def build_report(run_dir: str | Path) -> str:
         "",
         *([versions, ""] if versions else []),
     ]
+
+
+def _prediction_section(results: dict) -> list[str]:
+    """Where one more run lands, for the rows of more than one seed; nothing where there is none."""
+    parts: list[str] = []
     predicted = prediction_table(results)
     if predicted:
         parts += [
@@ -372,9 +389,12 @@ def build_report(run_dir: str | Path) -> str:
             predicted,
             "",
         ]
-    comparisons = matched_comparisons(results)
-    if comparisons:
-        parts += ["## Against the matched baselines", "", *comparisons, ""]
+    return parts
+
+
+def _dev_section(results: dict) -> list[str]:
+    """The development text's columns, which settings are chosen on; nothing where the run has none."""
+    parts: list[str] = []
     dev = dev_table(results)
     if dev:
         texts = ", ".join(
@@ -389,6 +409,14 @@ def build_report(run_dir: str | Path) -> str:
             dev,
             "",
         ]
+    return parts
+
+
+def _figure_sections(run_dir: Path, results: dict) -> list[str]:
+    """The figures (written to ``run_dir``/figures) and the F-ID / F-OOD tables, in the paper's order."""
+    from aimet_quadapter.reporting.figures import plot_data_size, plot_fp_comparison, plot_perplexities
+
+    parts: list[str] = []
     figures = run_dir / "figures"
     bars = plot_perplexities(results, ordered_rows(results), figures / "perplexity.png")
     if bars:
@@ -413,8 +441,7 @@ def build_report(run_dir: str | Path) -> str:
     curves = _images(run_dir, "phase1_curves.png")
     if curves:
         parts += ["## Phase-1 learning curves, first and last site (Fig. 5)", "", *curves, ""]
-    parts += ["## Cells and wall time", "", timing_table(results), ""]
-    return "\n".join(parts)
+    return parts
 
 
 def write_report(run_dir: str | Path) -> tuple[Path, str]:

@@ -1,7 +1,12 @@
 """Every call into AIMET's private API, in one place (checked against aimet-torch 2.42).
 
-Nothing else in the package names an underscored AIMET symbol: when AIMET changes one of these, this
-module is the one to fix, and its tests (tests/test_methods.py, tests/test_quadapter.py) say which.
+This module is the one place AIMET's private calls sit: the shims over its underscored symbols (QTensor casting,
+precomputed encodings, the minimum scale, Sequential MSE's bit-width limit, its ONNX export and QDQ passes), the
+Hadamard orders AIMET lacks, the patches FPTQuant and OmniQuant run under, and the path of AIMET's HTP quantsim
+config inside its install (package data, not an API). Nothing else in the package names an underscored AIMET
+symbol: when AIMET changes one of these, this module is the one to fix, and its tests (tests/test_methods.py,
+tests/test_quadapter.py, tests/test_aimet_techniques.py) say which. (Named for what it wraps, not "adapter":
+quadapter/adapter.py is the technique's own.)
 """
 
 from __future__ import annotations
