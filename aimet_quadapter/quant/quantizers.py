@@ -313,27 +313,16 @@ class FakeQuantLearnedRange(torch.autograd.Function):
         return grad_x, grad_scale, grad_offset, None, None
 
 
-# The kernels take the scale's reciprocal from outside, computed by the eager op FakeQuantLearnedRange uses, so that
-# they multiply by the very value it multiplies by: with 1 / s inside, the float64 CUDA kernel rounded some values
-# on a grid boundary otherwise than the eager function did (H200, Inductor of torch 2.11).
-def _learned_forward(
-    x: torch.Tensor, s: torch.Tensor, inverse: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int
-) -> torch.Tensor:
+def _learned_forward(x: torch.Tensor, s: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
     # FakeQuantLearnedRange.forward's arithmetic, op for op, so that the compiled kernel rounds as it does
-    return (x * inverse).round().add(zero_point).clamp(qmin, qmax).sub(zero_point).mul(s)
+    return (x * (1.0 / s)).round().add(zero_point).clamp(qmin, qmax).sub(zero_point).mul(s)
 
 
 def _learned_backward(
-    grad: torch.Tensor,
-    x: torch.Tensor,
-    s: torch.Tensor,
-    inverse: torch.Tensor,
-    zero_point: torch.Tensor,
-    qmin: int,
-    qmax: int,
+    grad: torch.Tensor, x: torch.Tensor, s: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # FakeQuantLearnedRange.backward's terms, recomputed from the input instead of read from saved masks
-    scaled = x * inverse
+    scaled = x * (1.0 / s)
     rounded = scaled.round()
     q = rounded + zero_point
     inside = (q >= qmin) & (q <= qmax)
@@ -351,7 +340,7 @@ def _compiled() -> tuple[Any, Any] | None:
         x = torch.linspace(-2.0, 2.0, 64)
         s, zero_point = torch.tensor(0.02), torch.tensor(3.0)
         with torch.no_grad():
-            forward(x, s, 1.0 / s, zero_point, 0, 255), backward(torch.ones_like(x), x, s, 1.0 / s, zero_point, 0, 255)
+            forward(x, s, zero_point, 0, 255), backward(torch.ones_like(x), x, s, zero_point, 0, 255)
     except Exception as error:  # a missing C++ compiler or Triton: the eager arithmetic computes the same
         log.warning("fused fake-quant unavailable (%s): phase 2 runs the eager arithmetic", error)
         return None
@@ -381,17 +370,17 @@ class FusedFakeQuantLearnedRange(torch.autograd.Function):
         ctx.shapes, ctx.limits, ctx.eager = (scale.shape, offset.shape, x.shape), (qmin, qmax), False
         # flat and not a view (the graph's guards would otherwise tell inputs apart by rank, strides, base and
         # requires_grad): one compiled graph for every tensor of a dtype
-        x, inverse = x.reshape(-1).detach(), 1.0 / s
-        ctx.save_for_backward(x, s, inverse, zero_point)
-        return kernels[0](x, s, inverse, zero_point, qmin, qmax).view(ctx.shapes[2])
+        x = x.reshape(-1).detach()
+        ctx.save_for_backward(x, s, zero_point)
+        return kernels[0](x, s, zero_point, qmin, qmax).view(ctx.shapes[2])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if getattr(ctx, "eager", True):
             return *FakeQuantLearnedRange.backward(ctx, grad), None
-        x, s, inverse, zero_point = ctx.saved_tensors
+        x, s, zero_point = ctx.saved_tensors
         backward = _compiled()[1]  # type: ignore[index]
-        grad_x, grad_scale, grad_offset = backward(grad.reshape(-1).detach(), x, s, inverse, zero_point, *ctx.limits)
+        grad_x, grad_scale, grad_offset = backward(grad.reshape(-1).detach(), x, s, zero_point, *ctx.limits)
         scale_shape, offset_shape, shape = ctx.shapes
         return (
             grad_x.view(shape) if ctx.needs_input_grad[0] else None,
