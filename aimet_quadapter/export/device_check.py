@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.formats import ENCODINGS, FP_ONNX, INPUT_NAME
-from aimet_quadapter.quant.aimet_private import HTP_VERSION
+from aimet_quadapter.quant.aimet_private import HTP_VERSION, htp_config_file
 
 REPORT = "device_check.json"
 EXTRA = "device-check"  # the optional dependency group that brings aimet-onnx
@@ -37,18 +36,6 @@ def require_aimet_onnx() -> None:
         raise QuadapterError(
             f"--device-check needs aimet-onnx: pip install 'aimet-quadapter[{EXTRA}]' (or aimet-onnx==2.42.*)"
         )
-
-
-def htp_onnx_config(version: str = HTP_VERSION) -> str:
-    """AIMET's HTP quantsim config as aimet-onnx ships it (package data: it may move between releases)."""
-    import aimet_onnx
-
-    path = os.path.join(
-        os.path.dirname(aimet_onnx.__file__), "common", "quantsim_config", f"htp_quantsim_config_{version}.json"
-    )
-    if not os.path.isfile(path):
-        raise QuadapterError(f"aimet-onnx's HTP config {path} is missing: this aimet-onnx does not ship HTP {version}")
-    return path
 
 
 @dataclass
@@ -72,7 +59,9 @@ def device_sim(export: Path) -> tuple[Any, Coverage]:
 
     encodings_file = export / ENCODINGS
     model = onnx.load(str(export / FP_ONNX))  # external data is read from beside the graph
-    sim = QuantizationSimModel(model, config_file=htp_onnx_config(), providers=["CPUExecutionProvider"])
+    sim = QuantizationSimModel(
+        model, config_file=htp_config_file(package="aimet_onnx"), providers=["CPUExecutionProvider"]
+    )
     # strict=False: a quantizer takes the loaded encoding's bits and symmetry, as a converter's override does
     load_encodings_to_sim(
         sim, str(encodings_file), strict=False, allow_overwrite=False, disable_missing_quantizers=False

@@ -203,15 +203,15 @@ def _plain_weight_quantizers(before: dict) -> None:
 HTP_VERSION = "v75"
 
 
-def htp_config_file(version: str = HTP_VERSION) -> str:
-    """The path of AIMET's own HTP quantsim config (package data, not an API: it may move between releases)."""
-    import aimet_torch
+def htp_config_file(version: str = HTP_VERSION, package: str = "aimet_torch") -> str:
+    """The path of AIMET's own HTP quantsim config as ``package`` (aimet_torch or aimet_onnx) ships it (package
+    data, not an API: it may move between releases)."""
+    import importlib
 
-    path = os.path.join(
-        os.path.dirname(aimet_torch.__file__), "common", "quantsim_config", f"htp_quantsim_config_{version}.json"
-    )
+    root = os.path.dirname(importlib.import_module(package).__file__ or "")
+    path = os.path.join(root, "common", "quantsim_config", f"htp_quantsim_config_{version}.json")
     if not os.path.isfile(path):
         from aimet_quadapter.errors import QuadapterError
 
-        raise QuadapterError(f"AIMET's HTP config {path} is missing: this aimet-torch does not ship HTP {version}")
+        raise QuadapterError(f"AIMET's HTP config {path} is missing: this {package} does not ship HTP {version}")
     return path
