@@ -19,7 +19,7 @@ from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import PreparedLM
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quadapter.cle import init_with_cle
-from aimet_quadapter.quadapter.config import Phase2Parameters, QuadapterParameters
+from aimet_quadapter.quadapter.config import BC_STATE, Phase2Parameters, QuadapterParameters
 from aimet_quadapter.quadapter.phase1 import Phase1Result, run_phase1
 from aimet_quadapter.quadapter.phase2 import Phase2Result, mean_lm_loss, phase2_loss, run_phase2
 from aimet_quadapter.quadapter.state import QuadapterState
@@ -174,7 +174,7 @@ def apply_phase1(
     if phase1 is None or phase1.validation is None:
         _fold_and_calibrate(sim, fp_model, qset, kept, calibration_batches)
     qset.detach()
-    state = QuadapterState.from_sim(sim, qset.total_alpha(), method="quadapter_bc")
+    state = QuadapterState.from_sim(sim, qset.total_alpha(), method=BC_STATE)
     return QuadapterResult(qset, state, phase1, None)
 
 
