@@ -176,6 +176,8 @@ TWINS = (
     # a rotated training state's rebuild: slow for both methods (the command-line test checks their states quick)
     "test_aimet_techniques.py::test_a_rotated_training_state_rebuilds_the_sim_it_trained[spinquant_quadapter]",
     "test_aimet_techniques.py::test_a_rotated_training_state_rebuilds_the_sim_it_trained[spinquant_cle_phase2]",
+    "test_aimet_techniques.py::test_a_rotated_training_state_rebuilds_the_sim_it_trained[fptquant_quadapter]",
+    "test_aimet_techniques.py::test_a_rotated_training_state_rebuilds_the_sim_it_trained[fptquant_cle_phase2]",
 )
 
 

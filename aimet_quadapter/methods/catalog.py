@@ -88,6 +88,7 @@ _ADAROUND = ("baselines.adaround_iterations", "baselines.adaround_reg_param", "b
 _SEQ_MSE = ("baselines.seq_mse_candidates", "baselines.seq_mse_any_bits")
 _QAT_LR = "baselines.qat_lr_weights"
 _R2 = "baselines.spinquant_r2"
+_FPT = "baselines.fptquant_iterations"
 
 CATALOG: dict[str, MethodInfo] = {
     "fp": MethodInfo("FP32", calibrates=False, quantized=False, reads=()),
@@ -141,7 +142,7 @@ CATALOG: dict[str, MethodInfo] = {
     ),
     # AIMET's LLM techniques, each through its own entry point (quant/llm_techniques.py), then static calibration
     "spinquant": MethodInfo("SpinQuant", reads=(_R2,), aimet="spinquant"),
-    "fptquant": MethodInfo("FPTQuant", reads=("baselines.fptquant_iterations",), aimet="fptquant"),
+    "fptquant": MethodInfo("FPTQuant", reads=(_FPT,), aimet="fptquant"),
     "adascale": MethodInfo("AdaScale", reads=("baselines.adascale_iterations",), aimet="adascale"),
     "omniquant": MethodInfo("OmniQuant", reads=("baselines.omniquant_iterations",), aimet="omniquant"),
     # compositions: Quadapter (both phases) on SpinQuant's rotated model; AIMET's weight techniques on Quadapter's
@@ -159,6 +160,21 @@ CATALOG: dict[str, MethodInfo] = {
         finetunes=True,
         aimet="spinquant",
         reads=("quadapter.extra_sites", "phase2", _R2),
+        unused=_NO_ALPHA,
+    ),
+    # the same two on FPTQuant's transformed model (its online Hadamard left out: the export holds plain weights)
+    "fptquant_quadapter": MethodInfo(
+        "FPTQuant + Quadapter",
+        finetunes=True,
+        aimet="fptquant",
+        matched=("fptquant_cle_phase2", "quadapter"),
+        reads=(*_PHASE1, "phase2", _FPT),
+    ),
+    "fptquant_cle_phase2": MethodInfo(
+        "FPTQuant + CLE + phase 2 (ranges)",
+        finetunes=True,
+        aimet="fptquant",
+        reads=("quadapter.extra_sites", "phase2", _FPT),
         unused=_NO_ALPHA,
     ),
     "quadapter_seq_mse": MethodInfo(

@@ -335,39 +335,55 @@ def _quadapter_bc_qat_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
     return _qat_on(ctx, quadapter_bc_start(ctx)[0], "quadapter_bc_qat_fixed_ranges", False)
 
 
-def _on_rotated(ctx: MethodContext, name: str) -> tuple[PreparedLM, MethodContext]:
-    """SpinQuant's rotated copy of the FP model, and a context whose FP model it is: its own phase 1 and
-    checkpoints, in this cell's folder."""
-    _phase2(ctx, name)  # fail before rotating when there is no fine-tuning data
-    rotated = spinquant_model(ctx.model, ctx.baselines)
-    # phase 1's state of the rotated model would be its alphas without the rotated weights they belong to, folded
-    # into the unrotated ones by an export: a wrong model; the cell's state (both phases, the weights) is saved
-    inner = dataclasses.replace(ctx, model=rotated, bc_state=None, _bc=None, info={}, save_bc=False)
-    return rotated, inner
+def _on_transformed(ctx: MethodContext, name: str, transform) -> tuple[PreparedLM, MethodContext]:
+    """AIMET's FP-equivalent ``transform`` (SpinQuant's rotation, FPTQuant's transforms) of the FP model, and a
+    context whose FP model it is: its own phase 1 and checkpoints, in this cell's folder."""
+    _phase2(ctx, name)  # fail before transforming when there is no fine-tuning data
+    transformed = transform(ctx.model, ctx.baselines)
+    # phase 1's state of the transformed model would be its alphas without the weights they belong to, folded
+    # into the untransformed ones by an export: a wrong model; the cell's state (both phases, the weights) is saved
+    inner = dataclasses.replace(ctx, model=transformed, bc_state=None, _bc=None, info={}, save_bc=False)
+    return transformed, inner
+
+
+def _quadapter_on(ctx: MethodContext, name: str, transform) -> QuantizationSimModel:
+    """Quadapter, both phases, on ``transform``'s model: the transformed model is phase 1's FP reference (the same
+    function), and its weights are what the alphas fold into."""
+    transformed, inner = _on_transformed(ctx, name, transform)
+    sim, result = _run_quadapter(inner, name, None)
+    ctx.info[name] = inner.info.get(BC, {})
+    _save(ctx, name, result.state.with_weights(transformed, ctx.model))
+    return sim
+
+
+def _cle_phase2_on(ctx: MethodContext, name: str, transform) -> QuantizationSimModel:
+    """The matched baseline of Quadapter on ``transform``'s model: ``cle_phase2`` on the same transformed model."""
+    transformed, inner = _on_transformed(ctx, name, transform)
+    sim, qset = _cle_then_phase2(inner, name)
+    # the transformed weights, unfolded: the state folds its alphas into them as into any FP weights
+    state = QuadapterState.from_sim(sim, qset.total_alpha()).with_weights(transformed, ctx.model)
+    _save(ctx, name, state)
+    return sim
 
 
 @method("spinquant_quadapter")
 def _spinquant_quadapter(ctx: MethodContext) -> QuantizationSimModel:
-    """Quadapter, both phases, on SpinQuant's rotated model: the rotated model is phase 1's FP reference (the same
-    function), and its weights are what the alphas fold into."""
-    name = "spinquant_quadapter"
-    rotated, inner = _on_rotated(ctx, name)
-    sim, result = _run_quadapter(inner, name, None)
-    ctx.info[name] = inner.info.get(BC, {})
-    _save(ctx, name, result.state.with_weights(rotated, ctx.model))
-    return sim
+    return _quadapter_on(ctx, "spinquant_quadapter", spinquant_model)
 
 
 @method("spinquant_cle_phase2")
 def _spinquant_cle_phase2(ctx: MethodContext) -> QuantizationSimModel:
-    """``spinquant_quadapter``'s matched baseline: ``cle_phase2`` on SpinQuant's rotated model."""
-    name = "spinquant_cle_phase2"
-    rotated, inner = _on_rotated(ctx, name)
-    sim, qset = _cle_then_phase2(inner, name)
-    # the rotated weights, unfolded: the state folds its alphas into them as into any FP weights
-    state = QuadapterState.from_sim(sim, qset.total_alpha()).with_weights(rotated, ctx.model)
-    _save(ctx, name, state)
-    return sim
+    return _cle_phase2_on(ctx, "spinquant_cle_phase2", spinquant_model)
+
+
+@method("fptquant_quadapter")
+def _fptquant_quadapter(ctx: MethodContext) -> QuantizationSimModel:
+    return _quadapter_on(ctx, "fptquant_quadapter", fptquant_model)
+
+
+@method("fptquant_cle_phase2")
+def _fptquant_cle_phase2(ctx: MethodContext) -> QuantizationSimModel:
+    return _cle_phase2_on(ctx, "fptquant_cle_phase2", fptquant_model)
 
 
 def _after_quadapter(ctx: MethodContext, name: str, technique) -> QuantizationSimModel:
