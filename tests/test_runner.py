@@ -19,6 +19,7 @@ import aimet_quadapter.methods.registry as methods
 from aimet_quadapter.cli import main
 from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.state import QuadapterState
+from aimet_quadapter.quant.config import PLACEMENT_REVISION
 from aimet_quadapter.reporting.figures import perplexity_bars
 from aimet_quadapter.reporting.report import matched_comparisons, ordered_rows
 from aimet_quadapter.running.recipes import load_recipe
@@ -379,7 +380,7 @@ def test_a_keep_start_pattern_that_matches_no_site_stops_the_run_before_any_cell
     assert not _results(out)["cells"]
 
 
-def test_plan_of_a_matrix_without_loading_anything(tmp_path):
+def test_plan_of_a_matrix_without_loading_anything(tmp_path, monkeypatch):
     """Calibration-only cells once per calibration set; fine-tuned cells per F-ID and per sweep size."""
     recipe_file = tmp_path / "m.yaml"
     recipe_file.write_text(
@@ -410,6 +411,13 @@ def test_plan_of_a_matrix_without_loading_anything(tmp_path):
     assert kd._sections(("phase2",))["phase2"]["loss"] == "kd"
     policy = RecipeRun(load_recipe(recipe_file, ["policy.weight_bits=4"]), tmp_path / "out", progress=False)
     assert {c.key for c in per_fid.cells if per_fid.fingerprint(c) == policy.fingerprint(c)} == {"fp"}
+    # a target's placement revised in the code computes its cells again; the other target's stay
+    htp = RecipeRun(load_recipe(recipe_file, ["policy.target=htp"]), tmp_path / "out", progress=False)
+    before = {c.key: (per_fid.fingerprint(c), htp.fingerprint(c)) for c in per_fid.cells}
+    monkeypatch.setitem(PLACEMENT_REVISION, "htp", PLACEMENT_REVISION["htp"] + 1)
+    after = {c.key: (per_fid.fingerprint(c), htp.fingerprint(c)) for c in per_fid.cells}
+    assert {k for k in before if before[k][0] != after[k][0]} == set()
+    assert {k for k in before if before[k][1] == after[k][1]} == {"fp"}
 
 
 def test_settings_a_method_does_not_read_leave_its_cells_alone(tmp_path):
@@ -451,7 +459,7 @@ def test_a_baselines_field_computes_again_only_the_methods_that_read_it(tmp_path
         ("baselines.seq_mse_candidates=3", {"seq_mse", "quadapter_seq_mse"}),
         ("baselines.seq_mse_any_bits=false", {"seq_mse", "quadapter_seq_mse"}),
         ("baselines.spinquant_r2=true", {"spinquant", "spinquant_quadapter", "spinquant_cle_phase2"}),
-        ("baselines.fptquant_iterations=3", {"fptquant"}),
+        ("baselines.fptquant_iterations=3", {"fptquant", "fptquant_quadapter", "fptquant_cle_phase2"}),
         ("baselines.adascale_iterations=3", {"adascale"}),
         ("baselines.omniquant_iterations=3", {"omniquant"}),
         ("baselines.qat_lr_weights=0.5", qat),

@@ -93,6 +93,37 @@ def test_htp_quantizes_the_residual_stream_where_it_starts_and_at_every_sum(fami
         assert [x.unique().numel() <= 256 for x in seen[1:]] == [on_grid] * (len(blocks) - 1)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_htp_quantizes_the_rotation_its_tables_and_silus_sigmoid_as_the_graph_computes_them(family):
+    """Under htp the sim holds the ops the exported graph holds: q and k rotated by modules (each product and sum
+    quantized), the rotary tables quantized, SiLU as sigmoid then product; the FP function of the copy they are
+    installed in is the model's (to the bit without SiLU, whose split moves it by an ulp as the graph does)."""
+    from aimet_torch.v2.utils import remove_all_quantizers
+
+    model = toy_model(family)
+    sim = build_sim(model, HTP)
+    rows = {r["tensor"] for r in describe(sim.model) if r["kind"] == "activation"}
+    rotary = family != "gpt2"
+    silu = family in ("llama", "mistral", "qwen2", "qwen3", "phi3")
+    for block in model.block_paths():
+        for i in (0, 1):
+            expected = {f"{block}.self_attn.rotary.{i}.{op}.output[0]" for op in ("mul_cos", "mul_sin", "add")}
+            assert (expected <= rows) == rotary, (block, i)
+        sigmoid = {f"{block}.mlp.{act}.sigmoid.output[0]" for act in ("act_fn", "activation_fn")}  # Phi-3's name
+        assert bool(sigmoid & rows) == silu, block
+    tables = {r for r in rows if ".rotary_emb." in r}
+    assert bool(tables) == rotary and not any(".input[" in r for r in tables)  # the angles: folded constants
+    # the paper's placement: the model as transformers writes it
+    assert not any(s in str(describe(build_sim(model).model)) for s in (".rotary.", ".sigmoid.", ".rotary_emb."))
+    ids = sample_corpus(model, 1, SEQ, seed=2)
+    with torch.no_grad(), remove_all_quantizers(sim.model):
+        copy, reference = sim.model(ids), model(ids)
+    if silu:
+        assert torch.allclose(copy, reference, rtol=0, atol=1e-4)
+    else:
+        assert torch.equal(copy, reference)
+
+
 def test_the_finite_mask_keeps_the_fp_function(toy):
     _, model, _, _, held_out = toy
     with torch.no_grad():

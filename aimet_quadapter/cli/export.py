@@ -280,6 +280,11 @@ def _print_device_check(d: dict) -> None:
     )
     for name in missing:
         print(f"  without an encoding: {name}")
+    if d.get("constants_folded"):
+        print(
+            f"  not counted: {len(d['constants_folded'])} tensor(s) computed from constants alone (the rotary "
+            "angles, the causal mask), which a converter folds"
+        )
     print(
         f"  perplexity {d['ppl']:.4f} vs sim {d['sim_ppl']:.4f} (rel. diff {d['ppl_rel_diff']:.1e}; the sim's own "
         f"float32 noise {d['sim_float_noise']:.1e}); all encodings it ran with: device_check/device.encodings"

@@ -24,6 +24,7 @@ import torch
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.formats import ENCODINGS, FP_ONNX, INPUT_NAME
+from aimet_quadapter.export.onnx_eval import read_encodings
 from aimet_quadapter.quant.aimet_private import HTP_VERSION, htp_config_file
 
 REPORT = "device_check.json"
@@ -40,10 +41,12 @@ def require_aimet_onnx() -> None:
 
 @dataclass
 class Coverage:
-    """The graph's quantized activation tensors, split by whether this package's encodings name them."""
+    """The graph's quantized activation tensors, split by whether this package's encodings name them; those
+    computed from constants alone (``constants``: a converter folds them, see :func:`device_sim`) apart."""
 
     covered: list[str]
     missing: list[str]
+    constants: list[str]
 
     @property
     def share(self) -> float:
@@ -66,15 +69,26 @@ def device_sim(export: Path) -> tuple[Any, Coverage]:
     load_encodings_to_sim(
         sim, str(encodings_file), strict=False, allow_overwrite=False, disable_missing_quantizers=False
     )
-    ours = {e["name"] for e in _activation_entries(json.loads(encodings_file.read_text()))}
+    # the embedding table is a Gather input aimet-onnx quantizes as an activation; the export names it a param
+    ours = {e.name for e in read_encodings(json.loads(encodings_file.read_text()))}
     quantized = [n for n in sim.activation_names if (q := sim.qc_quantize_op_dict.get(n)) is not None and q.enabled]
-    return sim, Coverage([n for n in quantized if n in ours], [n for n in quantized if n not in ours])
+    folded = _constant_tensors(model)
+    constants = [n for n in quantized if n in folded and n not in ours]
+    for name in constants:  # a converter folds them: the rotary angles, the causal mask, the mask's fill value
+        sim.qc_quantize_op_dict[name].enabled = False
+    quantized = [n for n in quantized if n not in constants]
+    return sim, Coverage([n for n in quantized if n in ours], [n for n in quantized if n not in ours], constants)
 
 
-def _activation_entries(encodings: dict) -> list[dict]:
-    entries = encodings["activation_encodings"]
-    # format 1.0.0 lists entries with a name; 0.6.1 maps names to lists
-    return entries if isinstance(entries, list) else [{"name": k} for k in entries]
+def _constant_tensors(model: Any) -> set[str]:
+    """The tensors of ``model``'s graph that do not depend on its inputs: constants of a graph of fixed length."""
+    live = {i.name for i in model.graph.input} - {i.name for i in model.graph.initializer}
+    produced: set[str] = set()
+    for node in model.graph.node:  # ONNX graphs are topologically sorted
+        produced.update(node.output)
+        if any(i in live for i in node.input):
+            live.update(node.output)
+    return produced - live
 
 
 class _SessionLM:
@@ -123,6 +137,7 @@ class DeviceGraphCheck:
             "activation_tensors": len(coverage.covered) + len(coverage.missing),
             "with_encoding": len(coverage.covered),
             "without_encoding": coverage.missing,
+            "constants_folded": coverage.constants,  # computed from constants alone: a converter folds them
             "calibration_windows": len(self.calibration),
             "ppl": ppl,
             "sim_ppl": report.sim_ppl,

@@ -44,7 +44,10 @@ def quantizable_attention(
         fill = getattr(module, "mask_fill", None)  # a finite value for masked scores: see set_mask_fill
         masked = mask <= torch.finfo(mask.dtype).min / 2
         scores = scores + mask if fill is None else scores.masked_fill(masked, fill)
-    probs = module.softmax(scores.float()).to(value.dtype)
+    # no cast where the dtype is float32 already: traced, it is an op of the graph between the tensor a device
+    # quantizes (the masked scores) and the one the sim's quantizer names (the softmax input)
+    probs = module.softmax(scores if scores.dtype == torch.float32 else scores.float())
+    probs = probs if probs.dtype == value.dtype else probs.to(value.dtype)
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
     out = module.av_matmul(probs, value)
     return out.transpose(1, 2).contiguous(), probs

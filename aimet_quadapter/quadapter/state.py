@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from aimet_quadapter.atomic import write_atomic
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import PreparedLM, tensor_of, weight_sharing_copy
+from aimet_quadapter.models.device_ops import device_op_paths
 from aimet_quadapter.quadapter.adapter import fold_alphas
 from aimet_quadapter.quadapter.config import BC_STATE
 from aimet_quadapter.quant.config import QuantPolicy
@@ -148,7 +149,11 @@ class QuadapterState:
         (building a sim traces the model: seconds, where this takes microseconds)."""
         missing = sorted(set(self.alphas) - {s.name for s in fp_model.sites(extra=True)})
         modules = {name for name, _ in fp_model.named_modules()}
-        missing += sorted({key.rsplit(".", 1)[0] for key in self.ranges} - modules)
+        # a htp sim's modules for the graph's own ops (models/device_ops.py), which the FP model does not hold
+        device = tuple(f"{p}." for p in device_op_paths(fp_model))
+        missing += sorted(
+            {m for key in self.ranges if (m := key.rsplit(".", 1)[0]) not in modules and not m.startswith(device)}
+        )
         missing += sorted(set(self.weights) - {name for name, _ in fp_model.named_parameters()})
         if missing:
             raise QuadapterError(

@@ -27,6 +27,12 @@ TARGETS: dict[str, str] = {
 }
 
 
+# A target's placement as the code makes it, revised when the code places other quantizers: a cell's fingerprint
+# holds it, so that a cell computed under an earlier placement is computed again (absent: the first revision).
+# htp 2: the rotation, its tables and SiLU as the exported graph's ops (models/device_ops.py).
+PLACEMENT_REVISION: dict[str, int] = {"htp": 2}
+
+
 _PAPER_ONLY = ("per_channel_weights", "symmetric_weights", "quantize_norm_weights", "quantize_logits")
 
 

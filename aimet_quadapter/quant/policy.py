@@ -11,13 +11,15 @@ AIMET's JSON config cannot say "inputs of Linear and MatMul only" (its validator
 quantization), so the sim is built with AIMET's defaults and every quantizer is then set here.
 
 The ``htp`` target is what a Qualcomm HTP graph quantizes instead: AIMET's own HTP quantsim config places
-the quantizers (every op output, the residual sums' included, symmetric per-channel Linear weights); this
+the quantizers (every op output, the residual sums' and the rotary embedding's included, symmetric per-channel
+Linear weights) on a copy whose ops are those of the exported graph (``models/device_ops.py``); this
 module adds the one at the residual stream's start, removes the second quantizer AIMET puts on a tensor that
 is already quantized, and makes the attention mask finite.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from collections.abc import Iterable
@@ -39,6 +41,7 @@ from torch import nn
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import PreparedLM, device_of, weight_sharing_copy
 from aimet_quadapter.models.attention import set_mask_fill
+from aimet_quadapter.models.device_ops import RotaryTables, install_device_ops
 from aimet_quadapter.quant.aimet_private import htp_config_file
 from aimet_quadapter.quant.config import QUANT_SCHEMES, QuantPolicy
 from aimet_quadapter.quant.quantizers import DynamicRanges, quantizers, quantizers_in, shared_activation_groups
@@ -127,6 +130,19 @@ def quantize_stream_input(sim_model: nn.Module, model: PreparedLM, policy: Quant
         if module.input_quantizers[index] is None:
             module.input_quantizers[index] = _activation_quantizer(policy)
         names.append(f"{path}.input[{index}]")
+    return names
+
+
+def unquantize_angles(sim_model: nn.Module) -> list[str]:
+    """Take the quantizers off the rotary tables' angles (in place): AIMET reads them as a graph input, but in
+    a graph of fixed length they are constants a converter folds into the tables, which stay quantized."""
+    names = []
+    for path, module in sim_model.named_modules():
+        if isinstance(module, RotaryTables):
+            for op in (module.cos, module.sin):
+                qm: Any = op  # an AIMET quantized module
+                qm.input_quantizers[0] = None
+            names += [f"{path}.cos.input[0]", f"{path}.sin.input[0]"]
     return names
 
 
@@ -252,6 +268,10 @@ def build_sim(
         if in_place:
             raise ValueError("build_sim: share_weights makes a copy; in_place uses the model itself")
         model, in_place = cast(PreparedLM, weight_sharing_copy(model)), True
+    if policy.target == "htp":
+        if not in_place:  # the device's ops go into the sim's copy, never into the FP model
+            model, in_place = copy.deepcopy(model), True
+        install_device_ops(model)
     dummy = torch.zeros((1, seq_len), dtype=torch.long, device=device_of(model))
     with warnings.catch_warnings():
         # AIMET traces the model with TorchScript to find its graph: torch and transformers warn that the
@@ -272,6 +292,7 @@ def build_sim(
         if policy.quant_scheme == "percentile":
             sim.set_percentile_value(policy.percentile)
         quantize_stream_input(sim.model, model, policy)
+        unquantize_angles(sim.model)
         drop_requantization(sim.model)
     else:
         logits = sim.model.get_submodule(f"lm.{model.arch.lm_head}")

@@ -24,19 +24,23 @@ log = logging.getLogger(__name__)
 
 
 def quantizers(model: nn.Module) -> Iterator[tuple[str, str, QuantizeDequantize]]:
-    """(module path, role, quantizer) for every quantizer in a sim model; role: weight, input[i] or output[i]."""
+    """(module path, role, quantizer) for every quantizer in a sim model; role: weight, input[i] or output[i].
+
+    Each quantizer once, at the first place that holds it: AIMET's HTP placement gives an op that only moves or
+    negates values (the rotation's ``Neg`` and ``Concat``) its input's quantizer, one encoding for all three."""
+    seen: set[int] = set()
     for path, module in model.named_modules():
         if not hasattr(module, "param_quantizers"):
             continue
-        for name, q in module.param_quantizers.items():
-            if q is not None:
-                yield path, name, q
-        for i, q in enumerate(module.input_quantizers):
-            if q is not None:
-                yield path, f"input[{i}]", q
-        for i, q in enumerate(module.output_quantizers):
-            if q is not None:
-                yield path, f"output[{i}]", q
+        slots = [
+            *module.param_quantizers.items(),
+            *((f"input[{i}]", q) for i, q in enumerate(module.input_quantizers)),
+            *((f"output[{i}]", q) for i, q in enumerate(module.output_quantizers)),
+        ]
+        for role, q in slots:
+            if q is not None and id(q) not in seen:
+                seen.add(id(q))
+                yield path, role, q
 
 
 def quantizers_in(modules: Iterable[nn.Module]) -> list[QuantizeDequantize]:

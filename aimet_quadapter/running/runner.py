@@ -46,6 +46,7 @@ from aimet_quadapter.errors import QuadapterError, TrainingDiverged
 from aimet_quadapter.logs import log, log_file
 from aimet_quadapter.memory import PeakRSS
 from aimet_quadapter.methods.catalog import BC, CATALOG
+from aimet_quadapter.quant.config import PLACEMENT_REVISION
 from aimet_quadapter.running.lock import RunLock
 from aimet_quadapter.running.recipes import Recipe, result_section
 from aimet_quadapter.running.results_file import FORMAT, RESULTS, load_results, write_results
@@ -364,7 +365,10 @@ class RecipeRun:
 
     def _calibration_payload(self, cal: str, by_path: bool = False) -> dict:
         sources = self._sources(self.calibration_sets[cal], by_path)
-        return {"policy": self._sections(("policy",))["policy"], "calibration": [sources, self._cal_settings()]}
+        payload = {"policy": self._sections(("policy",))["policy"], "calibration": [sources, self._cal_settings()]}
+        if revision := PLACEMENT_REVISION.get(self.recipe.policy.target):
+            payload["placement"] = revision
+        return payload
 
     def _cal_settings(self) -> dict:
         c = self.recipe.calibration
