@@ -23,9 +23,12 @@ QUANTIZED = 0.25  # the toy models' band between a quantized and an FP perplexit
 DEVICE = 0.02  # the device graph against the sim (see the test)
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
+@pytest.fixture(scope="module", params=["gpt2", "llama", "llama+prefix"])
 def checked(request, tmp_path_factory):
-    model = toy_model(request.param)
+    family, _, prefix = request.param.partition("+")
+    model = toy_model(family)
+    if prefix:  # full-precision cached keys and values, joined to every sequence's on the device
+        model.set_prefix([3, 5])
     corpus = sample_corpus(model, 10, SEQ, seed=1)
     sim = build_sim(model, QuantPolicy(target="htp"))
     calibrate(sim, [corpus[:2], corpus[2:4]])
@@ -33,7 +36,12 @@ def checked(request, tmp_path_factory):
     result = export_quantized(
         sim, out, SEQ, verify_windows=list(corpus[8:10]), formats=[DeviceGraphCheck(list(corpus[:4]))]
     )
-    return model, corpus, out, result.manifest["device_check"]
+    return (
+        model,
+        corpus,
+        out,
+        {**result.manifest["device_check"], "propagated": result.manifest["encodings_propagated"]},
+    )
 
 
 def test_the_device_graph_holds_the_residual_streams_encodings_and_names_the_rest(checked):
@@ -50,6 +58,9 @@ def test_the_device_graph_holds_the_residual_streams_encodings_and_names_the_res
     )  # the rotary angles are constants a converter folds; the tables after them carry encodings
     if model.arch.name == "llama":  # the rotation, its tables, SiLU's two ops, the masked scores: every tensor
         assert coverage.missing == []
+        # the prefix's keys and values joined to the sequence's: the encoding the attention matmul reads them with
+        joined = [n for n in report["propagated"] if n.endswith(("/Concat_output_0", "/Concat_1_output_0"))]
+        assert len(joined) == (2 * len(model.block_paths()) if model.prefix_ids is not None else 0)
     else:  # GPT-2's Conv1D is a MatMul, then the bias Add whose output the sim quantizes
         assert coverage.missing and all(n.endswith("/MatMul_output_0") for n in coverage.missing)
     assert (out / "device_check" / "device.encodings").is_file()
@@ -58,8 +69,9 @@ def test_the_device_graph_holds_the_residual_streams_encodings_and_names_the_res
 def test_the_device_graph_scores_near_the_sim(checked):
     model, corpus, _, report = checked
     fp = perplexity(model, _windows(corpus[8:10]), progress=False).ppl
-    # measured 0.004 (llama) and 0.011 (gpt2, its unfused bias adds); with the rotary tables unquantized in the
-    # sim the llama toy was 0.051 apart, with the rotation's products and sums unquantized 0.105
+    # measured 0.004 (llama), 0.0 (llama with a prefix) and 0.011 (gpt2, its unfused bias adds); with the rotary
+    # tables unquantized in the sim the llama toy was 0.051 apart, with the rotation's products and sums unquantized
+    # 0.105, with the prefix's keys and values unquantized 0.066
     assert report["ppl"] == pytest.approx(report["sim_ppl"], rel=DEVICE)
     assert abs(report["ppl"] / fp - 1) > QUANTIZED  # a quantized graph, not the FP one
 

@@ -43,7 +43,7 @@ import torch
 from aimet_torch.quantsim import QuantizationSimModel
 from packaging.version import Version
 
-from aimet_quadapter.atomic import check_new_folder
+from aimet_quadapter.atomic import check_new_folder, write_text_atomic
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.formats import (
     ENCODING_VERSION,
@@ -542,6 +542,41 @@ def _export_graphs(
     export_sim_graphs(sim, (dummy,), folder, Path(FP_ONNX).stem, encoding_version, "the model", opset, **common)
 
 
+# ops whose output holds exactly its input's values (repeated, reshaped, reordered): one encoding fits both
+DATA_MOVEMENT = ("Reshape", "Transpose", "Unsqueeze", "Squeeze", "Tile", "Expand", "Flatten")
+
+
+def propagate_through_data_movement(folder: Path) -> list[str]:
+    """Give each activation tensor that reaches an encoded tensor through :data:`DATA_MOVEMENT` ops alone that
+    tensor's encoding, in ``folder``'s encodings file (in place). The sim quantizes such a value once, where a
+    module reads it (the keys after their prefix is concatenated and their heads repeated); the graph holds it
+    earlier too, and a converter would otherwise calibrate it on its own grid. Returns the names added."""
+    import onnx
+
+    graph = onnx.load(str(folder / FP_ONNX), load_external_data=False).graph
+    constants = {t.name for t in graph.initializer}
+    file = folder / ENCODINGS
+    encodings = json.loads(file.read_text())
+    key = "activation_encodings" if str(encodings.get("version", "")).startswith("1.") else "encodings"
+    entries = {e["name"]: e for e in encodings[key]}
+    added: list[str] = []
+    changed = True
+    while changed:  # backwards along chains of data movement, to a fixed point
+        changed = False
+        for node in reversed(graph.node):
+            source, target = (node.input[0] if node.input else ""), node.output[0]
+            if node.op_type in DATA_MOVEMENT and target in entries and source and source not in entries:
+                if source in constants:
+                    continue
+                entries[source] = {**entries[target], "name": source}
+                added.append(source)
+                changed = True
+    if added:
+        encodings[key] = list(entries.values())
+        write_text_atomic(file, json.dumps(encodings, indent=1))
+    return added
+
+
 def _graph_description(
     sim: QuantizationSimModel, folder: Path, seq_len: int, encoding_version: str, dynamic_length: bool, prefix: int
 ) -> dict:
@@ -630,6 +665,7 @@ def export_quantized(
     sim.model.to("cpu")
     try:
         _export_graphs(sim, tmp, seq_len, encoding_version, dynamic_length, opset)
+        propagated = propagate_through_data_movement(tmp)
         report = verify_export(sim, tmp, windows, tolerance, progress=progress)
         extras = {}
         for extra in formats:
@@ -646,6 +682,8 @@ def export_quantized(
             "files": _file_table(tmp),
             "quantizers": n_quantizers,
             "shared_ranges_merged": merged,
+            # activation tensors given the encoding of the tensor they reach through data movement alone
+            "encodings_propagated": propagated,
             "verification": report.to_dict(),
             **extras,
             "tools": library_versions(),

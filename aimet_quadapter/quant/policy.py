@@ -133,6 +133,24 @@ def quantize_stream_input(sim_model: nn.Module, model: PreparedLM, policy: Quant
     return names
 
 
+def quantize_cached_inputs(sim_model: nn.Module, policy: QuantPolicy) -> list[str]:
+    """Quantize the keys and values where the attention matmuls read them (in place).
+
+    AIMET's placement leaves those inputs alone when the tensor came from a quantized module (k's rotation,
+    v_proj) through functional ops; but on their way the prefix's cached keys and values join them, which the
+    device holds in the same tensor, on its one grid. For a model with a prefix only: without one, what the
+    matmul reads is the module's output moved (repeated heads, GPT-2's split), on that output's grid on a device
+    too. Returns the quantizers' names."""
+    names = []
+    for path, module in sim_model.named_modules():
+        if isinstance(module, MatMul) and path.rsplit(".", 1)[-1] in ("qk_matmul", "av_matmul"):
+            qm: Any = module  # an AIMET quantized module
+            if qm.input_quantizers[1] is None:
+                qm.input_quantizers[1] = _activation_quantizer(policy)
+                names.append(f"{path}.input[1]")
+    return names
+
+
 def unquantize_angles(sim_model: nn.Module) -> list[str]:
     """Take the quantizers off the rotary tables' angles (in place): AIMET reads them as a graph input, but in
     a graph of fixed length they are constants a converter folds into the tables, which stay quantized."""
@@ -292,6 +310,8 @@ def build_sim(
         if policy.quant_scheme == "percentile":
             sim.set_percentile_value(policy.percentile)
         quantize_stream_input(sim.model, model, policy)
+        if model.prefix_ids is not None:
+            quantize_cached_inputs(sim.model, policy)
         unquantize_angles(sim.model)
         drop_requantization(sim.model)
     else:
