@@ -473,7 +473,7 @@ def test_cells_fingerprinted_by_every_section_stay_done_and_take_what_they_read(
     """Run folders from before reads were declared by field fingerprinted a method by whole sections (Quadapter by
     all four): their cells stay done, are stamped with what they read, and a field they do not read leaves them
     done thereafter."""
-    from aimet_quadapter.running.runner import _fingerprint
+    from aimet_quadapter.running.fingerprints import _fingerprint
 
     run = _copy(base_run, tmp_path)
     planned = RecipeRun(load_recipe(world / "r.yaml"), run, progress=False)
