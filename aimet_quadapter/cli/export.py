@@ -57,6 +57,17 @@ def add_export_command(subparsers) -> None:
         "usually static",
     )
     p.add_argument("--opset", type=positive_int, help="opset of model.onnx (default: torch's); the QDQ graph is 21")
+    _add_verification_options(p)
+    _add_format_options(p)
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--device", default="auto", help="where the sim runs: auto (CUDA when there is one), cpu, cuda or cuda:N"
+    )
+    p.set_defaults(func=_cmd_export)
+
+
+def _add_verification_options(p) -> None:
     p.add_argument("--verify-dataset", default="ptb", help="held-out text for the verification (default ptb)")
     p.add_argument("--verify-split", default="test", help="its split (default test)")
     p.add_argument("--verify-windows", type=positive_int, default=4, help="windows of --seq-len tokens (default 4)")
@@ -66,6 +77,10 @@ def add_export_command(subparsers) -> None:
         help="a state whose readers of one tensor hold different ranges (saved before they were tied): give "
         "them the union (changes the model)",
     )
+
+
+def _add_format_options(p) -> None:
+    """The further forms of the model: KV graphs, a Hugging Face checkpoint, the device-graph check."""
     p.add_argument(
         "--kv-graphs",
         action="store_true",
@@ -101,12 +116,6 @@ def add_export_command(subparsers) -> None:
         "this package's encodings loaded, every other tensor calibrated on --verify-windows windows of the "
         "verification text's train split; prints which tensors have no encoding (needs aimet-onnx)",
     )
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument(
-        "--device", default="auto", help="where the sim runs: auto (CUDA when there is one), cpu, cuda or cuda:N"
-    )
-    p.set_defaults(func=_cmd_export)
 
 
 def _cmd_export(args) -> int:
