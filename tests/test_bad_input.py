@@ -306,6 +306,7 @@ def test_a_run_saves_states_that_name_their_model(tmp_path, tiny_gpt2_dir):
     from aimet_quadapter.methods.registry import MethodContext, run_method
     from aimet_quadapter.quadapter.state import QuadapterState
     from aimet_quadapter.quant.config import QuantPolicy
+    from aimet_quadapter.running.provenance import check_model
     from aimet_quadapter.testing import sample_corpus, toy_model
 
     model = toy_model("gpt2")
@@ -314,8 +315,8 @@ def test_a_run_saves_states_that_name_their_model(tmp_path, tiny_gpt2_dir):
     run_method("ptq", ctx)
     state = QuadapterState.load(tmp_path / "ptq.safetensors")
     assert state.metadata["model"] == str(tiny_gpt2_dir) and state.metadata["family"] == "gpt2"
-    state.check_model(str(tiny_gpt2_dir))
-    state.check_model(str(tiny_gpt2_dir / ".." / tiny_gpt2_dir.name))
+    check_model(state, str(tiny_gpt2_dir))
+    check_model(state, str(tiny_gpt2_dir / ".." / tiny_gpt2_dir.name))
 
 
 # (where the state lies in the run folder, its fingerprint stamp, a word of the refusal)
@@ -336,6 +337,7 @@ def test_a_state_that_is_not_its_rows_is_one_line_before_the_model_loads(
     import dataclasses
 
     from aimet_quadapter.quadapter.state import QuadapterState
+    from aimet_quadapter.running.provenance import check_row
 
     where, stamp, word = NOT_THE_ROWS_STATE[case]
     run = tmp_path / "run"
@@ -356,8 +358,8 @@ def test_a_state_that_is_not_its_rows_is_one_line_before_the_model_loads(
     dataclasses.replace(state, metadata={**state.metadata, "fingerprint": "0" * 16}, source=None).save(
         run / "calib-a" / "ptq" / "ptq.safetensors"
     )
-    QuadapterState.load(run / "calib-a" / "ptq" / "ptq.safetensors").check_row()
-    QuadapterState.load(smollm2_state).check_row()
+    check_row(QuadapterState.load(run / "calib-a" / "ptq" / "ptq.safetensors"))
+    check_row(QuadapterState.load(smollm2_state))
 
 
 RECIPE = "model: {model}\nmethods: [fp]\neval: {{datasets: [{corpus}], seq_len: 64, max_tokens: 256}}\n"

@@ -213,13 +213,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _eval_state(args: argparse.Namespace) -> int:
     """A saved state's perplexity on ``--dataset``: the sim rebuilt from it, as the training run scored it."""
     from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
+    from aimet_quadapter.running.provenance import check_model, check_row
 
     if args.methods:
         raise QuadapterError("--state and --methods exclude each other: a state is scored as it was saved")
     path = resolve_state(args.state)
     state = QuadapterState.load(path)
-    state.check_model(args.model)
-    state.check_row()
+    check_model(state, args.model)
+    check_row(state)
     args.methods = "fp"  # the recipe's eval section and model are all that is used
     recipe = _eval_recipe(args)
     from aimet_quadapter.running.runner import score_state

@@ -120,12 +120,13 @@ def _add_format_options(p) -> None:
 
 def _cmd_export(args) -> int:
     from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
+    from aimet_quadapter.running.provenance import check_model, check_row
 
     start = time.time()
     state_path = resolve_state(args.state)
     state = QuadapterState.load(state_path)
-    state.check_model(args.model)
-    state.check_row()
+    check_model(state, args.model)
+    check_row(state)
     kv = _checked_before_loading(args, state)
     result = _export(args, state, state_path, kv)
     _print_summary(args, result, len(state.metadata.get("prefix") or []))

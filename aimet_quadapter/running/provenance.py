@@ -1,0 +1,115 @@
+"""Where a saved state comes from: the model it was computed for, and the row of the run folder it lies in.
+
+``export`` and ``eval --state`` refuse, before any model loads, a state whose model is not ``--model`` or which
+is not the state its row was computed with (a file left by an earlier setting)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.quadapter.config import BC_STATE
+from aimet_quadapter.quadapter.state import QuadapterState
+
+
+def check_model(state: QuadapterState, model: str) -> None:
+    """Refuse, before any model loads (or the hub is asked), a state computed for another model than ``model``
+    (a name ``--model`` takes): by the families where both are known without the hub, else by the names.
+
+    A state names its model in its metadata (written by a run), or through the ``results.json`` of the run
+    folder it lies in; its family is recorded where it was made. Weights of one family and other widths
+    are refused by :meth:`QuadapterState.check_fits`, once the model is there.
+    """
+    from aimet_quadapter.models.loading import family_of
+
+    recorded = state.metadata.get("model") or _run_model(state)
+    if recorded is not None and _same_model(recorded, model):
+        return
+    family = state.metadata.get("family") or (family_of(recorded) if recorded else None)
+    given = family_of(model)
+    what = ", ".join(x for x in (recorded, f"a {family} model" if family else None) if x)
+    if family and given and family != given:
+        raise QuadapterError(
+            f"{state.described} was computed for another model ({what}), not --model {model} (a {given} model)"
+        )
+    if recorded and given is None:
+        raise QuadapterError(
+            f"{state.described} was computed for another model ({what}) than --model {model}, whose config is not "
+            f"on this machine to compare: pass --model {recorded}, or that model's folder"
+        )
+
+
+def check_row(state: QuadapterState) -> None:
+    """Refuse a state that lies in a run folder but is not the one its row there was computed with: a state of
+    an earlier setting left beside a row computed again, or one no row was computed with (the step of another
+    method). A row's state carries its cell's fingerprint, as ``results.json`` records it for the row; phase 1's
+    state of a run that has no Quadapter BC row, the fingerprint of its folder's ``bc_fingerprint.txt``.
+    A state outside any run folder is the user's to vouch for."""
+    found = run_folder(state)
+    if found is None or state.source is None:
+        return
+    run, results = found
+    folder = state.source.resolve().parent.relative_to(run).as_posix()
+    name = state.source.stem
+    rows = [
+        (key, cell)
+        for key, cell in results["cells"].items()
+        if isinstance(cell, dict) and cell.get("folder") == folder and cell.get("method") == name
+    ]
+    stamp = state.metadata.get("fingerprint")
+    results_file = run / "results.json"
+    expected: str | None = None
+    side = state.source.parent / "bc_fingerprint.txt"  # phase 1 run on the side, shared by its methods
+    if rows:
+        key, cell = rows[0]
+        expected, what = cell.get("fingerprint"), f"row {key} of {results_file}"
+    elif name == BC_STATE and side.is_file():
+        expected, what = side.read_text().strip(), f"the phase 1 its run shared ({side})"
+    if expected is not None and stamp == expected:
+        return
+    if expected is None:
+        why = f": no row of {results_file} was computed with it (an earlier run's, or a step of another method)"
+    elif stamp is None:
+        why = f" carries no fingerprint (saved before states recorded theirs): nothing says it is the state of {what}"
+    else:
+        why = (
+            f" is not the state of {what}: it was computed under other settings (fingerprint {stamp}, "
+            f"the row's {expected})"
+        )
+    raise QuadapterError(
+        f"{state.described}{why}; run the cell again, or copy the file out of the run folder to use it as it is"
+    )
+
+
+def run_folder(state: QuadapterState) -> tuple[Path, dict] | None:
+    """The run folder this state lies in and its results: the state's own folder, or up to three above it
+    (``[seed-N/]<calibration>/<method>/``); None outside any."""
+    if state.source is None:
+        return None
+    for folder in list(state.source.resolve().parents)[:4]:
+        try:
+            results = json.loads((folder / "results.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(results, dict) and isinstance(results.get("cells"), dict):
+            return folder, results
+    return None
+
+
+def _run_model(state: QuadapterState) -> str | None:
+    """The model the run folder holding this state names in its results.json (a state saved before states
+    recorded it)."""
+    found = run_folder(state)
+    if found is None:
+        return None
+    model = found[1].get("model")
+    return model if isinstance(model, str) else None
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Whether two names a ``--model`` takes name one model: equal, or one folder."""
+    if a == b:
+        return True
+    first, second = Path(a).expanduser(), Path(b).expanduser()
+    return first.exists() and second.exists() and first.resolve() == second.resolve()
