@@ -6,6 +6,8 @@ prints the perplexities and their range; and, on the first 256 tokens, the share
 the quantizers round to) that the first draw changed, layer by layer.
 
     python scripts/rounding_noise.py runs/demo/seed-0/calib-generated/ptq --model smollm2-135m --draws 3
+    python scripts/rounding_noise.py S --model smollm2-135m --split valid --seq-len 128 --max-tokens 512 --draws 5
+        (the windows of `export S --verify-split valid`: the band its --device-check is compared with)
 """
 
 from __future__ import annotations
@@ -50,12 +52,14 @@ def main() -> None:
     p.add_argument("state", help="a Quadapter state file, or a cell folder holding one")
     p.add_argument("--model", required=True)
     p.add_argument("--dataset", default="ptb")
+    p.add_argument("--split", default="test")
+    p.add_argument("--seq-len", type=int, default=1024, help="window length (the export's verification: 128)")
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--draws", type=int, default=3)
     args = p.parse_args()
     model, tokenizer = load_model(args.model, quiet=True)
     sim = QuadapterState.load(resolve_state(args.state)).build_sim(model, in_place=True)
-    windows = eval_windows_for(tokenizer, args.dataset, "test", max_tokens=args.max_tokens)
+    windows = eval_windows_for(tokenizer, args.dataset, args.split, args.seq_len, max_tokens=args.max_tokens)
 
     first = windows[0].ids[None, :256]
     before, after = _codes(sim.model, first), _codes(sim.model, first, seed=1)
@@ -71,7 +75,7 @@ def main() -> None:
     for seed in (None, *range(1, args.draws + 1)):
         with one_ulp_inputs(sim.model, seed) if seed is not None else nullcontext():
             ppl.append(perplexity(sim.model, windows, progress=False).ppl)
-        print(f"{'as saved' if seed is None else f'draw {seed}'}: {args.dataset} test perplexity {ppl[-1]:.3f}")
+        print(f"{'as saved' if seed is None else f'draw {seed}'}: {args.dataset} {args.split} perplexity {ppl[-1]:.3f}")
     print(f"range {min(ppl):.3f}-{max(ppl):.3f}: {100 * (max(ppl) / min(ppl) - 1):.2f} % of the lowest")
 
 
