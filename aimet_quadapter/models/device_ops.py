@@ -2,11 +2,11 @@
 each output as the device does.
 
 Transformers writes the rotary embedding (``q * cos + rotate_half(q) * sin``) as a function of the modelling
-module from tables its rotary embedding module computes, and SiLU as one op; exported to ONNX they are eight
-ops, four more for the tables, and two (``Sigmoid``, ``Mul``), and an integer
-graph holds every output with an encoding. Under the paper's placement none of them is quantized, so they are
-installed only in the copy a ``htp`` sim is made of. The rotation and the tables compute the same ops in the same order:
-the FP function does not change to the bit; SiLU as ``x * sigmoid(x)`` moves it by an ulp, as the exported graph does.
+module, from tables its rotary embedding module computes, and SiLU as one op; exported to ONNX they are eight
+ops, four more for the tables, and two (``Sigmoid``, ``Mul``), and an integer graph holds every output with an
+encoding. The paper's placement quantizes none of them, so they are installed only in the copy a ``htp`` sim is
+made of. The rotation and the tables compute the same ops in the same order: the FP function does not change to
+the bit; SiLU as ``x * sigmoid(x)`` moves it by an ulp, as the exported graph does.
 """
 
 from __future__ import annotations
