@@ -90,6 +90,29 @@ _QAT_LR = "baselines.qat_lr_weights"
 _R2 = "baselines.spinquant_r2"
 _FPT = "baselines.fptquant_iterations"
 
+
+def _on_transform(technique: str, label: str, reads: str) -> dict[str, MethodInfo]:
+    """``<technique>_quadapter`` (Quadapter, both phases, on AIMET's ``technique``'s FP-equivalent model) and its
+    matched baseline ``<technique>_cle_phase2`` (the same transform and phase 2, CLE's alphas fixed, the ranges
+    learning); ``reads``: the technique's own field."""
+    return {
+        f"{technique}_quadapter": MethodInfo(
+            f"{label} + Quadapter",
+            finetunes=True,
+            aimet=technique,
+            matched=(f"{technique}_cle_phase2", "quadapter"),
+            reads=(*_PHASE1, "phase2", reads),
+        ),
+        f"{technique}_cle_phase2": MethodInfo(
+            f"{label} + CLE + phase 2 (ranges)",
+            finetunes=True,
+            aimet=technique,
+            reads=("quadapter.extra_sites", "phase2", reads),
+            unused=_NO_ALPHA,
+        ),
+    }
+
+
 CATALOG: dict[str, MethodInfo] = {
     "fp": MethodInfo("FP32", calibrates=False, quantized=False, reads=()),
     # the LM loss on the FP weights, whatever phase 2's loss, rates and ranges say
@@ -145,38 +168,11 @@ CATALOG: dict[str, MethodInfo] = {
     "fptquant": MethodInfo("FPTQuant", reads=(_FPT,), aimet="fptquant"),
     "adascale": MethodInfo("AdaScale", reads=("baselines.adascale_iterations",), aimet="adascale"),
     "omniquant": MethodInfo("OmniQuant", reads=("baselines.omniquant_iterations",), aimet="omniquant"),
-    # compositions: Quadapter (both phases) on SpinQuant's rotated model; AIMET's weight techniques on Quadapter's
-    # folded model, its activation ranges kept
-    "spinquant_quadapter": MethodInfo(
-        "SpinQuant + Quadapter",
-        finetunes=True,
-        aimet="spinquant",
-        matched=("spinquant_cle_phase2", "quadapter"),
-        reads=(*_PHASE1, "phase2", _R2),
-    ),
-    # its matched baseline: the same rotation and phase 2, CLE's alphas fixed and the ranges learning
-    "spinquant_cle_phase2": MethodInfo(
-        "SpinQuant + CLE + phase 2 (ranges)",
-        finetunes=True,
-        aimet="spinquant",
-        reads=("quadapter.extra_sites", "phase2", _R2),
-        unused=_NO_ALPHA,
-    ),
-    # the same two on FPTQuant's transformed model (its online Hadamard left out: the export holds plain weights)
-    "fptquant_quadapter": MethodInfo(
-        "FPTQuant + Quadapter",
-        finetunes=True,
-        aimet="fptquant",
-        matched=("fptquant_cle_phase2", "quadapter"),
-        reads=(*_PHASE1, "phase2", _FPT),
-    ),
-    "fptquant_cle_phase2": MethodInfo(
-        "FPTQuant + CLE + phase 2 (ranges)",
-        finetunes=True,
-        aimet="fptquant",
-        reads=("quadapter.extra_sites", "phase2", _FPT),
-        unused=_NO_ALPHA,
-    ),
+    # compositions: Quadapter (both phases) on an AIMET transform's model, and its matched baseline; AIMET's weight
+    # techniques on Quadapter's folded model, its activation ranges kept
+    **_on_transform("spinquant", "SpinQuant", _R2),
+    # FPTQuant's online Hadamard left out: the export holds plain weights
+    **_on_transform("fptquant", "FPTQuant", _FPT),
     "quadapter_seq_mse": MethodInfo(
         "Quadapter + SeqMSE",
         finetunes=True,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import shutil
 import time
@@ -366,24 +367,14 @@ def _cle_phase2_on(ctx: MethodContext, name: str, transform) -> QuantizationSimM
     return sim
 
 
-@method("spinquant_quadapter")
-def _spinquant_quadapter(ctx: MethodContext) -> QuantizationSimModel:
-    return _quadapter_on(ctx, "spinquant_quadapter", spinquant_model)
-
-
-@method("spinquant_cle_phase2")
-def _spinquant_cle_phase2(ctx: MethodContext) -> QuantizationSimModel:
-    return _cle_phase2_on(ctx, "spinquant_cle_phase2", spinquant_model)
-
-
-@method("fptquant_quadapter")
-def _fptquant_quadapter(ctx: MethodContext) -> QuantizationSimModel:
-    return _quadapter_on(ctx, "fptquant_quadapter", fptquant_model)
-
-
-@method("fptquant_cle_phase2")
-def _fptquant_cle_phase2(ctx: MethodContext) -> QuantizationSimModel:
-    return _cle_phase2_on(ctx, "fptquant_cle_phase2", fptquant_model)
+# each AIMET transform's composition with Quadapter and its matched baseline (catalog ``_on_transform``)
+for _technique, _transform in (("spinquant", spinquant_model), ("fptquant", fptquant_model)):
+    method(f"{_technique}_quadapter")(
+        functools.partial(_quadapter_on, name=f"{_technique}_quadapter", transform=_transform)
+    )
+    method(f"{_technique}_cle_phase2")(
+        functools.partial(_cle_phase2_on, name=f"{_technique}_cle_phase2", transform=_transform)
+    )
 
 
 def _after_quadapter(ctx: MethodContext, name: str, technique) -> QuantizationSimModel:
