@@ -560,17 +560,12 @@ def propagate_through_data_movement(folder: Path) -> list[str]:
     key = "activation_encodings" if str(encodings.get("version", "")).startswith("1.") else "encodings"
     entries = {e["name"]: e for e in encodings[key]}
     added: list[str] = []
-    changed = True
-    while changed:  # backwards along chains of data movement, to a fixed point
-        changed = False
-        for node in reversed(graph.node):
-            source, target = (node.input[0] if node.input else ""), node.output[0]
-            if node.op_type in DATA_MOVEMENT and target in entries and source and source not in entries:
-                if source in constants:
-                    continue
-                entries[source] = {**entries[target], "name": source}
-                added.append(source)
-                changed = True
+    # ONNX nodes are in topological order: one pass backwards carries an encoding along a whole chain
+    for node in reversed(graph.node):
+        source, target = (node.input[0] if node.input else ""), node.output[0]
+        if node.op_type in DATA_MOVEMENT and target in entries and source and source not in entries.keys() | constants:
+            entries[source] = {**entries[target], "name": source}
+            added.append(source)
     if added:
         encodings[key] = list(entries.values())
         write_text_atomic(file, json.dumps(encodings, indent=1))
