@@ -304,8 +304,15 @@ class FakeQuantLearnedRange(torch.autograd.Function):
         mask = (q >= qmin) & (q <= qmax)
         q.clamp_(qmin, qmax).sub_(zero_point)  # the grid value relative to the zero point, as dequantized
         ctx.shapes = scale.shape, offset.shape
-        ctx.save_for_backward(mask, torch.where(mask, rounded.sub_(scaled), q) if scale.requires_grad else None, s)
-        return q.mul(s)
+        # in place, the same values as torch.where(mask, rounded - scaled, q): on lm_head's weights each copy
+        # of the tensor is over 100 MB at a phase-2 step's peak
+        scale_factor = None
+        if scale.requires_grad:
+            scale_factor = rounded.sub_(scaled)
+            del scaled
+            scale_factor.masked_scatter_(~mask, q[~mask])
+        ctx.save_for_backward(mask, scale_factor, s)
+        return q.mul_(s)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import logging
 import shutil
 import sys
@@ -42,7 +41,7 @@ from aimet_quadapter import distributed
 from aimet_quadapter.atomic import write_atomic, write_text_atomic
 from aimet_quadapter.errors import QuadapterError, TrainingDiverged
 from aimet_quadapter.logs import log, log_file
-from aimet_quadapter.memory import PeakRSS
+from aimet_quadapter.memory import PeakRSS, release_freed_memory
 from aimet_quadapter.methods.catalog import BC, CATALOG
 from aimet_quadapter.running.fingerprints import Fingerprints, _fingerprint
 from aimet_quadapter.running.lock import RunLock
@@ -398,6 +397,7 @@ class RecipeRun(Fingerprints):
                     self.validation_batches(cell.calibration)
             if cell.fid is not None:
                 self.finetune_batches(cell.fid, cell.size)
+        release_freed_memory()  # what tokenizing whole corpora and sampling text freed, before the model's peak
 
     def _check_aimet_support(self, cells: list[Cell], family: str | None) -> None:
         """Refuse a method whose AIMET technique AIMET refuses for this family (None: not known before the model
@@ -719,6 +719,7 @@ class RecipeRun(Fingerprints):
             method_start = time.time()
             evaluated = run_method(cell.method, ctx)
             method_time = time.time() - method_start
+            release_freed_memory()  # what training freed, before the evaluation's own peak
             if cell.method == BC:
                 if self.main:
                     write_text_atomic(cell_dir / "bc_fingerprint.txt", self.bc_fingerprint(cell.calibration_set))
@@ -743,7 +744,7 @@ class RecipeRun(Fingerprints):
             "info": {**extra, **ctx.info.get(cell.method, {})},
         }
         del evaluated, ctx
-        gc.collect()
+        release_freed_memory()
         return record
 
     def _record(self, cell: Cell) -> dict:
