@@ -173,6 +173,7 @@ TWINS = (
     "test_quadapter.py::test_phase2_micro_batches_give_the_whole_batch_gradient[gpt2]",
     "test_quadapter.py::test_phase2_recomputed_blocks_give_the_same_losses_and_gradients[gpt2]",
     "test_aimet_techniques.py::test_a_technique_state_exports_and_verifies[adascale]",  # spinquant's is quick
+    "test_aimet_techniques.py::test_every_aimet_technique_and_composition_runs_from_the_command_line[qwen2]",
     # a rotated training state's rebuild: slow for both methods (the command-line test checks their states quick)
     "test_aimet_techniques.py::test_a_rotated_training_state_rebuilds_the_sim_it_trained[spinquant_quadapter]",
     "test_aimet_techniques.py::test_a_rotated_training_state_rebuilds_the_sim_it_trained[spinquant_cle_phase2]",
