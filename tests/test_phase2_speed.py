@@ -159,3 +159,26 @@ def test_a_phase2_step_launches_at_most_twice_the_kernels_of_an_fp_step(family):
 
     fp = _kernels(fp_step)
     assert step <= 2 * fp, f"a phase-2 step launches {step} kernels, an FP step {fp}"
+
+
+def test_the_learned_range_fake_quant_gives_the_written_out_gradients():
+    # the forward builds its saved tensors in place: they must still be rounding error in range, grid value outside
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=g, dtype=torch.float64) * 4
+    x[0, :3] = torch.tensor([-1e3, 1e3, 0.0], dtype=torch.float64)
+    weights = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    xs = x.clone().requires_grad_()
+    scale = torch.tensor(0.03, dtype=torch.float64, requires_grad=True)
+    offset = torch.tensor(-120.0, dtype=torch.float64, requires_grad=True)
+    y = FakeQuantLearnedRange.apply(xs, scale, offset, 0, 255)
+    (y * weights).sum().backward()
+    scaled = x / 0.03
+    q = scaled.round() + 120.0
+    inside = (q >= 0) & (q <= 255)
+    expected_y = (q.clamp(0, 255) - 120.0) * 0.03
+    factor = torch.where(inside, scaled.round() - scaled, q.clamp(0, 255) - 120.0)
+    assert torch.allclose(y, expected_y, rtol=0, atol=1e-12)
+    assert torch.equal(xs.grad, weights * inside)
+    assert float(scale.grad) == pytest.approx(float((weights * factor).sum()), rel=1e-9)
+    assert float(offset.grad) == pytest.approx(float((weights * ~inside).sum() * 0.03), rel=1e-9)
+    assert (~inside).sum() >= 2  # both ends clamped: the grid-value branch is exercised
