@@ -310,7 +310,8 @@ class FakeQuantLearnedRange(torch.autograd.Function):
         if scale.requires_grad:
             scale_factor = rounded.sub_(scaled)
             del scaled
-            scale_factor.masked_scatter_(~mask, q[~mask])
+            outside = ~mask
+            scale_factor.masked_scatter_(outside, q[outside])
         ctx.save_for_backward(mask, scale_factor, s)
         return q.mul_(s)
 

@@ -397,7 +397,7 @@ class RecipeRun(Fingerprints):
                     self.validation_batches(cell.calibration)
             if cell.fid is not None:
                 self.finetune_batches(cell.fid, cell.size)
-        release_freed_memory()  # what tokenizing whole corpora and sampling text freed, before the model's peak
+        release_freed_memory()  # what tokenizing whole corpora freed (sampling gives its own back)
 
     def _check_aimet_support(self, cells: list[Cell], family: str | None) -> None:
         """Refuse a method whose AIMET technique AIMET refuses for this family (None: not known before the model
