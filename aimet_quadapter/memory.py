@@ -14,6 +14,9 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 # above this size of weights memory, not time, decides whether a run fits: the package then trades time for
 # memory (weights spilled to disk while their quantized copies serve, large blocks mapped)
 LARGE_WEIGHTS_BYTES = 1 << 30
+# the blocks glibc maps rather than cuts from its heap: from this size for any model (the attention scores and
+# MLP activations of a 1,024-token window), from 1 MiB for models of over LARGE_WEIGHTS_BYTES
+MAPPED_BLOCK_BYTES = 4 << 20
 
 
 @cache
@@ -37,9 +40,10 @@ def map_large_blocks(threshold: int = 1 << 20) -> bool:
     freed; whether the allocator took it (glibc only).
 
     By default glibc raises that threshold, up to 32 MiB, each time it frees a mapped block: after the first
-    large tensors come and go, a billion-parameter model's 4-16 MB tensors are cut from its heap instead, and
-    the holes they leave there stay resident. Mapping costs page faults at every allocation, so this is for
-    models whose weights, not their speed, decide whether they fit."""
+    large tensors come and go, the 4-32 MB activations of a training step are cut from its heap instead, and
+    the holes they leave there stay resident, up to a gigabyte more at a 135M model's phase-2 peak. Mapping
+    costs page faults at every allocation: the lower thresholds are for models whose weights, not their
+    speed, decide whether they fit."""
     mallopt = getattr(_libc(), "mallopt", None)
     return mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold) == 1
 

@@ -396,7 +396,7 @@ def test_phase2_lowers_training_loss_and_keeps_weights(setup):
     weights = {n: p.detach().clone() for n, p in sim.model.named_parameters() if n.endswith("weight")}
     with torch.no_grad():
         before = sum(lm_loss(sim.model, b).item() for b in train)
-    run_phase2(sim.model, qset, train, Phase2Parameters(steps=30, lr_alpha=1e-2, lr_ranges=1e-2), progress=False)
+    run_phase2(sim.model, qset, train, Phase2Parameters(steps=10, lr_alpha=1e-2, lr_ranges=1e-2), progress=False)
     with torch.no_grad():
         after = sum(lm_loss(sim.model, b).item() for b in train)
     assert after < before

@@ -183,6 +183,7 @@ def test_paper_only_fields_are_refused_under_htp(tiny_gpt2_dir, capsys):
     assert "ln_1.output[0]" in out and "per-channel" in out
 
 
+@pytest.mark.slow  # every method end to end: PTQ, CLE and Quadapter under htp, exported, stay quick (above)
 def test_every_registered_method_runs_under_htp(tmp_path):
     """AIMET's own techniques too: AdaRound rounds into the target's per-channel symmetric weight grids."""
     from aimet_quadapter.methods.registry import REGISTRY, MethodContext, run_method

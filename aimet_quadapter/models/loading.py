@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import QuadapterError
-from ..memory import LARGE_WEIGHTS_BYTES, map_large_blocks
+from ..memory import LARGE_WEIGHTS_BYTES, MAPPED_BLOCK_BYTES, map_large_blocks
 from .hub import local_files_only
 from .storage import parameter_bytes
 
@@ -225,6 +225,8 @@ def load_model(name: str, untie: bool = True, quiet: bool = False, device: str |
     # before the weights are read when their files tell the size: what loading leaves in the heap stays there
     if _checkpoint_bytes(name) > LARGE_WEIGHTS_BYTES:
         map_large_blocks()
+    else:
+        map_large_blocks(MAPPED_BLOCK_BYTES)
     hf_model = load_hf_model(name)
     if parameter_bytes(hf_model) > LARGE_WEIGHTS_BYTES:
         map_large_blocks()
