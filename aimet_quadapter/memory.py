@@ -36,14 +36,14 @@ def release_freed_memory() -> None:
 
 
 def map_large_blocks(threshold: int = 1 << 20) -> bool:
-    """Have glibc serve every block of ``threshold`` bytes or more from a mapping of its own, unmapped when
-    freed; whether the allocator took it (glibc only).
+    """Have glibc serve every block of ``threshold`` bytes or more that its heap's free chunks cannot serve from
+    a mapping of its own, unmapped when freed; whether the allocator took it (glibc only).
 
     By default glibc raises that threshold, up to 32 MiB, each time it frees a mapped block: after the first
     large tensors come and go, the 4-32 MB activations of a training step are cut from its heap instead, and
-    the holes they leave there stay resident, up to a gigabyte more at a 135M model's phase-2 peak. Mapping
-    costs page faults at every allocation: the lower thresholds are for models whose weights, not their
-    speed, decide whether they fit."""
+    the holes they leave there stay resident and add to every later peak. Mapping costs page faults at every
+    allocation: MAPPED_BLOCK_BYTES for any model, the default for models whose weights, not their speed,
+    decide whether they fit."""
     mallopt = getattr(_libc(), "mallopt", None)
     return mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold) == 1
 

@@ -205,9 +205,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Every test module, and torch, transformers and AIMET with them, is imported by now: their 700,000 objects
-    live as long as the process, so they are moved out of the cyclic collector's reach. The package's
-    ``release_freed_memory`` runs a full collection after each cell and export step; walking those objects made
-    each one take about a second, a quarter of the suite's time."""
+    """Every test module, and torch, transformers and AIMET with them, is imported by now: their objects live as
+    long as the process, so they are moved out of the cyclic collector's reach. The package's
+    ``release_freed_memory`` runs a full collection after each cell and export step, and walking the libraries'
+    objects each time was the largest single cost of the suite (benchmarks/README.md)."""
     gc.collect()
     gc.freeze()
