@@ -30,6 +30,13 @@ def release_freed_memory() -> None:
     onnxruntime session, hundreds of MB freed by Python or C++ otherwise stay in the process's arenas and
     add to the next step's peak."""
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Ask glibc's allocator to return its free heap pages, without a garbage collection: cheap enough for
+    every pass of a training step, whose activations, freed in its backward pass, otherwise stay resident
+    beside the next pass's."""
     trim = getattr(_libc(), "malloc_trim", None)  # glibc only
     if trim is not None:
         trim(0)

@@ -456,6 +456,24 @@ def test_phase2_micro_batches_give_the_whole_batch_gradient(setup):
         assert torch.allclose(grad, whole_grad, rtol=1e-4, atol=1e-6 * whole_grad.abs().max().item()), micro
 
 
+def test_phase2_gives_each_passes_heap_back_on_cpu(setup, monkeypatch):
+    """On a CPU, what a slice's backward pass frees goes back to the system before the next slice: glibc would
+    keep it resident beside the next slice's activations (the demo's phase-2 peak)."""
+    import aimet_quadapter.quadapter.phase2 as phase2
+
+    model, calib, train = setup["model"], setup["calib"], setup["train"]
+    sim = build_sim(model)
+    calibrate(sim, calib)
+    qset = attach_quadapters(sim)
+    events: list[str] = []
+    monkeypatch.setattr(phase2, "trim_heap", lambda: events.append("trim"))
+    loss = phase2.lm_loss
+    monkeypatch.setattr(phase2, "lm_loss", lambda m, b: events.append("pass") or loss(m, b))
+    assert all(len(b) == 4 for b in train)
+    run_phase2(sim.model, qset, train, Phase2Parameters(steps=2, micro_batch_size=3), progress=False)
+    assert events == ["pass", "trim"] * 4  # two steps of two slices each (3 + 1 sequences)
+
+
 def test_phase2_recomputed_blocks_give_the_same_losses_and_gradients(setup):
     """Recomputing each decoder block in the backward pass (the memory setting) runs every block twice
     per step and gives the losses and gradients of keeping its activations; the blocks are left as found."""

@@ -18,6 +18,7 @@ from transformers import DynamicCache
 
 from .prefix import causal_mask, prefix_cache, prefix_keys_values
 from .residual import ResidualSpec
+from .storage import sharing_twin
 
 
 @dataclass(frozen=True)
@@ -305,11 +306,15 @@ def _resolve(spec: SiteSpec, prefix: str, expand: tuple[int, int] | None, norm_o
 
 
 def untie_lm_head(model: PreparedLM) -> None:
-    """Give ``lm_head`` its own copy of the embedding matrix, so a head site can scale its columns."""
+    """Give ``lm_head`` a Parameter of its own, so a head site can scale its columns without the embedding.
+
+    It stays on the embedding's storage until given new data (a fold, a rotation): a copy would hold a second
+    vocabulary matrix for as long as the FP model lives. A write in place must come after :func:`own_storage`,
+    as for a sim's weights."""
     head: Any = model.get_submodule(f"lm.{model.arch.lm_head}")
     embedding: Any = model.get_submodule(f"lm.{model.arch.embedding}")
     if head.weight is embedding.weight:
-        head.weight = nn.Parameter(embedding.weight.detach().clone())
+        head.weight = sharing_twin(embedding.weight)
     model.config.tie_word_embeddings = False
     lm: Any = model.lm  # transformers' tie bookkeeping
     if hasattr(lm, "_tied_weights_keys"):

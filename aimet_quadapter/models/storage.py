@@ -22,12 +22,15 @@ def weight_sharing_copy(model: nn.Module) -> nn.Module:
     first)."""
     import copy
 
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        twin = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
-        setattr(twin, _SHARED_WITH, p.untyped_storage().data_ptr())
-        memo[id(p)] = twin
+    memo: dict[int, Any] = {id(p): sharing_twin(p) for p in model.parameters()}
     return copy.deepcopy(model, memo)
+
+
+def sharing_twin(p: torch.Tensor) -> nn.Parameter:
+    """A new Parameter on ``p``'s storage, marked as sharing it: given new data, it leaves ``p`` as it is."""
+    twin = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+    setattr(twin, _SHARED_WITH, p.untyped_storage().data_ptr())
+    return twin
 
 
 def parameter_bytes(model: nn.Module) -> int:

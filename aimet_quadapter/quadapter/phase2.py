@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from aimet_quadapter import distributed
 from aimet_quadapter.atomic import write_atomic
 from aimet_quadapter.errors import QuadapterError, TrainingDiverged
+from aimet_quadapter.memory import trim_heap
 from aimet_quadapter.models import device_of, own_storage
 from aimet_quadapter.quadapter.adam import GroupedAdam
 from aimet_quadapter.quadapter.adapter import QuadapterSet
@@ -313,12 +314,15 @@ def _accumulate(
     slices' gradients is the gradient of the whole batch's mean loss.
     """
     size = params.micro_batch_size or len(batch)
+    on_cpu = device_of(model).type == "cpu"
     total = 0.0
     for part in batch.split(size):
         with batched_range_encodings(batched), held.fused() if held is not None else nullcontext():
             loss = loss_fn(model, part) * (len(part) / len(batch))
             loss.backward()
         total += loss.item()
+        if on_cpu:
+            trim_heap()
     return total
 
 
