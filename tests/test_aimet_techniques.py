@@ -28,7 +28,7 @@ TINY_BUDGET = [
     "--phase1-steps", "2", "--phase2-steps", "2", "--phase2-batch-size", "1", "--phase2-seq-len", "32",
     "--baselines-adascale-iterations", "2", "--baselines-omniquant-iterations", "2",
     "--baselines-fptquant-iterations", "2", "--baselines-adaround-iterations", "2",
-    "--baselines-seq-mse-candidates", "2",
+    "--baselines-seq-mse-candidates", "2", "--baselines-adaround-batches", "1",
 ]  # fmt: skip
 
 

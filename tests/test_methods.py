@@ -139,6 +139,32 @@ def test_seq_mse_runs_at_8_bits_only_with_the_limit_lifted(toy):
     assert plain.info["seq_mse"]["seq_mse_layers_changed"] == 0  # AIMET skipped every 8-bit layer
 
 
+def test_seq_mse_within_ranges_searches_inside_the_sims_own_weight_ranges(toy):
+    """A trained sim's weight ranges (here 0.6 of min-max, set by hand, as phase 2 narrows them) bound SeqMSE's
+    candidates with ``within_ranges``; without it AIMET starts again from min-max, and at 8 bits ends there."""
+    from aimet_quadapter.quant.baselines import apply_seq_mse
+    from aimet_quadapter.quant.policy import build_sim, calibrate
+
+    model, calib, _ = toy
+    inside = {}
+    for within in (True, False):
+        sim = build_sim(model, share_weights=True)
+        calibrate(sim, calib)
+        learned = {}
+        with torch.no_grad():
+            for path, (_, q) in linear_weight_quantizers(sim.model).items():
+                q.set_range(q.get_min() * 0.6, q.get_max() * 0.6)
+                learned[path] = (q.get_min().clone(), q.get_max().clone())
+        apply_seq_mse(sim, model, calib, BaselineParameters(seq_mse_candidates=2), False, within_ranges=within)
+        inside[within] = []
+        for path, (_, q) in linear_weight_quantizers(sim.model).items():
+            lo, hi = learned[path]
+            half_step = (hi - lo) / (2**q.bitwidth - 1) / 2  # AIMET re-derives a range through its grid
+            inside[within].append(bool((q.get_min() >= lo - half_step).all() and (q.get_max() <= hi + half_step).all()))
+    assert all(inside[True]), inside
+    assert not any(inside[False]), inside  # the check can fail: 1/0.6 of a range is outside it
+
+
 def test_seq_mse_limit_context_restores_on_error():
     with pytest.raises(RuntimeError), seq_mse_bitwidth_limit(16):
         assert seq_mse_weight_bitwidth_limit() == 16

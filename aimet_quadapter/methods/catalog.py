@@ -91,6 +91,12 @@ _R2 = "baselines.spinquant_r2"
 _FPT = "baselines.fptquant_iterations"
 
 
+def _after_quadapter(label: str, reads: tuple[str, ...]) -> MethodInfo:
+    """AIMET's weight technique on Quadapter's folded model, its activation ranges kept; ``reads``: the technique's
+    fields. It starts from Quadapter's saved cell where the run holds one."""
+    return MethodInfo(label, finetunes=True, from_bc=True, continues="quadapter", reads=(*_PHASE1, "phase2", *reads))
+
+
 def _on_transform(technique: str, label: str, reads: str) -> dict[str, MethodInfo]:
     """``<technique>_quadapter`` (Quadapter, both phases, on AIMET's ``technique``'s FP-equivalent model) and its
     matched baseline ``<technique>_cle_phase2`` (the same transform and phase 2, CLE's alphas fixed, the ranges
@@ -173,20 +179,10 @@ CATALOG: dict[str, MethodInfo] = {
     **_on_transform("spinquant", "SpinQuant", _R2),
     # FPTQuant's online Hadamard left out: the export holds plain weights
     **_on_transform("fptquant", "FPTQuant", _FPT),
-    "quadapter_seq_mse": MethodInfo(
-        "Quadapter + SeqMSE",
-        finetunes=True,
-        from_bc=True,
-        continues="quadapter",
-        reads=(*_PHASE1, "phase2", *_SEQ_MSE),
-    ),
-    "quadapter_adaround": MethodInfo(
-        "Quadapter + AdaRound",
-        finetunes=True,
-        from_bc=True,
-        continues="quadapter",
-        reads=(*_PHASE1, "phase2", *_ADAROUND),
-    ),
+    "quadapter_seq_mse": _after_quadapter("Quadapter + SeqMSE", _SEQ_MSE),
+    # SeqMSE's search confined to the weight ranges phase 2 learned (issue 62's third lever)
+    "quadapter_seq_mse_learned": _after_quadapter("Quadapter + SeqMSE in learned ranges", _SEQ_MSE),
+    "quadapter_adaround": _after_quadapter("Quadapter + AdaRound", _ADAROUND),
 }
 # Phase 1's own cell: the methods that continue from it share its result (and its settings' fingerprint).
 BC = BC_STATE

@@ -391,12 +391,18 @@ def _after_quadapter(ctx: MethodContext, name: str, technique) -> QuantizationSi
     return sim
 
 
-@method("quadapter_seq_mse")
-def _quadapter_seq_mse(ctx: MethodContext) -> QuantizationSimModel:
+def _quadapter_seq_mse(ctx: MethodContext, name: str, within_ranges: bool) -> QuantizationSimModel:
     def seq_mse(sim: QuantizationSimModel, folded: PreparedLM) -> dict:
-        return apply_seq_mse(sim, folded, ctx.calibration, ctx.baselines, calibrate_after=False)
+        return apply_seq_mse(
+            sim, folded, ctx.calibration, ctx.baselines, calibrate_after=False, within_ranges=within_ranges
+        )
 
-    return _after_quadapter(ctx, "quadapter_seq_mse", seq_mse)
+    return _after_quadapter(ctx, name, seq_mse)
+
+
+# SeqMSE's candidates as fractions of the folded weights' min-max, or of the weight ranges phase 2 learned
+for _name, _within in (("quadapter_seq_mse", False), ("quadapter_seq_mse_learned", True)):
+    method(_name)(functools.partial(_quadapter_seq_mse, name=_name, within_ranges=_within))
 
 
 @method("quadapter_adaround")

@@ -158,9 +158,11 @@ def apply_seq_mse(
     calibration: Sequence[torch.Tensor],
     params: BaselineParameters,
     calibrate_after: bool = True,
+    within_ranges: bool = False,
 ) -> dict:
     """AIMET Sequential MSE on ``sim`` (weight ranges by grid search on each layer's output error), calibrated;
-    without ``calibrate_after``, the sim's other ranges (a trained sim's) stay as they are.
+    without ``calibrate_after``, the sim's other ranges (a trained sim's) stay as they are. ``within_ranges``: the
+    candidates are fractions of the sim's own weight ranges (a trained sim's), not of the weights' min-max.
 
     ``fp_model`` is not needed by AIMET 2's SeqMSE (it reads the sim alone); it is taken so that every
     technique here has the call shape ``(sim, fp_model, data, params)``. Returns how many ranges moved.
@@ -172,6 +174,9 @@ def apply_seq_mse(
     logging.getLogger("SeqMse").setLevel(logging.ERROR)  # one INFO line per layer otherwise
     batches = list(calibration)
     limit = max(sim_policy(sim).weight_bits, 4) if params.seq_mse_any_bits else 4
+    if within_ranges:  # AIMET's first min-max pass skips a locked quantizer; its candidates scale what it holds
+        for _, q in linear_weight_quantizers(sim.model).values():
+            q.allow_overwrite(False)
     with seq_mse_bitwidth_limit(limit):
         aimet_seq_mse(sim, batches, num_candidates=params.seq_mse_candidates, forward_fn=aimet_forward)
     if calibrate_after:
