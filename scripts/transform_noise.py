@@ -49,8 +49,14 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=8)
     args = parser.parse_args()
 
-    alphas = QuadapterState.load(resolve_state(args.state)).alphas
+    state = QuadapterState.load(resolve_state(args.state))
+    alphas = state.alphas
     model, tokenizer = load_model(args.model, quiet=True)
+    if state.weights:  # a transform's weights (a rotation's): the alphas scale the transformed model
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for name, value in state.weights.items():
+                params[name].data = value
     sites = [s for s in model.sites(extra=True) if s.name in alphas and not s.consumer_rows]
     ids = tokenize(tokenizer, load_text(args.dataset, args.split))[: args.tokens][None]
     seen: dict[str, torch.Tensor] = {}  # each producer's output and each consumer's input, tokens x channels
