@@ -57,6 +57,8 @@ def main() -> None:
             params = dict(model.named_parameters())
             for name, value in state.weights.items():
                 params[name].data = value
+    # the run's prefix in the KV cache, as in its sim: its first token's outsized activations set no range here either
+    model.set_prefix(state.metadata.get("prefix"))
     sites = [s for s in model.sites(extra=True) if s.name in alphas and not s.consumer_rows]
     ids = tokenize(tokenizer, load_text(args.dataset, args.split))[: args.tokens][None]
     seen: dict[str, torch.Tensor] = {}  # each producer's output and each consumer's input, tokens x channels
