@@ -16,23 +16,28 @@ import re
 from collections import defaultdict
 
 import torch
+from aimet_torch.quantization.affine import QuantizeDequantize
 
 from aimet_quadapter.models import load_model
 from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
+from aimet_quadapter.quant.quantizers import fake_quantize, min_max_encoding
 from aimet_quadapter.text.data import load_text, tokenize
 
 
+def _round_trip(x: torch.Tensor, shape: tuple[int, ...], bits: int, symmetric: bool) -> torch.Tensor:
+    """``x`` through a min-max quantizer of encoding ``shape`` on AIMET's grid (the sim's own derivation)."""
+    q = QuantizeDequantize(shape, bits, symmetric)
+    dims = [i for i, n in enumerate((1,) * (x.dim() - len(shape)) + shape) if n == 1]
+    lo, hi = x.amin(dim=dims).reshape(shape), x.amax(dim=dims).reshape(shape)
+    return fake_quantize(x, *min_max_encoding(q, lo, hi), q.qmin, q.qmax)
+
+
 def _per_tensor(x: torch.Tensor, bits: int) -> torch.Tensor:
-    lo, hi = min(x.min().item(), 0.0), max(x.max().item(), 0.0)
-    scale = (hi - lo) / (2**bits - 1)
-    zero = round(-lo / scale)
-    return (torch.clamp(torch.round(x / scale) + zero, 0, 2**bits - 1) - zero) * scale
+    return _round_trip(x, (), bits, symmetric=False)
 
 
 def _per_row_symmetric(w: torch.Tensor, bits: int) -> torch.Tensor:
-    top = 2 ** (bits - 1)
-    scale = w.abs().amax(1, keepdim=True) / (top - 1)
-    return torch.clamp(torch.round(w / scale), -top, top - 1) * scale
+    return _round_trip(w, (w.shape[0], 1), bits, symmetric=True)
 
 
 def _relative(noise: torch.Tensor, signal: torch.Tensor) -> float:
@@ -81,22 +86,23 @@ def main() -> None:
         alpha = alphas[site.name].float()
         kind = re.sub(r"layers\.\d+\.", "", site.name)
         out = seen[f"{site.producer}:out"]
-        scaled = out * site.producer_scale(alpha)
+        rows = site.producer_scale(alpha)
+        scaled = out * rows
         row = totals[f"{kind}: producer output ({args.bits}-bit per tensor)"]
         row[0] += _relative(_per_tensor(out, args.bits) - out, out)
-        row[1] += _relative((_per_tensor(scaled, args.bits) - scaled) / site.producer_scale(alpha), out)
+        row[1] += _relative((_per_tensor(scaled, args.bits) - scaled) / rows, out)
         for consumer in site.consumers:
             w, x = model.get_submodule(consumer).weight.detach(), seen[f"{consumer}:in"]
             column = site.consumer_scale(alpha)
+            x_scaled, w_scaled = x * column, w / column
             if x.shape != out.shape or not torch.equal(x, out):  # a tensor between them (SiLU's product)
                 row = totals[f"{kind}: {consumer.rsplit('.', 1)[-1]} input ({args.bits}-bit per tensor)"]
                 row[0] += _relative(_per_tensor(x, args.bits) - x, x)
-                row[1] += _relative((_per_tensor(x * column, args.bits) - x * column) / column, x)
+                row[1] += _relative((_per_tensor(x_scaled, args.bits) - x_scaled) / column, x)
             y = x @ w.T
             row = totals[f"{kind}: {consumer.rsplit('.', 1)[-1]} weights ({args.bits}-bit per channel)"]
             row[0] += _relative(x @ (_per_row_symmetric(w, args.bits) - w).T, y)
-            w_scaled = w / column
-            row[1] += _relative((x * column) @ (_per_row_symmetric(w_scaled, args.bits) - w_scaled).T, y)
+            row[1] += _relative(x_scaled @ (_per_row_symmetric(w_scaled, args.bits) - w_scaled).T, y)
     print(f"{'noise power / signal power, summed over layers':80s} {'no alpha':>10s} {'alpha':>10s} {'ratio':>6s}")
     for name, (plain, scaled) in totals.items():
         print(f"{name:80s} {plain:10.3e} {scaled:10.3e} {scaled / plain:6.2f}")
