@@ -186,8 +186,9 @@ OTHER_CASES = {
 
 @pytest.mark.parametrize("case", list(OTHER_CASES))
 def test_other_commands_bad_input_is_one_line_before_the_model_loads(
-    case, tiny_gpt2_dir, corpus_dir, tmp_path, capsys, tmp_state, never_load
+    case, tiny_gpt2_dir, corpus_dir, tmp_path, capsys, tmp_state, never_load, monkeypatch
 ):
+    monkeypatch.chdir(tmp_path)  # the recipe names no run folder: its default, runs/r, is relative to here
     files = _files(tmp_path, corpus_dir)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(RECIPE.format(model=tiny_gpt2_dir, corpus=corpus_dir))

@@ -7,6 +7,7 @@ import torch
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.methods.generated import GenerationParameters, generate_samples, sample_crops
+from aimet_quadapter.models.attention import ATTENTION_NAME
 from aimet_quadapter.testing import toy_model
 
 
@@ -22,6 +23,26 @@ def test_cached_sampling_follows_the_full_forward(family):
     with torch.no_grad():
         greedy = model(full)[:, :-1].argmax(-1)
     assert torch.equal(greedy, samples)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_sampling_runs_the_library_attention_and_draws_the_same_tokens(family, monkeypatch):
+    """The FP model samples through transformers' fused attention where the family has it (grouped-query
+    llama here; Gemma-2's soft-capped scores have none), draws what the quantizable attention draws, and
+    keeps the quantizable attention for everything after."""
+    model = toy_model(family, **({"attn_logit_softcapping": 1.0} if family == "gemma2" else {}))
+    calls: list[int] = []
+    for module in model.modules():
+        if hasattr(module, "qk_matmul"):
+            module.qk_matmul.register_forward_hook(lambda *_: calls.append(1))
+    params = GenerationParameters(samples=3, length=24, seed=2, batch_size=2)
+    fused = generate_samples(model, params, progress=False)
+    assert bool(calls) == (family == "gemma2")
+    assert model.lm.config._attn_implementation == ATTENTION_NAME
+    monkeypatch.setattr(type(model.lm), "_supports_sdpa", False)
+    calls.clear()
+    assert torch.equal(generate_samples(model, params, progress=False), fused)
+    assert calls
 
 
 def test_sampling_is_seeded_and_never_ends_a_sample():

@@ -10,7 +10,9 @@ token is never drawn, so a sample is one stretch of running text, as a crop of a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import ConfigDict
@@ -48,6 +50,24 @@ def _end_tokens(model: PreparedLM) -> list[int]:
     return [] if eos is None else [int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
+@contextmanager
+def _library_attention(model: PreparedLM) -> Iterator[None]:
+    """Transformers' own fused attention while the FP model samples, where the family has it.
+
+    The quantizable attention copies the cached keys and values once per query head they serve at every step
+    (grouped-query attention), most of a long sample's time on a CPU; the fused one reads them in place. It
+    differs from it only in float32 rounding, so the draws are the same but where one falls within that
+    rounding of a boundary. Families without it (Gemma-2's score soft-capping) keep the quantizable one."""
+    config: Any = model.lm.config  # a transformers config
+    before = config._attn_implementation
+    if getattr(type(model.lm), "_supports_sdpa", False):
+        config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
 @torch.no_grad()
 def generate_samples(model: PreparedLM, params: GenerationParameters, progress: bool = True) -> torch.Tensor:
     """``params.samples`` sequences of ``params.length`` tokens sampled from ``model``, shape (samples, length),
@@ -63,20 +83,21 @@ def generate_samples(model: PreparedLM, params: GenerationParameters, progress: 
     bar = tqdm(total=params.samples * params.length, desc="sampling text from the FP model", unit="tok",
                disable=not progress, leave=False)  # fmt: skip
     try:
-        for first in range(0, params.samples, params.batch_size):
-            n = min(params.batch_size, params.samples - first)
-            ids = torch.full((n, 1), start, dtype=torch.long, device=device)
-            cache, tokens = None, []
-            for _ in range(params.length):
-                step = model.lm(input_ids=ids, past_key_values=cache, use_cache=True)
-                cache = step.past_key_values
-                logits = step.logits[:, -1].float().cpu() / params.temperature
-                logits[:, ends] = float("-inf")
-                ids = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
-                tokens.append(ids)
-                ids = ids.to(device)
-                bar.update(n)
-            out.append(torch.cat(tokens, dim=1))
+        with _library_attention(model):
+            for first in range(0, params.samples, params.batch_size):
+                n = min(params.batch_size, params.samples - first)
+                ids = torch.full((n, 1), start, dtype=torch.long, device=device)
+                cache, tokens = None, []
+                for _ in range(params.length):
+                    step = model.lm(input_ids=ids, past_key_values=cache, use_cache=True)
+                    cache = step.past_key_values
+                    logits = step.logits[:, -1].float().cpu() / params.temperature
+                    logits[:, ends] = float("-inf")
+                    ids = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+                    tokens.append(ids)
+                    ids = ids.to(device)
+                    bar.update(n)
+                out.append(torch.cat(tokens, dim=1))
     finally:
         bar.close()
         model.train(was_training)
