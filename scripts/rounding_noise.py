@@ -7,7 +7,8 @@ the quantizers round to) that the first draw changed, layer by layer.
 
     python scripts/rounding_noise.py runs/demo/seed-0/calib-generated/ptq --model smollm2-135m --draws 3
     python scripts/rounding_noise.py S --model smollm2-135m --split valid --seq-len 128 --max-tokens 512 --draws 5
-        (the windows of `export S --verify-split valid`: the band its --device-check is compared with)
+        (the windows of `export S --verify-split valid`: the band its --device-check is compared with; --ulps 16
+        for the draws of a runtime whose sums round further from the sim's)
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=1024, help="window length (the export's verification: 128)")
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--draws", type=int, default=3)
+    p.add_argument("--ulps", type=int, default=1, help="the draws' move, in float32 ulps (codes: always one)")
     args = p.parse_args()
     model, tokenizer = load_model(args.model, quiet=True)
     sim = QuadapterState.load(resolve_state(args.state)).build_sim(model, in_place=True)
@@ -73,7 +75,7 @@ def main() -> None:
 
     ppl = []
     for seed in (None, *range(1, args.draws + 1)):
-        with one_ulp_inputs(sim.model, seed) if seed is not None else nullcontext():
+        with one_ulp_inputs(sim.model, seed, args.ulps) if seed is not None else nullcontext():
             ppl.append(perplexity(sim.model, windows, progress=False).ppl)
         print(f"{'as saved' if seed is None else f'draw {seed}'}: {args.dataset} {args.split} perplexity {ppl[-1]:.3f}")
     print(f"range {min(ppl):.3f}-{max(ppl):.3f}: {100 * (max(ppl) / min(ppl) - 1):.2f} % of the lowest")

@@ -228,16 +228,18 @@ SIM_NOISE_DRAWS = 8
 
 
 @contextmanager
-def one_ulp_inputs(model: torch.nn.Module, seed: int) -> Iterator[None]:
+def one_ulp_inputs(model: torch.nn.Module, seed: int, ulps: int = 1) -> Iterator[None]:
     """Every tensor an activation quantizer of ``model`` reads moved by one float32 ulp, up or down (a fixed
     random draw per ``seed``): what another runtime's summation order does to each op's output. A run as
-    valid as the unmoved one, which differs from it only where float32 rounding decides."""
+    valid as the unmoved one, which differs from it only where float32 rounding decides. ``ulps``: a move of
+    that many ulps, as a sum over more terms in another order may round."""
     generator = torch.Generator().manual_seed(seed)
+    step = ulps * 2.0**-24
 
     def nudge(_module, args: tuple) -> tuple:
         x = args[0]
         sign = torch.randint(0, 2, x.shape, generator=generator).to(x.device, x.dtype) * 2 - 1
-        return (x * (1 + sign * 2.0**-24), *args[1:])
+        return (x * (1 + sign * step), *args[1:])
 
     handles = [q.register_forward_pre_hook(nudge) for _, role, q in quantizers(model) if role != "weight"]
     try:

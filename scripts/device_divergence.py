@@ -1,0 +1,96 @@
+"""Where the device graph parts from the sim: the residual stream's codes, sum by sum, on one window.
+
+For every residual sum (the tensors only target ``htp`` quantizes), the share of its integer codes that differ
+from the sim's: in the sim with every quantizer input moved by one float32 ulp (``one_ulp_inputs``, another
+runtime's summation order), and in the export's graph in AIMET's ONNX simulation (``--device-check``'s graph,
+its encodings loaded). A defect of placement or encodings shows in the first layers; float32 rounding starts
+at a handful of codes and grows with depth.
+
+    python scripts/device_divergence.py S E --model smollm2-135m
+        (S: a state; E: its `aimet-quadapter export S --model smollm2-135m --out E --device-check --verify-split valid`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+from aimet_onnx.utils import OrtInferenceSession
+from onnx import TensorProto, helper
+
+from aimet_quadapter.export.device_check import device_sim
+from aimet_quadapter.export.exporter import one_ulp_inputs
+from aimet_quadapter.export.formats import INPUT_NAME
+from aimet_quadapter.models import load_model
+from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
+from aimet_quadapter.text.perplexity import eval_windows_for
+
+
+def _onnx_scope(path: str) -> str:
+    """``lm.model.layers.3.residual_adds.1`` -> ``/lm/model/layers.3/residual_adds.1/`` (torch.onnx's scopes)."""
+    return "/" + re.sub(r"\.(?!\d)", "/", path) + "/"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("state", help="a Quadapter state file, or a cell folder holding one")
+    p.add_argument("export", type=Path, help="its export folder (model.onnx and its encodings)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--dataset", default="ptb")
+    p.add_argument("--split", default="valid")
+    args = p.parse_args()
+    seq_len = int(json.loads((args.export / "manifest.json").read_text())["seq_len"])
+    model, tokenizer = load_model(args.model, quiet=True)
+    sim = QuadapterState.load(resolve_state(args.state)).build_sim(model, in_place=True)
+    ids = eval_windows_for(tokenizer, args.dataset, args.split, seq_len, max_tokens=seq_len)[0].ids[None]
+
+    sums = {path: m for path, m in sim.model.named_modules() if re.search(r"residual_adds\.\d$", path)}
+    scales = {path: m.output_quantizers[0].get_scale().detach() for path, m in sums.items()}
+
+    def sim_codes(seed: int | None) -> dict[str, torch.Tensor]:
+        got: dict[str, torch.Tensor] = {}
+        handles = [
+            m.register_forward_hook(lambda _m, _a, out, path=path: got.__setitem__(path, out.detach()))
+            for path, m in sums.items()
+        ]
+        with torch.no_grad(), one_ulp_inputs(sim.model, seed) if seed is not None else nullcontext():
+            sim.model(ids)
+        for h in handles:
+            h.remove()
+        return {path: torch.round(x / scales[path]) for path, x in got.items()}
+
+    saved, moved = sim_codes(None), sim_codes(1)
+
+    onnx_sim, coverage = device_sim(args.export)
+    names = {}
+    for path in sums:
+        scope = _onnx_scope(path)
+        found = [n for n in coverage.covered if n.startswith(scope)]
+        if len(found) != 1:
+            raise SystemExit(f"{path}: {len(found)} tensors of the graph under {scope}, expected one")
+        names[path] = found[0]
+    graph = onnx_sim.model.model.graph
+    for name in names.values():  # the simulation's quantize-dequantize output of each sum
+        graph.output.append(helper.make_tensor_value_info(name + "_updated", TensorProto.FLOAT, None))
+    # a session of its own over the sim's graph: the quantizer nodes point at the sim's loaded encodings
+    session = OrtInferenceSession(onnx_sim.model.model, ["CPUExecutionProvider"])
+    outs = session.run([n + "_updated" for n in names.values()], {INPUT_NAME: ids.numpy().astype(np.int64)})
+    device = {
+        path: torch.round(torch.from_numpy(o).reshape(saved[path].shape) / scales[path]) for path, o in zip(names, outs)
+    }
+
+    print(f"{args.dataset} {args.split}, first window ({seq_len} tokens); share of codes unlike the sim's")
+    print("residual sum | scale | one-ulp draw | device graph | device, largest code difference")
+    for path in sums:
+        s = saved[path]
+        ulp, dev = (moved[path] != s).float().mean().item(), (device[path] != s).float().mean().item()
+        print(f"{path} | {scales[path].item():.4g} | {ulp:.2e} | {dev:.2e} | {int((device[path] - s).abs().max())}")
+
+
+if __name__ == "__main__":
+    main()
