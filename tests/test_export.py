@@ -31,6 +31,7 @@ from aimet_quadapter.export.lean import gather_external_data, opset_imports
 from aimet_quadapter.export.onnx_eval import (
     OnnxLM,
     graph_tensor_names,
+    ort_session,
     qdq_graph_encodings,
     read_encodings,
 )
@@ -722,3 +723,43 @@ def test_the_int32_bias_follows_the_encodings_version_as_a_version():
     from aimet_quadapter.export.exporter import int32_bias
 
     assert not int32_bias("1.0.0") and int32_bias("2.0.0") and int32_bias("10.0.0")  # "10.0.0" < "2.0.0" as text
+
+
+def test_an_optimized_session_does_not_saturate_integer_products():
+    """A QDQ matrix product whose uint8 activations and int8 weights span their ranges: optimized, onnxruntime
+    fuses it into an integer kernel, which on x86 CPUs without VNNI saturates its 16-bit pair sums unless told
+    otherwise (on other CPUs both sessions agree either way)."""
+    k, n = 64, 8
+    weights = np.random.default_rng(0).choice([-127, 127], size=(k, n)).astype(np.int8)
+    scalar = numpy_helper.from_array
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+        helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"]),
+        helper.make_node("MatMul", ["xd", "wd"], ["y"]),
+        helper.make_node("QuantizeLinear", ["y", "ys", "yz"], ["yq"]),
+        helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["out"]),
+    ]
+    constants = [
+        scalar(np.array(1.0, np.float32), "xs"),
+        scalar(np.array(0, np.uint8), "xz"),
+        scalar(weights, "w"),
+        scalar(np.array(1.0, np.float32), "ws"),
+        scalar(np.array(0, np.int8), "wz"),
+        scalar(np.array(255 * 127 * k * 2 / 255, np.float32), "ys"),  # the output's grid holds every sum
+        scalar(np.array(128, np.uint8), "yz"),
+    ]
+    float_io = onnx.TensorProto.FLOAT
+    graph = helper.make_graph(
+        nodes,
+        "qdq_matmul",
+        [helper.make_tensor_value_info("x", float_io, [1, k])],
+        [helper.make_tensor_value_info("out", float_io, [1, n])],
+        constants,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]).SerializeToString()
+    x = np.full((1, k), 255.0, np.float32)
+    (fused,) = ort_session(model).run(None, {"x": x})
+    (as_written,) = ort_session(model, optimize=False).run(None, {"x": x})
+    assert np.abs(as_written).max() > 2 * 32767  # the exact sums are beyond a 16-bit accumulator
+    np.testing.assert_array_equal(fused, as_written)
