@@ -15,16 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
 from aimet_onnx.utils import OrtInferenceSession
 from onnx import TensorProto, helper
+from rounding_noise import activation_codes  # beside this script
 
 from aimet_quadapter.export.device_check import device_sim
-from aimet_quadapter.export.exporter import one_ulp_inputs
 from aimet_quadapter.export.formats import INPUT_NAME
 from aimet_quadapter.models import load_model
 from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
@@ -52,19 +51,11 @@ def main() -> None:
     sums = {path: m for path, m in sim.model.named_modules() if re.search(r"residual_adds\.\d$", path)}
     scales = {path: m.output_quantizers[0].get_scale().detach() for path, m in sums.items()}
 
-    def sim_codes(seed: int | None) -> dict[str, torch.Tensor]:
-        got: dict[str, torch.Tensor] = {}
-        handles = [
-            m.register_forward_hook(lambda _m, _a, out, path=path: got.__setitem__(path, out.detach()))
-            for path, m in sums.items()
-        ]
-        with torch.no_grad(), one_ulp_inputs(sim.model, seed) if seed is not None else nullcontext():
-            sim.model(ids)
-        for h in handles:
-            h.remove()
-        return {path: torch.round(x / scales[path]) for path, x in got.items()}
+    def sums_codes(seed: int | None) -> dict[str, torch.Tensor]:
+        codes = activation_codes(sim.model, ids, seed)
+        return {path: codes[f"{path}.output[0]"] for path in sums}
 
-    saved, moved = sim_codes(None), sim_codes(1)
+    saved, moved = sums_codes(None), sums_codes(1)
 
     onnx_sim, coverage = device_sim(args.export)
     names = {}

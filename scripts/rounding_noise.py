@@ -27,8 +27,9 @@ from aimet_quadapter.quant.quantizers import quantizers
 from aimet_quadapter.text.perplexity import eval_windows_for, perplexity
 
 
-def _codes(sim_model: torch.nn.Module, ids: torch.Tensor, seed: int | None = None) -> dict[str, torch.Tensor]:
-    """Every activation quantizer's integer codes of one forward pass over ``ids``."""
+def activation_codes(sim_model: torch.nn.Module, ids: torch.Tensor, seed: int | None = None) -> dict[str, torch.Tensor]:
+    """Every activation quantizer's integer codes of one forward pass over ``ids``, keyed ``path.role``; ``seed``:
+    with :func:`one_ulp_inputs` of that draw."""
     found: dict[str, torch.Tensor] = {}
     handles = []
     for path, role, q in quantizers(sim_model):
@@ -64,7 +65,7 @@ def main() -> None:
     windows = eval_windows_for(tokenizer, args.dataset, args.split, args.seq_len, max_tokens=args.max_tokens)
 
     first = windows[0].ids[None, :256]
-    before, after = _codes(sim.model, first), _codes(sim.model, first, seed=1)
+    before, after = activation_codes(sim.model, first), activation_codes(sim.model, first, seed=1)
     by_layer: dict[str, list[float]] = defaultdict(list)
     for name, codes in before.items():
         match = re.search(r"layers\.(\d+)\.", name)
