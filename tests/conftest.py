@@ -17,6 +17,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 import gc  # noqa: E402
 import random  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -82,6 +83,18 @@ def save_tiny_gpt2(folder: Path, tokenizer, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_cache(tmp_path_factory) -> Iterator[Path]:
+    """The package's cache (a fitted transform, a converted tokenizer) in the session's own folder: no test reads
+    what a run outside it left there."""
+    from aimet_quadapter.cache import CACHE_ENV
+
+    folder = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(folder))
+        yield folder
 
 
 @pytest.fixture(scope="session")

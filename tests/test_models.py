@@ -231,12 +231,13 @@ def test_offline_alias_declares_its_files_context_length(alias):
 @pytest.mark.slow  # converts the real SmolLM2 file's tokenizer
 def test_offline_tokenizer_is_cached_and_equal_to_the_converted_one(tmp_path, monkeypatch):
     """The tokenizer converted from the GGUF is kept in the cache; a second load reads it and tokenizes alike."""
+    from aimet_quadapter.cache import CACHE_ENV
     from aimet_quadapter.models import loading
 
     _offline_file("smollm2-135m")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     converted = loading.load_tokenizer("smollm2-135m")
-    saved = list((tmp_path / "aimet-quadapter" / "tokenizers").glob("*/tokenizer.json"))
+    saved = list((tmp_path / "tokenizers").glob("*/tokenizer.json"))
     assert len(saved) == 1
     cached = loading.load_tokenizer("smollm2-135m")
     assert Path(cached.name_or_path) == saved[0].parent

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..cache import cache_root
 from ..errors import QuadapterError
 from ..memory import LARGE_WEIGHTS_BYTES, MAPPED_BLOCK_BYTES, map_large_blocks
 from .hub import local_files_only
@@ -81,8 +82,7 @@ def _tokenizer_cache(gguf: Path) -> Path:
     seconds at every command, reading the converted one a fraction of one. Keyed by the file's identity."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aimet-quadapter" / "tokenizers"
-    return root / f"{gguf.stem}-{key}"
+    return cache_root() / "tokenizers" / f"{gguf.stem}-{key}"
 
 
 def _save_to_cache(tokenizer, folder: Path) -> None:

@@ -17,18 +17,25 @@ AIMET's reason, before any model loads.
 from __future__ import annotations
 
 import copy
+import hashlib
+import logging
 import tempfile
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from aimet_quadapter.atomic import write_atomic
+from aimet_quadapter.cache import cache_root
 from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
 
 if TYPE_CHECKING:  # torch and the models are imported where a technique runs: the table below is read first
     import torch
 
     from aimet_quadapter.models import PreparedLM
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -110,12 +117,61 @@ def fptquant_model(fp_model: PreparedLM, params: BaselineParameters | None = Non
 
     params = params or BaselineParameters()
     model = _transformed_copy(fp_model)
-    with extra_hadamard_orders(), fptquant(params.fptquant_iterations) as transforms:
-        transforms.insert_fpt_quant_transforms(model.lm, model.config)  # its local optimiser trains the transforms
-        with torch.no_grad():
-            transforms.merge_fpt_quant_transforms(model.lm)
+    cached = _fit_file(fp_model, f"fptquant-{params.fptquant_iterations}")
+    if not _load_fit(model, cached):
+        with extra_hadamard_orders(), fptquant(params.fptquant_iterations) as transforms:
+            transforms.insert_fpt_quant_transforms(model.lm, model.config)  # its optimiser trains the transforms
+            with torch.no_grad():
+                transforms.merge_fpt_quant_transforms(model.lm)
+        _save_fit(model, cached)
     _prefix_again(model, fp_model)
     return model
+
+
+def _fit_file(fp_model: PreparedLM, fit: str) -> Path:
+    """Where the weights of ``fit`` on ``fp_model`` are kept. FPTQuant's local optimiser reads no data, only the
+    weights it transforms (an hour on SmolLM2-135M on one CPU core), so its merged weights are a function of the FP
+    weights, the step count and AIMET's version: every FPTQuant cell of every run and seed and target after the
+    first reads them here."""
+    import aimet_torch
+    import torch
+
+    digest = hashlib.sha256(f"{fit}:aimet-torch {aimet_torch.__version__}".encode())
+    for name, p in fp_model.lm.named_parameters():
+        digest.update(f"{name}:{p.dtype}:{tuple(p.shape)}".encode())
+        digest.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
+    return cache_root() / "transforms" / f"{fit}-{digest.hexdigest()[:24]}.safetensors"
+
+
+def _load_fit(model: PreparedLM, path: Path) -> bool:
+    """Copy the kept weights into ``model``; False when there are none, or none this model can take."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        return False
+    try:
+        weights = load_file(path)
+        with torch.no_grad():
+            for name, p in model.lm.named_parameters():
+                p.copy_(weights[name])
+    except (OSError, SafetensorError, KeyError, RuntimeError) as e:  # a damaged file: fit again, write it anew
+        log.warning("ignoring the cached fit %s: %s", path, e)
+        return False
+    log.info("transformed weights from the cache: %s", path)
+    return True
+
+
+def _save_fit(model: PreparedLM, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    weights = {name: p.detach().cpu().contiguous() for name, p in model.lm.named_parameters()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda tmp: save_file(weights, tmp))
+    except OSError as e:  # a read-only or full cache: the fit is still this run's
+        log.warning("could not cache the fit in %s: %s", path, e)
 
 
 def apply_adascale(
