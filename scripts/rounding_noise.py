@@ -5,10 +5,14 @@ ulp (the export's noise-floor draw, ``one_ulp_inputs``: what another CPU's or ru
 prints the perplexities and their range; and, on the first 256 tokens, the share of activation codes (the integers
 the quantizers round to) that the first draw changed, layer by layer.
 
+With ``--orders`` a draw instead sums the terms of every matrix product (each Linear layer's and attention's two)
+in a random order of its own: the sums of another runtime, whose kernels order them otherwise, not a move of a
+fixed size.
+
     python scripts/rounding_noise.py runs/demo/seed-0/calib-generated/ptq --model smollm2-135m --draws 3
     python scripts/rounding_noise.py S --model smollm2-135m --split valid --seq-len 128 --max-tokens 512 --draws 5
         (the windows of `export S --verify-split valid`: the band its --device-check is compared with; --ulps 16
-        for the draws of a runtime whose sums round further from the sim's)
+        for the draws of a runtime whose sums round further from the sim's; --orders for its summation orders)
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from __future__ import annotations
 import argparse
 import re
 from collections import defaultdict
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
@@ -27,9 +32,51 @@ from aimet_quadapter.quant.quantizers import quantizers
 from aimet_quadapter.text.perplexity import eval_windows_for, perplexity
 
 
-def activation_codes(sim_model: torch.nn.Module, ids: torch.Tensor, seed: int | None = None) -> dict[str, torch.Tensor]:
+@contextmanager
+def shuffled_sums(model: torch.nn.Module, seed: int) -> Iterator[None]:
+    """Every matrix product of ``model`` sums its terms in a random order (a fixed draw per ``seed``): the inputs'
+    contracted dimension and the weights' columns permuted alike, so each sum is the same sum of the same terms, as
+    exact in real numbers and rounded as another kernel's order rounds it. Per-tensor and per-output-channel
+    quantizers see the same values in another order."""
+    from aimet_torch.nn.modules.custom import MatMul
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def order(n: int) -> torch.Tensor:
+        return torch.randperm(n, generator=generator)
+
+    def linear_in(module, args):
+        perm = order(args[0].shape[-1])
+        module.unshuffled = module.weight.data  # the tied lm_head's table is the embedding's: swapped, not permuted
+        module.weight.data = module.weight.data[:, perm]
+        return (args[0][..., perm], *args[1:])
+
+    def linear_out(module, args, out):
+        module.weight.data = module.__dict__.pop("unshuffled")
+
+    def matmul_in(module, args):
+        a, b = args[:2]
+        perm = order(a.shape[-1]).to(a.device)
+        return (a[..., perm], b[..., perm, :], *args[2:])
+
+    handles = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            handles += [module.register_forward_pre_hook(linear_in), module.register_forward_hook(linear_out)]
+        elif isinstance(module, MatMul):
+            handles.append(module.register_forward_pre_hook(matmul_in))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def activation_codes(
+    sim_model: torch.nn.Module, ids: torch.Tensor, seed: int | None = None, noise: Callable | None = None
+) -> dict[str, torch.Tensor]:
     """Every activation quantizer's integer codes of one forward pass over ``ids``, keyed ``path.role``; ``seed``:
-    with :func:`one_ulp_inputs` of that draw."""
+    with ``noise`` of that draw (:func:`one_ulp_inputs` unless given)."""
     found: dict[str, torch.Tensor] = {}
     handles = []
     for path, role, q in quantizers(sim_model):
@@ -41,7 +88,8 @@ def activation_codes(sim_model: torch.nn.Module, ids: torch.Tensor, seed: int | 
 
             handles.append(q.register_forward_hook(keep))
     try:
-        with torch.no_grad(), one_ulp_inputs(sim_model, seed) if seed is not None else nullcontext():
+        draw = (noise or one_ulp_inputs)(sim_model, seed) if seed is not None else nullcontext()
+        with torch.no_grad(), draw:
             sim_model(ids)
     finally:
         for h in handles:
@@ -59,24 +107,31 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--draws", type=int, default=3)
     p.add_argument("--ulps", type=int, default=1, help="the draws' move, in float32 ulps (codes: always one)")
+    p.add_argument("--orders", action="store_true", help="draws sum every matrix product in a random order instead")
     args = p.parse_args()
+
+    def noise(model: torch.nn.Module, seed: int) -> AbstractContextManager[None]:
+        return shuffled_sums(model, seed) if args.orders else one_ulp_inputs(model, seed, args.ulps)
+
     model, tokenizer = load_model(args.model, quiet=True)
     sim = QuadapterState.load(resolve_state(args.state)).build_sim(model, in_place=True)
     windows = eval_windows_for(tokenizer, args.dataset, args.split, args.seq_len, max_tokens=args.max_tokens)
 
     first = windows[0].ids[None, :256]
-    before, after = activation_codes(sim.model, first), activation_codes(sim.model, first, seed=1)
+    before, after = activation_codes(sim.model, first), activation_codes(sim.model, first, 1, noise)
     by_layer: dict[str, list[float]] = defaultdict(list)
     for name, codes in before.items():
+        if args.orders and ".input[" in name:  # a permuted product's inputs: the same codes in another order
+            continue
         match = re.search(r"layers\.(\d+)\.", name)
         by_layer[match.group(1) if match else "head"].append((codes != after[name]).float().mean().item())
-    print("share of activation codes one draw changes, first 256 tokens:")
+    print(f"share of {'output ' if args.orders else ''}activation codes one draw changes, first 256 tokens:")
     for layer, shares in by_layer.items():
         print(f"  layer {layer}: mean {sum(shares) / len(shares):.1e}, largest {max(shares):.1e}")
 
     ppl = []
     for seed in (None, *range(1, args.draws + 1)):
-        with one_ulp_inputs(sim.model, seed, args.ulps) if seed is not None else nullcontext():
+        with noise(sim.model, seed) if seed is not None else nullcontext():
             ppl.append(perplexity(sim.model, windows, progress=False).ppl)
         print(f"{'as saved' if seed is None else f'draw {seed}'}: {args.dataset} {args.split} perplexity {ppl[-1]:.3f}")
     print(f"range {min(ppl):.3f}-{max(ppl):.3f}: {100 * (max(ppl) / min(ppl) - 1):.2f} % of the lowest")

@@ -763,3 +763,32 @@ def test_an_optimized_session_does_not_saturate_integer_products():
     (as_written,) = ort_session(model, optimize=False).run(None, {"x": x})
     assert np.abs(as_written).max() > 2 * 32767  # the exact sums are beyond a 16-bit accumulator
     np.testing.assert_array_equal(fused, as_written)
+
+
+def test_a_summation_order_draw_sums_the_same_terms():
+    """``scripts/rounding_noise.py --orders``: each matrix product of a draw sums its terms in another order, so the
+    FP model's logits move by float32 rounding only, a tied embedding table stays as it is, and the model after the
+    draw is the model before it. A product whose input were permuted without its weights would move them by the
+    logits' own size."""
+    import runpy
+
+    from aimet_quadapter.testing import toy_model
+
+    shuffled_sums = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "rounding_noise.py"))["shuffled_sums"]
+    model = toy_model("llama")
+    model.lm.lm_head.weight = model.lm.model.embed_tokens.weight  # tied, as SmolLM2's
+    table = model.lm.model.embed_tokens.weight.detach().clone()
+    ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    sim = build_sim(model, QuantPolicy(target="htp"))
+    calibrate(sim, [ids])
+    with torch.no_grad():
+        before, sim_before = model(ids), sim.model(ids)
+        with shuffled_sums(model, 1):
+            drawn = model(ids)
+        with shuffled_sums(sim.model, 1):
+            sim.model(ids)
+        after, sim_after = model(ids), sim.model(ids)
+    assert not torch.equal(drawn, before)
+    assert (drawn - before).abs().max() <= 256 * torch.finfo(torch.float32).eps * before.abs().max()
+    assert torch.equal(after, before) and torch.equal(sim_after, sim_before)
+    assert torch.equal(model.lm.model.embed_tokens.weight, table)
