@@ -1,10 +1,10 @@
 """Where the device graph parts from the sim: the residual stream's codes, sum by sum, on one window.
 
 For every residual sum (the tensors only target ``htp`` quantizes), the share of its integer codes that differ
-from the sim's: in the sim with every quantizer input moved by one float32 ulp (``one_ulp_inputs``, another
-runtime's summation order), and in the export's graph in AIMET's ONNX simulation (``--device-check``'s graph,
-its encodings loaded). A defect of placement or encodings shows in the first layers; float32 rounding starts
-at a handful of codes and grows with depth.
+from the sim's: in the sim with every quantizer input moved by one float32 ulp (``one_ulp_inputs``), in the sim
+with every matrix product summed in another order (``rounding_noise.shuffled_sums``), and in the export's graph
+in AIMET's ONNX simulation (``--device-check``'s graph, its encodings loaded). A defect of placement or encodings
+shows in the first layers; float32 rounding starts at a handful of codes and grows with depth.
 
     python scripts/device_divergence.py S E --model smollm2-135m
         (S: a state; E: its `aimet-quadapter export S --model smollm2-135m --out E --device-check --verify-split valid`)
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from aimet_onnx.utils import OrtInferenceSession
 from onnx import TensorProto, helper
-from rounding_noise import activation_codes  # beside this script
+from rounding_noise import activation_codes, shuffled_sums  # beside this script
 
 from aimet_quadapter.export.device_check import device_sim
 from aimet_quadapter.export.formats import INPUT_NAME
@@ -51,11 +51,11 @@ def main() -> None:
     sums = {path: m for path, m in sim.model.named_modules() if re.search(r"residual_adds\.\d$", path)}
     scales = {path: m.output_quantizers[0].get_scale().detach() for path, m in sums.items()}
 
-    def sums_codes(seed: int | None) -> dict[str, torch.Tensor]:
-        codes = activation_codes(sim.model, ids, seed)
+    def sums_codes(seed: int | None, noise=None) -> dict[str, torch.Tensor]:
+        codes = activation_codes(sim.model, ids, seed, noise)
         return {path: codes[f"{path}.output[0]"] for path in sums}
 
-    saved, moved = sums_codes(None), sums_codes(1)
+    saved, moved, shuffled = sums_codes(None), sums_codes(1), sums_codes(1, shuffled_sums)
 
     onnx_sim, coverage = device_sim(args.export)
     names = {}
@@ -76,11 +76,12 @@ def main() -> None:
     }
 
     print(f"{args.dataset} {args.split}, first window ({seq_len} tokens); share of codes unlike the sim's")
-    print("residual sum | scale | one-ulp draw | device graph | device, largest code difference")
+    print("residual sum | scale | one-ulp draw | summation-order draw | device graph | device, largest code difference")
     for path in sums:
         s = saved[path]
-        ulp, dev = (moved[path] != s).float().mean().item(), (device[path] != s).float().mean().item()
-        print(f"{path} | {scales[path].item():.4g} | {ulp:.2e} | {dev:.2e} | {int((device[path] - s).abs().max())}")
+        ulp, order, dev = ((codes[path] != s).float().mean().item() for codes in (moved, shuffled, device))
+        largest = int((device[path] - s).abs().max())
+        print(f"{path} | {scales[path].item():.4g} | {ulp:.2e} | {order:.2e} | {dev:.2e} | {largest}")
 
 
 if __name__ == "__main__":
