@@ -263,7 +263,10 @@ def test_fptquant_changes_the_weights_and_keeps_the_fp_function(family):
 
 def test_fptquant_fits_once_per_weights_and_steps(tmp_path, monkeypatch):
     """FPTQuant's fit reads only the weights: a second call on the same weights and step count takes the kept
-    weights without fitting; other steps, other weights or a damaged file fit again."""
+    weights without fitting; other steps, other weights, another way of calling AIMET or a damaged file fit
+    again."""
+    from aimet_torch.experimental.fptquant.fptquant_optimizer import FPTQuant
+
     from aimet_quadapter.cache import CACHE_ENV
     from aimet_quadapter.quant import aimet_private
     from aimet_quadapter.quant.llm_techniques import fptquant_model
@@ -271,12 +274,12 @@ def test_fptquant_fits_once_per_weights_and_steps(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     model = toy_model("qwen2")
     first = fptquant_model(model, BaselineParameters(fptquant_iterations=2))
-    fit = aimet_private.fptquant
+    fit = FPTQuant.insert_fpt_quant_transforms
 
-    def refuse(iterations):
+    def refuse(*args):
         raise AssertionError("fitted again")
 
-    monkeypatch.setattr(aimet_private, "fptquant", refuse)
+    monkeypatch.setattr(FPTQuant, "insert_fpt_quant_transforms", staticmethod(refuse))
     again = fptquant_model(model, BaselineParameters(fptquant_iterations=2))
     assert all(torch.equal(a, b) for a, b in zip(again.parameters(), first.parameters()))
     assert any(not torch.equal(a, b) for a, b in zip(again.parameters(), model.parameters()))
@@ -285,11 +288,20 @@ def test_fptquant_fits_once_per_weights_and_steps(tmp_path, monkeypatch):
     model.lm.lm_head.weight.data.mul_(2)
     with pytest.raises(AssertionError, match="fitted again"):
         fptquant_model(model, BaselineParameters(fptquant_iterations=2))
-
     model.lm.lm_head.weight.data.div_(2)
+    calls = aimet_private.fptquant
+
+    def other_call(iterations):  # as if this package enabled another of AIMET's transforms
+        return calls(iterations)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(aimet_private, "fptquant", other_call)
+        with pytest.raises(AssertionError, match="fitted again"):
+            fptquant_model(model, BaselineParameters(fptquant_iterations=2))
+
     (kept,) = (tmp_path / "transforms").glob("fptquant-2-*")
     kept.write_bytes(kept.read_bytes()[:100])
-    monkeypatch.setattr(aimet_private, "fptquant", fit)
+    monkeypatch.setattr(FPTQuant, "insert_fpt_quant_transforms", fit)
     refitted = fptquant_model(model, BaselineParameters(fptquant_iterations=2))
     assert all(torch.equal(a, b) for a, b in zip(refitted.parameters(), first.parameters()))
     assert kept.stat().st_size > 100

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import logging
 import tempfile
 import warnings
@@ -131,12 +132,16 @@ def fptquant_model(fp_model: PreparedLM, params: BaselineParameters | None = Non
 def _fit_file(fp_model: PreparedLM, fit: str) -> Path:
     """Where the weights of ``fit`` on ``fp_model`` are kept. FPTQuant's local optimiser reads no data, only the
     weights it transforms (an hour on SmolLM2-135M on one CPU core), so its merged weights are a function of the FP
-    weights, the step count and AIMET's version: every FPTQuant cell of every run and seed and target after the
-    first reads them here."""
+    weights, the step count, AIMET's version and how this package calls it: every FPTQuant cell of every run, seed
+    and target after the first reads them here."""
     import aimet_torch
     import torch
 
-    digest = hashlib.sha256(f"{fit}:aimet-torch {aimet_torch.__version__}".encode())
+    from aimet_quadapter.quant import aimet_private
+
+    # the calls that fit: a change to them (another transform enabled, say) is another key, not a stale file
+    calls = "".join(inspect.getsource(f) for f in (fptquant_model, aimet_private.fptquant))
+    digest = hashlib.sha256(f"{fit}:aimet-torch {aimet_torch.__version__}:{calls}".encode())
     for name, p in fp_model.lm.named_parameters():
         digest.update(f"{name}:{p.dtype}:{tuple(p.shape)}".encode())
         digest.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
