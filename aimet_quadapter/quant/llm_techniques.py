@@ -156,14 +156,18 @@ def _load_fit(model: PreparedLM, path: Path) -> bool:
 
     if not path.is_file():
         return False
+    params = dict(model.lm.named_parameters())
     try:
         weights = load_file(path)
-        with torch.no_grad():
-            for name, p in model.lm.named_parameters():
-                p.copy_(weights[name])
-    except (OSError, SafetensorError, KeyError, RuntimeError) as e:  # a damaged file: fit again, write it anew
+    except (OSError, SafetensorError) as e:  # a damaged file: fit again, write it anew
         log.warning("ignoring the cached fit %s: %s", path, e)
         return False
+    if weights.keys() != params.keys() or any(weights[n].shape != p.shape for n, p in params.items()):
+        log.warning("ignoring the cached fit %s: not this model's parameters", path)
+        return False
+    with torch.no_grad():  # checked whole first: a refit never starts from half-copied weights
+        for name, p in params.items():
+            p.copy_(weights[name])
     log.info("transformed weights from the cache: %s", path)
     return True
 
