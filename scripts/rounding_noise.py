@@ -46,7 +46,7 @@ def shuffled_sums(model: torch.nn.Module, seed: int) -> Iterator[None]:
         return torch.randperm(n, generator=generator)
 
     def linear_in(module, args):
-        perm = order(args[0].shape[-1])
+        perm = order(args[0].shape[-1]).to(args[0].device)
         module.unshuffled = module.weight.data  # the tied lm_head's table is the embedding's: swapped, not permuted
         module.weight.data = module.weight.data[:, perm]
         return (args[0][..., perm], *args[1:])
