@@ -6,8 +6,14 @@ with every matrix product summed in another order (``rounding_noise.shuffled_sum
 in AIMET's ONNX simulation (``--device-check``'s graph, its encodings loaded). A defect of placement or encodings
 shows in the first layers; float32 rounding starts at a handful of codes and grows with depth.
 
+With ``--tensors``, instead, every tensor the export's encodings name, in the graph's order: the share of its values
+(each a code apart, or off the grid) that differ between this package's own onnxruntime graph (``model.onnx`` with a
+QuantizeLinear/DequantizeLinear pair at each named tensor, the export's verification) and AIMET's ONNX simulation of
+the same graph and encodings. Both run onnxruntime's float kernels; only the quantizers differ.
+
     python scripts/device_divergence.py S E --model smollm2-135m
         (S: a state; E: its `aimet-quadapter export S --model smollm2-135m --out E --device-check --verify-split valid`)
+    python scripts/device_divergence.py S E --model smollm2-135m --tensors
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from onnx import TensorProto, helper
 from rounding_noise import activation_codes, shuffled_sums  # beside this script
 
 from aimet_quadapter.export.device_check import device_sim
-from aimet_quadapter.export.formats import INPUT_NAME
+from aimet_quadapter.export.formats import ENCODINGS, FP_ONNX, INPUT_NAME
+from aimet_quadapter.export.onnx_eval import apply_encodings, ort_session, read_encodings
 from aimet_quadapter.models import load_model
 from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
 from aimet_quadapter.text.perplexity import eval_windows_for
@@ -35,6 +42,39 @@ def _onnx_scope(path: str) -> str:
     return "/" + re.sub(r"\.(?!\d)", "/", path) + "/"
 
 
+def tensor_divergence(export: Path, ids: np.ndarray, shown: int = 30) -> None:
+    """Print the first ``shown`` tensors whose values differ between the export's own QDQ evaluation and the device
+    graph (see the module's doc), and how many differ in all."""
+    import onnx
+
+    encodings = read_encodings(json.loads((export / ENCODINGS).read_text()))
+    scales = {e.name: float(np.max(e.scale)) for e in encodings}  # per channel: the largest step, a lower bound
+    fp = onnx.load(str(export / FP_ONNX))
+    ours, _ = apply_encodings(fp, encodings)
+    onnx_sim, _ = device_sim(export)
+    onnx_sim.compute_encodings([{INPUT_NAME: ids}])  # every tensor carries an encoding of its own: none is changed
+    graph = onnx_sim.model.model.graph
+    produced = {o for node in graph.node for o in node.output}
+    names = [o for node in fp.graph.node for o in node.output if o in scales and o + "_updated" in produced]
+    for name in names:
+        ours.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+        graph.output.append(helper.make_tensor_value_info(name + "_updated", TensorProto.FLOAT, None))
+    session = ort_session(ours.SerializeToString(), optimize=False)
+    mine = dict(zip([o.name for o in session.get_outputs()], session.run(None, {INPUT_NAME: ids})))
+    device_session = OrtInferenceSession(onnx_sim.model.model, ["CPUExecutionProvider"])
+    theirs = dict(zip([o.name for o in device_session.get_outputs()], device_session.run(None, {INPUT_NAME: ids})))
+    print(f"{len(names)} quantized tensors in both graphs, in the graph's order; share of values unlike")
+    differing = 0
+    for name in names:
+        steps = np.abs(mine[name] - theirs[name + "_updated"]) / scales[name]
+        share = float((steps > 1e-3).mean())  # a code apart, or off the grid (a quantizer left out)
+        if share > 0:
+            differing += 1
+            if differing <= shown:
+                print(f"{name} | {share:.2e} | largest {steps.max():.1f} codes")
+    print(f"{differing} of {len(names)} tensors differ")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("state", help="a Quadapter state file, or a cell folder holding one")
@@ -42,11 +82,15 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--dataset", default="ptb")
     p.add_argument("--split", default="valid")
+    p.add_argument("--tensors", action="store_true", help="every encoded tensor: the export's own graph against it")
     args = p.parse_args()
     seq_len = int(json.loads((args.export / "manifest.json").read_text())["seq_len"])
     model, tokenizer = load_model(args.model, quiet=True)
-    sim = QuadapterState.load(resolve_state(args.state)).build_sim(model, in_place=True)
     ids = eval_windows_for(tokenizer, args.dataset, args.split, seq_len, max_tokens=seq_len)[0].ids[None]
+    if args.tensors:
+        tensor_divergence(args.export, ids.numpy().astype(np.int64))
+        return
+    sim = QuadapterState.load(resolve_state(args.state)).build_sim(model, in_place=True)
 
     sums = {path: m for path, m in sim.model.named_modules() if re.search(r"residual_adds\.\d$", path)}
     scales = {path: m.output_quantizers[0].get_scale().detach() for path, m in sums.items()}

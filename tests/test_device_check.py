@@ -4,15 +4,20 @@ package's encodings loaded and frozen, every other tensor calibrated; its covera
 from __future__ import annotations
 
 import json
+import re
+import runpy
 import shutil
+from pathlib import Path
 
+import numpy as np
+import onnx
 import pytest
 
 pytest.importorskip("aimet_onnx", reason="aimet-onnx is the optional extra device-check")
 
 from aimet_quadapter.export.device_check import DeviceGraphCheck, device_sim  # noqa: E402
 from aimet_quadapter.export.exporter import export_quantized  # noqa: E402
-from aimet_quadapter.export.formats import ENCODINGS  # noqa: E402
+from aimet_quadapter.export.formats import ENCODINGS, FP_ONNX  # noqa: E402
 from aimet_quadapter.quant.config import QuantPolicy  # noqa: E402
 from aimet_quadapter.quant.policy import build_sim, calibrate  # noqa: E402
 from aimet_quadapter.testing import sample_corpus, toy_model  # noqa: E402
@@ -64,6 +69,47 @@ def test_the_device_graph_holds_the_residual_streams_encodings_and_names_the_res
     else:  # GPT-2's Conv1D is a MatMul, then the bias Add whose output the sim quantizes
         assert coverage.missing and all(n.endswith("/MatMul_output_0") for n in coverage.missing)
     assert (out / "device_check" / "device.encodings").is_file()
+
+
+def test_every_tensor_it_counts_as_covered_runs_quantized(checked):
+    """aimet-onnx ties a Concat's inputs to its output (one quantizer, several names): the prefix's constant keys and
+    values share the quantizer of the sequence's own, so switching them off as folded constants would leave every
+    layer's keys and values in float while the report still counted them."""
+    model, _, out, report = checked
+    sim, coverage = device_sim(out)
+    assert all(sim.qc_quantize_op_dict[n].enabled for n in coverage.covered)
+    joined = [n for n in coverage.covered if re.search(r"/self_attn/Concat(_1)?_output_0$", n)]
+    assert len(joined) == (2 * len(model.block_paths()) if model.prefix_ids is not None else 0)
+    assert not set(coverage.constants) & set(coverage.covered)
+
+
+def test_device_divergence_names_the_first_tensor_the_device_graph_holds_otherwise(checked, monkeypatch, capsys):
+    """``scripts/device_divergence.py --tensors``: with the quantizer of the first tensor the graph computes (the first
+    norm's, or GPT-2's sum of embeddings) off in the device graph, that tensor is the first it names, not before."""
+    _, corpus, out, _ = checked
+    scripts = Path(__file__).parents[1] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))  # it imports rounding_noise from beside it
+    tensor_divergence = runpy.run_path(str(scripts / "device_divergence.py"))["tensor_divergence"]
+    ids = corpus[8][None].numpy().astype(np.int64)
+    real = tensor_divergence.__globals__["device_sim"]
+    covered = set(real(out)[1].covered)
+    graph = onnx.load(str(out / FP_ONNX)).graph  # a Gather of quantized rows is on their grid already: the next op's
+    start = next(o for node in graph.node if node.op_type != "Gather" for o in node.output if o in covered)
+
+    def first_named() -> str:
+        tensor_divergence(out, ids)
+        lines = capsys.readouterr().out.splitlines()
+        return lines[1].split(" | ")[0] if len(lines) > 2 else ""
+
+    assert first_named() != start
+
+    def first_off(export):
+        sim, coverage = real(export)
+        sim.qc_quantize_op_dict[start].enabled = False
+        return sim, coverage
+
+    monkeypatch.setitem(tensor_divergence.__globals__, "device_sim", first_off)
+    assert first_named() == start
 
 
 def test_the_device_graph_scores_near_the_sim(checked):

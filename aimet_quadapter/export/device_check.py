@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,13 +72,23 @@ def device_sim(export: Path) -> tuple[Any, Coverage]:
     )
     # the embedding table is a Gather input aimet-onnx quantizes as an activation; the export names it a param
     ours = {e.name for e in read_encodings(json.loads(encodings_file.read_text()))}
-    quantized = [n for n in sim.activation_names if (q := sim.qc_quantize_op_dict.get(n)) is not None and q.enabled]
+    quantizer = sim.qc_quantize_op_dict
+    # aimet-onnx ties a Concat's inputs to its output, one quantizer under several names: the prefix's constant keys
+    # and values share the sequence's own, and a converter quantizes them with that encoding rather than fold them
+    tied: dict[int, list[str]] = defaultdict(list)
+    for name, q in quantizer.items():
+        tied[id(q)].append(name)
+
+    def encoded(name: str) -> bool:
+        return any(n in ours for n in tied[id(quantizer[name])])
+
+    quantized = [n for n in sim.activation_names if (q := quantizer.get(n)) is not None and q.enabled]
     folded = _constant_tensors(model)
-    constants = [n for n in quantized if n in folded and n not in ours]
+    constants = [n for n in quantized if all(t in folded for t in tied[id(quantizer[n])]) and not encoded(n)]
     for name in constants:  # a converter folds them: the rotary angles, the causal mask, the mask's fill value
-        sim.qc_quantize_op_dict[name].enabled = False
-    quantized = [n for n in quantized if n not in constants]
-    return sim, Coverage([n for n in quantized if n in ours], [n for n in quantized if n not in ours], constants)
+        quantizer[name].enabled = False
+    quantized = [n for n in sim.activation_names if (q := quantizer.get(n)) is not None and q.enabled]
+    return sim, Coverage([n for n in quantized if encoded(n)], [n for n in quantized if not encoded(n)], constants)
 
 
 def _constant_tensors(model: Any) -> set[str]:
