@@ -87,7 +87,7 @@ def device_sim(export: Path) -> tuple[Any, Coverage]:
     constants = [n for n in quantized if all(t in folded for t in tied[id(quantizer[n])]) and not encoded(n)]
     for name in constants:  # a converter folds them: the rotary angles, the causal mask, the mask's fill value
         quantizer[name].enabled = False
-    quantized = [n for n in sim.activation_names if (q := quantizer.get(n)) is not None and q.enabled]
+    quantized = [n for n in quantized if n not in constants]  # a folded quantizer holds constants' names only
     return sim, Coverage([n for n in quantized if encoded(n)], [n for n in quantized if not encoded(n)], constants)
 
 
