@@ -193,6 +193,7 @@ TWINS = (
     "test_aimet_techniques.py::test_a_rotated_training_state_rebuilds_the_sim_it_trained[spinquant_cle_phase2]",
     "test_aimet_techniques.py::test_a_rotated_training_state_rebuilds_the_sim_it_trained[fptquant_quadapter]",
     "test_aimet_techniques.py::test_a_rotated_training_state_rebuilds_the_sim_it_trained[fptquant_cle_phase2]",
+    "test_aimet_techniques.py::test_a_rotated_training_state_rebuilds_the_sim_it_trained[spinquant_quadapter_bc_qat]",
     # the device graph of the llama toy with a prefix stays quick: the same graph and more (the prefix's cache)
     "test_device_check.py::test_the_device_graph_holds_the_residual_streams_encodings_and_names_the_rest[llama]",
     "test_device_check.py::test_the_device_graph_scores_near_the_sim[llama]",

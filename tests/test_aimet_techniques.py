@@ -3,6 +3,7 @@ where AIMET refuses, composed with Quadapter, and exported as plain weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -21,6 +22,7 @@ quiet_libraries()
 ALL = "fp,ptq,spinquant,adascale,omniquant,fptquant,seq_mse,adaround,spinquant_quadapter,quadapter_seq_mse"
 ALL += ",spinquant_cle_phase2,quadapter_adaround"  # spinquant_quadapter's matched baseline; Quadapter then AdaRound
 ALL += ",fptquant_quadapter,fptquant_cle_phase2"  # the same composition and baseline on FPTQuant's model
+ALL += ",spinquant_quadapter_bc_qat,spinquant_qat"  # the paper's BC+QAT on the rotated model and its baseline
 # the compositions' starts, each row compared with its own: Quadapter's cell (they continue from it: catalog
 # continues), CLE + phase 2 unrotated
 ALL += ",quadapter,cle_phase2"
@@ -66,6 +68,7 @@ def test_every_aimet_technique_and_composition_runs_from_the_command_line(checkp
     from aimet_quadapter.quadapter.state import QuadapterState
 
     transformed = ("spinquant_quadapter", "spinquant_cle_phase2", "fptquant_quadapter", "fptquant_cle_phase2")
+    transformed += ("spinquant_quadapter_bc_qat", "spinquant_qat")
     for name in ("spinquant", "fptquant", "adascale", "omniquant", *transformed):
         assert QuadapterState.load(states[name]).weights, f"{name}'s state lost its weights"
     for name, path in states.items():  # the export's manifest names the method from this
@@ -108,6 +111,10 @@ def _each_row_moves_from_where_it_starts(ppl: dict[str, float], info: dict[str, 
         ("fptquant_quadapter", "quadapter"),
         ("fptquant_cle_phase2", "fptquant"),
         ("fptquant_cle_phase2", "cle_phase2"),
+        # BC+QAT against its baseline: test_a_rotated_training_state_rebuilds_the_sim_it_trained (here phase 1's
+        # 2 steps beat no start, which it keeps: BC+QAT is QAT)
+        ("spinquant_quadapter_bc_qat", "spinquant"),
+        ("spinquant_qat", "spinquant"),
     ):
         assert off(name, start) > NOISE, (name, start, ppl)
 
@@ -173,11 +180,19 @@ def test_omniquants_learned_weight_ranges_outlive_calibration(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "name", ["spinquant_quadapter", "spinquant_cle_phase2", "fptquant_quadapter", "fptquant_cle_phase2"]
+    "name",
+    [
+        "spinquant_quadapter",
+        "spinquant_cle_phase2",
+        "fptquant_quadapter",
+        "fptquant_cle_phase2",
+        "spinquant_quadapter_bc_qat",
+    ],
 )
 def test_a_rotated_training_state_rebuilds_the_sim_it_trained(name, tmp_path):
-    """A state of training on the rotated model holds the rotated weights unfolded and its alphas apart: folded
-    twice (alphas into weights that already carry them) or not rotated, the rebuilt sim would compute otherwise."""
+    """A state of training on the rotated model holds the rotated weights unfolded and its alphas apart (BC+QAT:
+    the alphas folded into the weights it trained, none apart): folded twice or not rotated, the rebuilt sim would
+    compute otherwise."""
     from aimet_quadapter.methods.registry import MethodContext, run_method
     from aimet_quadapter.quadapter.config import Phase1Parameters, Phase2Parameters, QuadapterParameters
     from aimet_quadapter.quadapter.state import QuadapterState
@@ -186,20 +201,25 @@ def test_a_rotated_training_state_rebuilds_the_sim_it_trained(name, tmp_path):
 
     model = toy_model("llama")
     corpus = sample_corpus(model, 8, 32, seed=1)
-    params = QuadapterParameters(
-        phase1=Phase1Parameters(steps=2), phase2=Phase2Parameters(steps=2, batch_size=2, learn_ranges=True)
+    params = QuadapterParameters(  # phase 1 keeps alphas of its own at 4 steps (at 2, its start)
+        phase1=Phase1Parameters(steps=4), phase2=Phase2Parameters(steps=2, batch_size=2, learn_ranges=True)
     )
     ctx = MethodContext(model, QuantPolicy(), [corpus[:2]], [corpus[2:4]], params, out_dir=tmp_path, progress=False)
     ctx.baselines = BaselineParameters(fptquant_iterations=2)
     sim = run_method(name, ctx)
     state = QuadapterState.load(tmp_path / f"{name}.safetensors")
-    assert state.weights and state.alphas
+    assert state.weights and bool(state.alphas) == ("qat" not in name)
     # the cell's one state: phase 1's alphas of the rotated model, without its weights, are no model to export
     assert [p.name for p in tmp_path.glob("*.safetensors")] == [f"{name}.safetensors"]
     windows = [w for row in corpus[4:8] for w in eval_windows(row, 32)]
     assert perplexity(state.build_sim(model).model, windows, progress=False).ppl == pytest.approx(
         perplexity(sim.model, windows, progress=False).ppl, rel=1e-5
     )
+    if name == "spinquant_quadapter_bc_qat":  # phase 1's alphas are in the weights QAT started from: not QAT's
+        run_method("spinquant_qat", dataclasses.replace(ctx, out_dir=tmp_path / "qat", info={}, saved=set()))
+        qat = QuadapterState.load(tmp_path / "qat" / "spinquant_qat.safetensors").weights
+        assert qat.keys() == state.weights.keys()
+        assert any(not torch.equal(w, qat[n]) for n, w in state.weights.items() if "proj" in n)
 
 
 def test_an_order_576_hadamard_is_one_and_leaves_aimets_own_orders_alone():

@@ -452,14 +452,15 @@ def test_a_baselines_field_computes_again_only_the_methods_that_read_it(tmp_path
 
     base = fingerprints()
     qat = {"qat", "qat_fixed_ranges", "quadapter_bc_qat", "quadapter_bc_qat_fixed_ranges", "fp_finetuned"}
+    qat |= {f"{t}_{m}" for t in ("spinquant", "fptquant") for m in ("qat", "quadapter_bc_qat")}
     for override, readers in (
         ("baselines.adaround_iterations=7", {"adaround", "quadapter_adaround"}),
         ("baselines.adaround_reg_param=0.5", {"adaround", "quadapter_adaround"}),
         ("baselines.adaround_batches=1", {"adaround", "quadapter_adaround"}),
         ("baselines.seq_mse_candidates=3", {"seq_mse", "quadapter_seq_mse", "quadapter_seq_mse_learned"}),
         ("baselines.seq_mse_any_bits=false", {"seq_mse", "quadapter_seq_mse", "quadapter_seq_mse_learned"}),
-        ("baselines.spinquant_r2=true", {"spinquant", "spinquant_quadapter", "spinquant_cle_phase2"}),
-        ("baselines.fptquant_iterations=3", {"fptquant", "fptquant_quadapter", "fptquant_cle_phase2"}),
+        ("baselines.spinquant_r2=true", {m for m in CATALOG if m.startswith("spinquant")}),
+        ("baselines.fptquant_iterations=3", {m for m in CATALOG if m.startswith("fptquant")}),
         ("baselines.adascale_iterations=3", {"adascale"}),
         ("baselines.omniquant_iterations=3", {"omniquant"}),
         ("baselines.qat_lr_weights=0.5", qat),

@@ -100,7 +100,8 @@ def _after_quadapter(label: str, reads: tuple[str, ...]) -> MethodInfo:
 def _on_transform(technique: str, label: str, reads: str) -> dict[str, MethodInfo]:
     """``<technique>_quadapter`` (Quadapter, both phases, on AIMET's ``technique``'s FP-equivalent model) and its
     matched baseline ``<technique>_cle_phase2`` (the same transform and phase 2, CLE's alphas fixed, the ranges
-    learning); ``reads``: the technique's own field."""
+    learning); ``<technique>_quadapter_bc_qat`` and ``<technique>_qat`` likewise; ``reads``: the technique's own
+    field."""
     return {
         f"{technique}_quadapter": MethodInfo(
             f"{label} + Quadapter",
@@ -115,6 +116,18 @@ def _on_transform(technique: str, label: str, reads: str) -> dict[str, MethodInf
             aimet=technique,
             reads=("quadapter.extra_sites", "phase2", reads),
             unused=_NO_ALPHA,
+        ),
+        # the paper's BC+QAT on the transformed model, and its matched baseline: the same QAT from PTQ's sim
+        f"{technique}_quadapter_bc_qat": MethodInfo(
+            f"{label} + Quadapter BC+QAT",
+            finetunes=True,
+            aimet=technique,
+            matched=(f"{technique}_qat", "quadapter_bc_qat"),
+            reads=(*_PHASE1, "phase2", _QAT_LR, reads),
+            unused=_QAT,
+        ),
+        f"{technique}_qat": MethodInfo(
+            f"{label} + QAT", finetunes=True, aimet=technique, reads=("phase2", _QAT_LR, reads), unused=_QAT
         ),
     }
 

@@ -367,14 +367,27 @@ def _cle_phase2_on(ctx: MethodContext, name: str, transform) -> QuantizationSimM
     return sim
 
 
-# each AIMET transform's composition with Quadapter and its matched baseline (catalog ``_on_transform``)
+def _qat_on_transform(ctx: MethodContext, name: str, transform, from_bc: bool) -> QuantizationSimModel:
+    """QAT on ``transform``'s model, from Quadapter BC's sim of it (the paper's BC+QAT) or from PTQ's."""
+    _, inner = _on_transformed(ctx, name, transform)
+    sim = quadapter_bc_start(inner)[0] if from_bc else cast(QuantizationSimModel, _ptq(inner))
+    _qat_on(inner, sim, name, True)
+    if from_bc:
+        ctx.info[name] = inner.info.get(BC, {})
+    # BC's alphas are folded into the sim's weights: the state holds those weights, trained, and no alpha
+    _save(ctx, name, QuadapterState.from_sim(sim, {}).with_weights(sim.model, ctx.model))
+    return sim
+
+
+# each AIMET transform's compositions with Quadapter and their matched baselines (catalog ``_on_transform``)
 for _technique, _transform in (("spinquant", spinquant_model), ("fptquant", fptquant_model)):
-    method(f"{_technique}_quadapter")(
-        functools.partial(_quadapter_on, name=f"{_technique}_quadapter", transform=_transform)
-    )
-    method(f"{_technique}_cle_phase2")(
-        functools.partial(_cle_phase2_on, name=f"{_technique}_cle_phase2", transform=_transform)
-    )
+    for _name, _fn in (
+        ("quadapter", functools.partial(_quadapter_on, transform=_transform)),
+        ("cle_phase2", functools.partial(_cle_phase2_on, transform=_transform)),
+        ("quadapter_bc_qat", functools.partial(_qat_on_transform, transform=_transform, from_bc=True)),
+        ("qat", functools.partial(_qat_on_transform, transform=_transform, from_bc=False)),
+    ):
+        method(f"{_technique}_{_name}")(functools.partial(_fn, name=f"{_technique}_{_name}"))
 
 
 def _after_quadapter(ctx: MethodContext, name: str, technique) -> QuantizationSimModel:
