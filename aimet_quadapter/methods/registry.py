@@ -368,15 +368,13 @@ def _cle_phase2_on(ctx: MethodContext, name: str, transform) -> QuantizationSimM
 
 
 def _qat_on_transform(ctx: MethodContext, name: str, transform, from_bc: bool) -> QuantizationSimModel:
-    """QAT on ``transform``'s model, from Quadapter BC's sim of it (the paper's BC+QAT) or from PTQ's."""
+    """QAT on ``transform``'s model, from Quadapter BC's sim of it (the paper's BC+QAT) or from PTQ's. BC's alphas
+    are folded into the sim's weights: the state run_method saves holds those weights, trained, and no alpha."""
     _, inner = _on_transformed(ctx, name, transform)
     sim = quadapter_bc_start(inner)[0] if from_bc else cast(QuantizationSimModel, _ptq(inner))
-    _qat_on(inner, sim, name, True)
     if from_bc:
         ctx.info[name] = inner.info.get(BC, {})
-    # BC's alphas are folded into the sim's weights: the state holds those weights, trained, and no alpha
-    _save(ctx, name, QuadapterState.from_sim(sim, {}).with_weights(sim.model, ctx.model))
-    return sim
+    return _qat_on(inner, sim, name, True)
 
 
 # each AIMET transform's compositions with Quadapter and their matched baselines (catalog ``_on_transform``)
