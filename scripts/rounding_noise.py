@@ -9,10 +9,15 @@ With ``--orders`` a draw instead sums the terms of every matrix product (each Li
 in a random order of its own: the sums of another runtime, whose kernels order them otherwise, not a move of a
 fixed size.
 
+With ``--rounding aimet-onnx`` every quantizer rounds as AIMET's ONNX simulation does (``aimet_onnx_rounding``: the
+offset subtracted before rounding, half up), the as-saved score and every draw alike: the band of the device
+graph's own arithmetic.
+
     python scripts/rounding_noise.py runs/demo/seed-0/calib-generated/ptq --model smollm2-135m --draws 3
     python scripts/rounding_noise.py S --model smollm2-135m --split valid --seq-len 128 --max-tokens 512 --draws 5
         (the windows of `export S --verify-split valid`: the band its --device-check is compared with; --ulps 16
-        for the draws of a runtime whose sums round further from the sim's; --orders for its summation orders)
+        for the draws of a runtime whose sums round further from the sim's; --orders for its summation orders;
+        --rounding aimet-onnx for aimet-onnx's arithmetic)
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 from aimet_quadapter.export.exporter import one_ulp_inputs
 from aimet_quadapter.models import load_model
 from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
-from aimet_quadapter.quant.quantizers import quantizers
+from aimet_quadapter.quant.quantizers import aimet_onnx_rounding, quantizers
 from aimet_quadapter.text.perplexity import eval_windows_for, perplexity
 
 
@@ -108,6 +113,12 @@ def main() -> None:
     p.add_argument("--draws", type=int, default=3)
     p.add_argument("--ulps", type=int, default=1, help="the draws' move, in float32 ulps (codes: always one)")
     p.add_argument("--orders", action="store_true", help="draws sum every matrix product in a random order instead")
+    p.add_argument(
+        "--rounding",
+        choices=("aimet-torch", "aimet-onnx"),
+        default="aimet-torch",
+        help="whose quantizer arithmetic every score uses (aimet-onnx: the device-graph check's)",
+    )
     args = p.parse_args()
 
     def noise(model: torch.nn.Module, seed: int) -> AbstractContextManager[None]:
@@ -116,9 +127,13 @@ def main() -> None:
     model, tokenizer = load_model(args.model, quiet=True)
     sim = QuadapterState.load(resolve_state(args.state)).build_sim(model, in_place=True)
     windows = eval_windows_for(tokenizer, args.dataset, args.split, args.seq_len, max_tokens=args.max_tokens)
+    with aimet_onnx_rounding() if args.rounding == "aimet-onnx" else nullcontext():
+        _report(args, sim.model, windows, noise)
 
+
+def _report(args: argparse.Namespace, model: torch.nn.Module, windows: list, noise: Callable) -> None:
     first = windows[0].ids[None, :256]
-    before, after = activation_codes(sim.model, first), activation_codes(sim.model, first, 1, noise)
+    before, after = activation_codes(model, first), activation_codes(model, first, 1, noise)
     by_layer: dict[str, list[float]] = defaultdict(list)
     for name, codes in before.items():
         if args.orders and ".input[" in name:  # a permuted product's inputs: the same codes in another order
@@ -131,8 +146,8 @@ def main() -> None:
 
     ppl = []
     for seed in (None, *range(1, args.draws + 1)):
-        with noise(sim.model, seed) if seed is not None else nullcontext():
-            ppl.append(perplexity(sim.model, windows, progress=False).ppl)
+        with noise(model, seed) if seed is not None else nullcontext():
+            ppl.append(perplexity(model, windows, progress=False).ppl)
         print(f"{'as saved' if seed is None else f'draw {seed}'}: {args.dataset} {args.split} perplexity {ppl[-1]:.3f}")
     print(f"range {min(ppl):.3f}-{max(ppl):.3f}: {100 * (max(ppl) / min(ppl) - 1):.2f} % of the lowest")
 

@@ -119,6 +119,7 @@ def test_the_device_graph_scores_near_the_sim(checked):
     # tables unquantized in the sim the llama toy was 0.051 apart, with the rotation's products and sums unquantized
     # 0.105, with the prefix's keys and values unquantized 0.066
     assert report["ppl"] == pytest.approx(report["sim_ppl"], rel=DEVICE)
+    assert report["ppl"] == pytest.approx(report["sim_ppl_aimet_onnx_rounding"], rel=DEVICE)
     assert abs(report["ppl"] / fp - 1) > QUANTIZED  # a quantized graph, not the FP one
 
 
@@ -148,3 +149,53 @@ def _windows(rows):
     from aimet_quadapter.text.data import eval_windows
 
     return [w for row in rows for w in eval_windows(row, SEQ)]
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["asymmetric", "symmetric"])
+def test_aimet_onnx_rounding_is_the_arithmetic_of_aimet_onnxs_kernel(symmetric):
+    """On values at and just below a half step, the sim's quantizer under ``aimet_onnx_rounding`` gives the codes
+    aimet-onnx's own quantizer gives, in AIMET's path and in :func:`elementwise_fake_quant`'s; without it they
+    differ there."""
+    import torch
+    from aimet_onnx.common import libpymo
+    from aimet_onnx.quantsim import QuantizationSimModel
+    from aimet_torch.quantization.affine import QuantizeDequantize
+    from onnx import TensorProto, helper
+
+    from aimet_quadapter.quant.quantizers import aimet_onnx_rounding, elementwise_fake_quant
+
+    step = 2.0**-4  # exact in float32: x / step is exact, only the offset's subtraction and the tie rule round
+    q = QuantizeDequantize(shape=(), bitwidth=8, symmetric=symmetric)
+    low, high = (-128, 127) if symmetric else (-126, 129)
+    with torch.no_grad():
+        q.set_range(torch.tensor(low * step), torch.tensor(high * step))
+    assert float(q.get_scale().detach()) == step
+    k = torch.arange(-100, 100, dtype=torch.float32)
+    x = torch.cat([(k + 0.5) * step, (k + 0.5 - 2.0**-19) * step, torch.randn(4096) * 3])[None]
+
+    n = x.shape[1]
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "zero"], ["y"])],
+        "one_add",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
+        [helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])],
+    )
+    onnx_sim = QuantizationSimModel(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), providers=["CPUExecutionProvider"]
+    )
+    quantizer = onnx_sim.qc_quantize_op_dict["y"]
+    quantizer.use_symmetric_encodings = symmetric
+    encoding = libpymo.TfEncoding()
+    encoding.bw, encoding.delta, encoding.min, encoding.max = 8, step, low * step, high * step
+    encoding.offset = -128 if symmetric else low  # aimet-onnx holds a signed grid as an unsigned one
+    quantizer.load_encodings([encoding])
+    (device,) = onnx_sim.session.run(None, {"x": x.numpy()})
+    device = torch.from_numpy(device)
+
+    with torch.no_grad():
+        assert not torch.equal(q(x).as_subclass(torch.Tensor), device)  # the data reaches where the two differ
+        with aimet_onnx_rounding():
+            assert torch.equal(q(x).as_subclass(torch.Tensor), device)
+            with elementwise_fake_quant([q]):
+                assert torch.equal(q(x).as_subclass(torch.Tensor), device)

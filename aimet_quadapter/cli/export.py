@@ -299,6 +299,11 @@ def _print_device_check(d: dict) -> None:
         f"  perplexity {d['ppl']:.4f} vs sim {d['sim_ppl']:.4f} (rel. diff {d['ppl_rel_diff']:.1e}; the sim's own "
         f"float32 noise {d['sim_float_noise']:.1e}); all encodings it ran with: device_check/device.encodings"
     )
+    if "sim_ppl_aimet_onnx_rounding" in d:
+        print(
+            f"  the sim rounding as aimet-onnx rounds (the offset subtracted first, half up): "
+            f"{d['sim_ppl_aimet_onnx_rounding']:.4f} (rel. diff {d['ppl_rel_diff_aimet_onnx_rounding']:.1e})"
+        )
 
 
 def _print_kv(kv: dict) -> None:

@@ -4,10 +4,11 @@ A device converter quantizes every tensor of the graph: those the export's encod
 get ranges it calibrates itself. This check does the same with AIMET's ONNX simulation under AIMET's HTP
 config: the exported FP graph (the Quadapters folded), this package's encodings loaded and frozen, every other
 tensor calibrated on tuning text. It reports how many of the graph's quantized activation tensors carry an
-encoding from this package, names the others, and scores the graph in onnxruntime beside the sim. It is one
-more :class:`~aimet_quadapter.export.formats.ExtraFormat`: its folder holds the report and the complete
-encodings the simulation ran with. ``aimet-onnx`` is an optional extra (``pip install aimet-quadapter[device-check]``);
-everything it is asked for goes through this module.
+encoding from this package, names the others, and scores the graph in onnxruntime beside the sim, and beside the
+sim whose quantizers round as aimet-onnx's do (:func:`~aimet_quadapter.quant.quantizers.aimet_onnx_rounding`).
+It is one more :class:`~aimet_quadapter.export.formats.ExtraFormat`: its folder holds the report and the complete
+encodings the simulation ran with. ``aimet-onnx`` is an optional extra (``pip install
+aimet-quadapter[device-check]``); everything it is asked for goes through this module.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.formats import ENCODINGS, FP_ONNX, INPUT_NAME
 from aimet_quadapter.export.onnx_eval import read_encodings
 from aimet_quadapter.quant.aimet_private import HTP_VERSION, htp_config_file
+from aimet_quadapter.quant.quantizers import aimet_onnx_rounding
 
 REPORT = "device_check.json"
 EXTRA = "device-check"  # the optional dependency group that brings aimet-onnx
@@ -155,5 +157,10 @@ class DeviceGraphCheck:
             "ppl_rel_diff": abs(ppl / report.sim_ppl - 1),
             "sim_float_noise": report.sim_floor.ppl_rel_diff,  # the sim against itself, one ulp apart
         }
+        if sim is not None:  # the sim once more, its quantizers rounding as this simulation's kernel rounds
+            with aimet_onnx_rounding():
+                rounded = perplexity(sim.model, windows, desc="sim, aimet-onnx's rounding", progress=self.progress)
+            entry["sim_ppl_aimet_onnx_rounding"] = rounded.ppl
+            entry["ppl_rel_diff_aimet_onnx_rounding"] = abs(ppl / rounded.ppl - 1)
         (folder / REPORT).write_text(json.dumps(entry, indent=1))
         return entry

@@ -1,11 +1,12 @@
 """Every call into AIMET's private API, in one place (checked against aimet-torch 2.42).
 
 This module is the one place AIMET's private calls sit: the shims over its underscored symbols (QTensor casting,
-precomputed encodings, the minimum scale, Sequential MSE's bit-width limit, its ONNX export and QDQ passes), the
-Hadamard orders AIMET lacks, the patches FPTQuant and OmniQuant run under, and the path of AIMET's HTP quantsim
-config inside its install (package data, not an API). Nothing else in the package names an underscored AIMET
-symbol: when AIMET changes one of these, this module is the one to fix, and its tests (tests/test_methods.py,
-tests/test_quadapter.py, tests/test_aimet_techniques.py) say which. (Named for what it wraps, not "adapter":
+precomputed encodings, the minimum scale, Sequential MSE's bit-width limit, its ONNX export and QDQ passes, its
+fixed-range fake-quant call), the Hadamard orders AIMET lacks, the patches FPTQuant and OmniQuant run under, and
+the path of AIMET's HTP quantsim config inside its install (package data, not an API). Nothing else in the package
+names an underscored AIMET symbol: when AIMET changes one of these, this module is the one to fix, and its tests
+(tests/test_methods.py, tests/test_quadapter.py, tests/test_aimet_techniques.py, tests/test_device_check.py) say
+which. (Named for what it wraps, not "adapter":
 quadapter/adapter.py is the technique's own.)
 """
 
@@ -114,6 +115,21 @@ def qdq_weights_module_by_module(after_each: Callable[[], None]) -> Iterator[Non
 # Hadamard orders AIMET lacks, as factors of factor x 2^n (AIMET: 12, 20, 28): a Kronecker product of Hadamard
 # matrices is one. 144 = 12 x 12 gives SmolLM2's hidden size, 576 = 144 x 4.
 EXTRA_HADAMARD_FACTORS = {144: (12, 12)}
+
+
+@contextmanager
+def fake_quantize_replaced(fn: Callable[..., Any]) -> Iterator[None]:
+    """AIMET's fixed-range fake-quant call (``torch_builtins._torch_fake_quantize``: ``(tensor, scale, offset, qmin,
+    qmax) -> tensor``, per tensor and per channel) replaced by ``fn``: the path every quantizer takes while no
+    gradient is recorded."""
+    from aimet_torch.quantization.affine.backends import torch_builtins
+
+    before = torch_builtins._torch_fake_quantize
+    torch_builtins._torch_fake_quantize = fn
+    try:
+        yield
+    finally:
+        torch_builtins._torch_fake_quantize = before
 
 
 @contextmanager

@@ -18,7 +18,12 @@ from torch import nn
 
 from aimet_quadapter.memory import LARGE_WEIGHTS_BYTES
 from aimet_quadapter.models import PreparedLM, device_of, shares_storage
-from aimet_quadapter.quant.aimet_private import minimum_scale, precomputed_encodings, qtensor_casting
+from aimet_quadapter.quant.aimet_private import (
+    fake_quantize_replaced,
+    minimum_scale,
+    precomputed_encodings,
+    qtensor_casting,
+)
 
 log = logging.getLogger(__name__)
 
@@ -267,11 +272,50 @@ def _zero_point(offset: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (-offset.to(torch.int32)).to(dtype)
 
 
+# True inside aimet_onnx_rounding(): evaluation rounds as aimet-onnx's kernel does
+_onnx_rounding = False
+
+
+def aimet_onnx_fake_quant(
+    x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qmin: int, qmax: int
+) -> torch.Tensor:
+    """Fake-quant as aimet-onnx's CPU kernel computes it (2.42): on its unsigned grid ``[0, qmax - qmin]``, the code
+    is ``x / scale - offset - qmin`` in float32 rounded half up. Per tensor or per channel (``scale``'s shape)."""
+    shape = (1,) * (x.dim() - scale.dim()) + tuple(scale.shape)
+    s = scale.detach().to(torch.float32).reshape(shape)
+    o = offset.detach().to(torch.float32).reshape(shape)
+    t = x.to(torch.float32) / s - o - qmin
+    floor = torch.floor(t)
+    code = floor.add_((t - floor >= 0.5).to(t.dtype)).clamp_(0, qmax - qmin)
+    return code.add_(o + qmin).mul_(s).to(x.dtype)
+
+
+@contextmanager
+def aimet_onnx_rounding() -> Iterator[None]:
+    """Evaluate the sim with every quantizer rounding as AIMET's ONNX simulation does, gradients off.
+
+    The sim's own arithmetic (``torch.fake_quantize``'s, and :class:`FakeQuantSTE`'s) rounds ``x * (1 / scale)``
+    half to even and then adds the zero point; aimet-onnx subtracts the offset first, in float32, and rounds half
+    up. A value within a float32 rounding of a half step gets the code above, never the one below: a bias one
+    code wide on few values, which an 8-bit residual stream carries from layer to layer. Scoring the sim both
+    ways tells that bias from a defect of the exported graph (``export --device-check``,
+    ``scripts/rounding_noise.py --rounding aimet-onnx``)."""
+    global _onnx_rounding
+    before, _onnx_rounding = _onnx_rounding, True
+    try:
+        with torch.no_grad(), fake_quantize_replaced(aimet_onnx_fake_quant):
+            yield
+    finally:
+        _onnx_rounding = before
+
+
 class FakeQuantSTE(torch.autograd.Function):
     """Per-tensor fake-quant with the straight-through gradient of ATen's kernel (grad where in range)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int):
+        if _onnx_rounding:
+            return aimet_onnx_fake_quant(x, scale, -zero_point, qmin, qmax)
         q = x.mul(1.0 / scale).round_().add_(zero_point)
         if x.requires_grad:
             ctx.save_for_backward((q >= qmin) & (q <= qmax))
