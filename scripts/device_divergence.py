@@ -11,16 +11,24 @@ With ``--tensors``, instead, every tensor the export's encodings name, in the gr
 QuantizeLinear/DequantizeLinear pair at each named tensor, the export's verification) and AIMET's ONNX simulation of
 the same graph and encodings. Both run onnxruntime's float kernels; only the quantizers differ.
 
+With ``--windows N``, instead, each of the first N windows' loss (mean NLL per scored token) in the sim, the sim with
+one summation-order draw, the sim rounding as aimet-onnx does (``aimet_onnx_rounding``) and the device graph, and for
+each against the last-but-one the mean difference over the windows, its spread and its t: whether the device graph's
+perplexity is off by more than its windows' differences make likely, and how those compare with a draw's.
+
     python scripts/device_divergence.py S E --model smollm2-135m
         (S: a state; E: its `aimet-quadapter export S --model smollm2-135m --out E --device-check --verify-split valid`)
     python scripts/device_divergence.py S E --model smollm2-135m --tensors
+    python scripts/device_divergence.py S E --model smollm2-135m --windows 16
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +42,9 @@ from aimet_quadapter.export.formats import ENCODINGS, FP_ONNX, INPUT_NAME
 from aimet_quadapter.export.onnx_eval import apply_encodings, ort_session, read_encodings
 from aimet_quadapter.models import load_model
 from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
-from aimet_quadapter.text.perplexity import eval_windows_for
+from aimet_quadapter.quant.quantizers import aimet_onnx_rounding
+from aimet_quadapter.text.data import Window
+from aimet_quadapter.text.perplexity import eval_windows_for, window_nll
 
 
 def _onnx_scope(path: str) -> str:
@@ -75,6 +85,37 @@ def tensor_divergence(export: Path, ids: np.ndarray, shown: int = 30) -> None:
     print(f"{differing} of {len(names)} tensors differ")
 
 
+def window_divergence(sim_model: torch.nn.Module, export: Path, windows: list[Window]) -> None:
+    """Print each window's loss in the sim's variants and the device graph (see the module's doc)."""
+    onnx_sim, coverage = device_sim(export)
+    if coverage.missing:  # the check calibrates them on its own windows of tuning text, not on this one
+        print(f"{len(coverage.missing)} tensors without an encoding, calibrated here on the first window")
+    onnx_sim.compute_encodings([{INPUT_NAME: windows[0].ids[None].numpy().astype(np.int64)}])
+    columns = ["sim", "sim, a summation-order draw", "sim, aimet-onnx's rounding", "device graph"]
+    losses: list[list[float]] = []
+    print(" | ".join(["window", *columns]))
+    for i, w in enumerate(windows):
+        with torch.no_grad():
+            row = [window_nll(sim_model(w.ids[None]), w).item()]
+            with shuffled_sums(sim_model, 1):
+                row.append(window_nll(sim_model(w.ids[None]), w).item())
+            with aimet_onnx_rounding():
+                row.append(window_nll(sim_model(w.ids[None]), w).item())
+        (logits,) = onnx_sim.session.run(None, {INPUT_NAME: w.ids[None].numpy().astype(np.int64)})
+        row.append(window_nll(torch.from_numpy(logits), w).item())
+        losses.append([x / w.n_targets for x in row])
+        print(" | ".join([str(i), *(f"{x:.4f}" for x in losses[-1])]))
+    tokens = sum(w.n_targets for w in windows)
+    for j, name in enumerate(columns):
+        ppl = math.exp(sum(r[j] * w.n_targets for r, w in zip(losses, windows)) / tokens)
+        print(f"{name}: perplexity {ppl:.3f}")
+    for a, b in [(1, 0), (2, 0), (3, 0), (3, 2)]:
+        d = [r[a] - r[b] for r in losses]
+        mean, sd = statistics.mean(d), statistics.stdev(d)
+        t = mean / (sd / math.sqrt(len(d))) if sd else float("inf")
+        print(f"{columns[a]} - {columns[b]}: mean {mean:+.4f}, sd {sd:.4f} over windows, t {t:+.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("state", help="a Quadapter state file, or a cell folder holding one")
@@ -83,6 +124,7 @@ def main() -> None:
     p.add_argument("--dataset", default="ptb")
     p.add_argument("--split", default="valid")
     p.add_argument("--tensors", action="store_true", help="every encoded tensor: the export's own graph against it")
+    p.add_argument("--windows", type=int, default=0, help="the first N windows' losses, the sim's and the device's")
     args = p.parse_args()
     seq_len = int(json.loads((args.export / "manifest.json").read_text())["seq_len"])
     model, tokenizer = load_model(args.model, quiet=True)
@@ -91,6 +133,10 @@ def main() -> None:
         tensor_divergence(args.export, ids.numpy().astype(np.int64))
         return
     sim = QuadapterState.load(resolve_state(args.state)).build_sim(model, in_place=True)
+    if args.windows:
+        windows = eval_windows_for(tokenizer, args.dataset, args.split, seq_len, max_tokens=seq_len * args.windows)
+        window_divergence(sim.model, args.export, windows)
+        return
 
     sums = {path: m for path, m in sim.model.named_modules() if re.search(r"residual_adds\.\d$", path)}
     scales = {path: m.output_quantizers[0].get_scale().detach() for path, m in sums.items()}

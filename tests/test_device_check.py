@@ -112,6 +112,22 @@ def test_device_divergence_names_the_first_tensor_the_device_graph_holds_otherwi
     assert first_named() == start
 
 
+def test_device_divergence_by_window_scores_the_device_graph_as_the_check_does(checked, monkeypatch, capsys):
+    """``scripts/device_divergence.py --windows``: its device-graph column is the check's perplexity, window by window
+    (a model without quantizers in the sim's columns: their plumbing, not their values, is what differs here)."""
+    model, corpus, out, report = checked
+    if report["without_encoding"]:
+        pytest.skip("GPT-2's tensors without an encoding: the check calibrates them on text the script does not read")
+    scripts = Path(__file__).parents[1] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    window_divergence = runpy.run_path(str(scripts / "device_divergence.py"))["window_divergence"]
+    window_divergence(model, out, _windows(corpus[8:10]))
+    printed = capsys.readouterr().out
+    device = float(re.search(r"device graph: perplexity ([0-9.]+)", printed).group(1))
+    assert device == pytest.approx(report["ppl"], rel=1e-3)
+    assert re.search(r"device graph - sim, aimet-onnx's rounding: mean [-+][0-9.]+, sd [0-9.]+", printed)
+
+
 def test_the_device_graph_scores_near_the_sim(checked):
     model, corpus, _, report = checked
     fp = perplexity(model, _windows(corpus[8:10]), progress=False).ppl
