@@ -12,9 +12,10 @@ QuantizeLinear/DequantizeLinear pair at each named tensor, the export's verifica
 the same graph and encodings. Both run onnxruntime's float kernels; only the quantizers differ.
 
 With ``--windows N``, instead, each of the first N windows' loss (mean NLL per scored token) in the sim, the sim with
-one summation-order draw, the sim rounding as aimet-onnx does (``aimet_onnx_rounding``) and the device graph, and for
-each against the last-but-one the mean difference over the windows, its spread and its t: whether the device graph's
-perplexity is off by more than its windows' differences make likely, and how those compare with a draw's.
+one summation-order draw, the sim rounding as aimet-onnx does (``aimet_onnx_rounding``) and the device graph; then,
+for each of the last three against the sim and for the device graph against the sim rounding as aimet-onnx does, the
+mean difference over the windows, its spread and its t: whether the device graph's perplexity is off by more than
+its windows' differences make likely, and how those compare with a draw's.
 
     python scripts/device_divergence.py S E --model smollm2-135m
         (S: a state; E: its `aimet-quadapter export S --model smollm2-135m --out E --device-check --verify-split valid`)

@@ -6,8 +6,7 @@ fixed-range fake-quant call), the Hadamard orders AIMET lacks, the patches FPTQu
 the path of AIMET's HTP quantsim config inside its install (package data, not an API). Nothing else in the package
 names an underscored AIMET symbol: when AIMET changes one of these, this module is the one to fix, and its tests
 (tests/test_methods.py, tests/test_quadapter.py, tests/test_aimet_techniques.py, tests/test_device_check.py) say
-which. (Named for what it wraps, not "adapter":
-quadapter/adapter.py is the technique's own.)
+which. (Named for what it wraps, not "adapter": quadapter/adapter.py is the technique's own.)
 """
 
 from __future__ import annotations
