@@ -38,7 +38,7 @@ from aimet_onnx.utils import OrtInferenceSession
 from onnx import TensorProto, helper
 from rounding_noise import activation_codes, shuffled_sums  # beside this script
 
-from aimet_quadapter.export.device_check import device_sim
+from aimet_quadapter.export.device_check import _SessionLM, device_sim
 from aimet_quadapter.export.formats import ENCODINGS, FP_ONNX, INPUT_NAME
 from aimet_quadapter.export.onnx_eval import apply_encodings, ort_session, read_encodings
 from aimet_quadapter.models import load_model
@@ -92,6 +92,7 @@ def window_divergence(sim_model: torch.nn.Module, export: Path, windows: list[Wi
     if coverage.missing:  # the check calibrates them on its own windows of tuning text, not on this one
         print(f"{len(coverage.missing)} tensors without an encoding, calibrated here on the first window")
     onnx_sim.compute_encodings([{INPUT_NAME: windows[0].ids[None].numpy().astype(np.int64)}])
+    device = _SessionLM(onnx_sim)
     columns = ["sim", "sim, a summation-order draw", "sim, aimet-onnx's rounding", "device graph"]
     losses: list[list[float]] = []
     print(" | ".join(["window", *columns]))
@@ -102,8 +103,7 @@ def window_divergence(sim_model: torch.nn.Module, export: Path, windows: list[Wi
                 row.append(window_nll(sim_model(w.ids[None]), w).item())
             with aimet_onnx_rounding():
                 row.append(window_nll(sim_model(w.ids[None]), w).item())
-        (logits,) = onnx_sim.session.run(None, {INPUT_NAME: w.ids[None].numpy().astype(np.int64)})
-        row.append(window_nll(torch.from_numpy(logits), w).item())
+        row.append(window_nll(device(w.ids[None]), w).item())
         losses.append([x / w.n_targets for x in row])
         print(" | ".join([str(i), *(f"{x:.4f}" for x in losses[-1])]))
     tokens = sum(w.n_targets for w in windows)
