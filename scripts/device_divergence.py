@@ -15,12 +15,16 @@ With ``--windows N``, instead, each of the first N windows' loss (mean NLL per s
 one summation-order draw, the sim rounding as aimet-onnx does (``aimet_onnx_rounding``) and the device graph; then,
 for each of the last three against the sim and for the device graph against the sim rounding as aimet-onnx does, the
 mean difference over the windows, its spread and its t: whether the device graph's perplexity is off by more than
-its windows' differences make likely, and how those compare with a draw's.
+its windows' differences make likely, and how those compare with a draw's. ``--skip K`` starts after the first K
+windows (text no earlier comparison read); ``--draws D`` adds D summation-order draws of the sim rounding as
+aimet-onnx does, each over all the windows as ``rounding_noise.py --orders --rounding aimet-onnx`` draws them, and
+says where the device graph lies against their range: the band and the device graph from one pass over the text.
 
     python scripts/device_divergence.py S E --model smollm2-135m
         (S: a state; E: its `aimet-quadapter export S --model smollm2-135m --out E --device-check --verify-split valid`)
     python scripts/device_divergence.py S E --model smollm2-135m --tensors
     python scripts/device_divergence.py S E --model smollm2-135m --windows 16
+    python scripts/device_divergence.py S E --model smollm2-135m --windows 16 --skip 16 --draws 10
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import json
 import math
 import re
 import statistics
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -86,35 +91,48 @@ def tensor_divergence(export: Path, ids: np.ndarray, shown: int = 30) -> None:
     print(f"{differing} of {len(names)} tensors differ")
 
 
-def window_divergence(sim_model: torch.nn.Module, export: Path, windows: list[Window]) -> None:
-    """Print each window's loss in the sim's variants and the device graph (see the module's doc)."""
+def window_divergence(sim_model: torch.nn.Module, export: Path, windows: list[Window], draws: int = 0) -> None:
+    """Print each window's loss in the sim's variants and the device graph (see the module's doc); with ``draws``,
+    that many summation-order draws of the sim rounding as aimet-onnx does, each over all the windows as
+    ``rounding_noise.py --orders --rounding aimet-onnx`` draws them, and where the device graph lies against them."""
     onnx_sim, coverage = device_sim(export)
     if coverage.missing:  # the check calibrates them on its own windows of tuning text, not on this one
         print(f"{len(coverage.missing)} tensors without an encoding, calibrated here on the first window")
     onnx_sim.compute_encodings([{INPUT_NAME: windows[0].ids[None].numpy().astype(np.int64)}])
     device = _SessionLM(onnx_sim)
     columns = ["sim", "sim, a summation-order draw", "sim, aimet-onnx's rounding", "device graph"]
-    losses: list[list[float]] = []
-    print(" | ".join(["window", *columns]))
-    for i, w in enumerate(windows):
+    columns += [f"aimet-onnx's rounding, draw {k}" for k in range(1, draws + 1)]
+
+    def nll(model, w: Window) -> float:
         with torch.no_grad():
-            row = [window_nll(sim_model(w.ids[None]), w).item()]
-            with shuffled_sums(sim_model, 1):
-                row.append(window_nll(sim_model(w.ids[None]), w).item())
-            with aimet_onnx_rounding():
-                row.append(window_nll(sim_model(w.ids[None]), w).item())
-        row.append(window_nll(device(w.ids[None]), w).item())
-        losses.append([x / w.n_targets for x in row])
-        print(" | ".join([str(i), *(f"{x:.4f}" for x in losses[-1])]))
+            return window_nll(model(w.ids[None]), w).item() / w.n_targets
+
+    def column(draw: int | None = None, rounding: bool = False) -> list[float]:
+        with (
+            aimet_onnx_rounding() if rounding else nullcontext(),
+            shuffled_sums(sim_model, draw) if draw else nullcontext(),
+        ):
+            return [nll(sim_model, w) for w in windows]  # one draw over all the windows, as rounding_noise.py's
+
+    by_column = [column(), column(1), column(rounding=True), [nll(device, w) for w in windows]]
+    by_column += [column(k, rounding=True) for k in range(1, draws + 1)]
+    losses = [list(row) for row in zip(*by_column)]
+    print(" | ".join(["window", *columns]))
+    for i, row in enumerate(losses):
+        print(" | ".join([str(i), *(f"{x:.4f}" for x in row)]))
     tokens = sum(w.n_targets for w in windows)
-    for j, name in enumerate(columns):
-        ppl = math.exp(sum(r[j] * w.n_targets for r, w in zip(losses, windows)) / tokens)
-        print(f"{name}: perplexity {ppl:.3f}")
+    ppl = [math.exp(sum(r[j] * w.n_targets for r, w in zip(losses, windows)) / tokens) for j in range(len(columns))]
+    for name, value in zip(columns, ppl):
+        print(f"{name}: perplexity {value:.3f}")
     for a, b in [(1, 0), (2, 0), (3, 0), (3, 2)]:
         d = [r[a] - r[b] for r in losses]
         mean, sd = statistics.mean(d), statistics.stdev(d)
         t = mean / (sd / math.sqrt(len(d))) if sd else float("inf")
         print(f"{columns[a]} - {columns[b]}: mean {mean:+.4f}, sd {sd:.4f} over windows, t {t:+.2f}")
+    if draws:
+        low, high = min(ppl[4:]), max(ppl[4:])
+        where = "inside" if low <= ppl[3] <= high else f"{100 * (ppl[3] / (low if ppl[3] < low else high) - 1):+.1f} %"
+        print(f"draws under aimet-onnx's rounding: {low:.3f}-{high:.3f}; the device graph {ppl[3]:.3f}, {where}")
 
 
 def main() -> None:
@@ -125,7 +143,9 @@ def main() -> None:
     p.add_argument("--dataset", default="ptb")
     p.add_argument("--split", default="valid")
     p.add_argument("--tensors", action="store_true", help="every encoded tensor: the export's own graph against it")
-    p.add_argument("--windows", type=int, default=0, help="the first N windows' losses, the sim's and the device's")
+    p.add_argument("--windows", type=int, default=0, help="N windows' losses, the sim's and the device's")
+    p.add_argument("--skip", type=int, default=0, help="with --windows: start after this many windows (fresh text)")
+    p.add_argument("--draws", type=int, default=0, help="with --windows: summation-order draws, aimet-onnx's rounding")
     args = p.parse_args()
     seq_len = int(json.loads((args.export / "manifest.json").read_text())["seq_len"])
     model, tokenizer = load_model(args.model, quiet=True)
@@ -135,8 +155,9 @@ def main() -> None:
         return
     sim = QuadapterState.load(resolve_state(args.state)).build_sim(model, in_place=True)
     if args.windows:
-        windows = eval_windows_for(tokenizer, args.dataset, args.split, seq_len, max_tokens=seq_len * args.windows)
-        window_divergence(sim.model, args.export, windows)
+        last = seq_len * (args.skip + args.windows)
+        windows = eval_windows_for(tokenizer, args.dataset, args.split, seq_len, max_tokens=last)[args.skip :]
+        window_divergence(sim.model, args.export, windows, args.draws)
         return
 
     sums = {path: m for path, m in sim.model.named_modules() if re.search(r"residual_adds\.\d$", path)}

@@ -121,11 +121,17 @@ def test_device_divergence_by_window_scores_the_device_graph_as_the_check_does(c
     scripts = Path(__file__).parents[1] / "scripts"
     monkeypatch.syspath_prepend(str(scripts))
     window_divergence = runpy.run_path(str(scripts / "device_divergence.py"))["window_divergence"]
-    window_divergence(model, out, _windows(corpus[8:10]))
+    window_divergence(model, out, _windows(corpus[8:10]), draws=2)
     printed = capsys.readouterr().out
     device = float(re.search(r"device graph: perplexity ([0-9.]+)", printed).group(1))
     assert device == pytest.approx(report["ppl"], rel=1e-3)
     assert re.search(r"device graph - sim, aimet-onnx's rounding: mean [-+][0-9.]+, sd [0-9.]+", printed)
+    # a draw re-orders each product's sums, nothing more: on the FP model it moves the perplexity by float32 rounding
+    sim = float(re.search(r"^sim: perplexity ([0-9.]+)", printed, re.M).group(1))
+    drawn = [float(x) for x in re.findall(r"rounding, draw \d: perplexity ([0-9.]+)", printed)]
+    assert len(drawn) == 2 and drawn == pytest.approx([sim, sim], rel=1e-4)
+    band = re.search(r"draws under aimet-onnx's rounding: ([0-9.]+)-([0-9.]+); the device graph ([0-9.]+)", printed)
+    assert band and float(band.group(1)) == min(drawn) and float(band.group(3)) == device
 
 
 def test_the_device_graph_scores_near_the_sim(checked):
