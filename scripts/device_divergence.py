@@ -109,7 +109,7 @@ def window_divergence(sim_model: torch.nn.Module, export: Path, windows: list[Wi
 
     def column(draw: int | None = None, rounding: bool = False) -> list[float]:
         with (
-            aimet_onnx_rounding() if rounding else nullcontext(),
+            aimet_onnx_rounding(sim_model) if rounding else nullcontext(),
             shuffled_sums(sim_model, draw) if draw else nullcontext(),
         ):
             return [nll(sim_model, w) for w in windows]  # one draw over all the windows, as rounding_noise.py's

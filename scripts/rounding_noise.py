@@ -9,9 +9,9 @@ With ``--orders`` a draw instead sums the terms of every matrix product (each Li
 in a random order of its own: the sums of another runtime, whose kernels order them otherwise, not a move of a
 fixed size.
 
-With ``--rounding aimet-onnx`` every quantizer rounds as AIMET's ONNX simulation does (``aimet_onnx_rounding``: the
-offset subtracted before rounding, half up), the as-saved score and every draw alike: the band of the device
-graph's own arithmetic.
+With ``--rounding aimet-onnx`` every activation quantizer rounds as AIMET's ONNX simulation does
+(``aimet_onnx_rounding``: the offset subtracted before rounding, half up; weights as the sim rounds them, as
+aimet-onnx does), the as-saved score and every draw alike: the band of the device graph's own arithmetic.
 
     python scripts/rounding_noise.py runs/demo/seed-0/calib-generated/ptq --model smollm2-135m --draws 3
     python scripts/rounding_noise.py S --model smollm2-135m --split valid --seq-len 128 --max-tokens 512 --draws 5
@@ -127,7 +127,7 @@ def main() -> None:
     model, tokenizer = load_model(args.model, quiet=True)
     sim = QuadapterState.load(resolve_state(args.state)).build_sim(model, in_place=True)
     windows = eval_windows_for(tokenizer, args.dataset, args.split, args.seq_len, max_tokens=args.max_tokens)
-    with aimet_onnx_rounding() if args.rounding == "aimet-onnx" else nullcontext():
+    with aimet_onnx_rounding(sim.model) if args.rounding == "aimet-onnx" else nullcontext():
         _report(args, sim.model, windows, noise)
 
 

@@ -218,7 +218,64 @@ def test_aimet_onnx_rounding_is_the_arithmetic_of_aimet_onnxs_kernel(symmetric):
 
     with torch.no_grad():
         assert not torch.equal(q(x).as_subclass(torch.Tensor), device)  # the data reaches where the two differ
-        with aimet_onnx_rounding():
+        with aimet_onnx_rounding(q):  # a sim of one activation quantizer
             assert torch.equal(q(x).as_subclass(torch.Tensor), device)
             with elementwise_fake_quant([q]):
                 assert torch.equal(q(x).as_subclass(torch.Tensor), device)
+
+
+def test_aimet_onnx_rounding_leaves_the_weights_as_the_exported_graph_holds_them(tmp_path):
+    """The export writes every weight already rounded onto its grid by the sim; aimet-onnx's kernel gives such a weight
+    back unchanged, though on a raw weight at a half step of its grid it rounds half up where the sim rounds half to
+    even (weights expanded from a 4-bit file sit there often). So under ``aimet_onnx_rounding`` a sim's weight
+    quantizer keeps the sim's arithmetic: rounding raw weights half up there parted 2-20 % of SmolLM2's first
+    layer's residual codes from the device graph's, which matched the sim's."""
+    import torch
+    from aimet_onnx.quantsim import QuantizationSimModel, load_encodings_to_sim
+    from aimet_torch.quantization.affine import QuantizeDequantize
+    from onnx import TensorProto, helper, numpy_helper
+
+    from aimet_quadapter.quant.aimet_private import htp_config_file
+    from aimet_quadapter.quant.quantizers import aimet_onnx_rounding
+
+    n_in, n_out = 64, 8
+    step = torch.tensor([2.0**-e for e in range(3, 3 + n_out)])  # per output channel, exact in float32
+    codes = torch.randint(-120, 120, (n_out, n_in), generator=torch.Generator().manual_seed(0)).float()
+    weight = (codes + 0.5) * step[:, None]  # every raw weight on a half step of its channel's grid
+    q = QuantizeDequantize(shape=(n_out, 1), bitwidth=8, symmetric=True)
+    with torch.no_grad():
+        q.set_range(-128 * step[:, None], 127 * step[:, None])
+        on_grid = q(weight).as_subclass(torch.Tensor)  # the sim's weights, as the export writes them
+
+    def device_weights(w: torch.Tensor) -> torch.Tensor:
+        """``w`` through aimet-onnx's per-channel weight quantizer under the HTP config, the sim's encoding loaded."""
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"])],
+            "one_matmul",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n_in, n_in])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n_in, n_out])],
+            [numpy_helper.from_array(w.T.contiguous().numpy(), "w")],
+        )
+        onnx_sim = QuantizationSimModel(
+            helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+            config_file=htp_config_file(package="aimet_onnx"),
+            providers=["CPUExecutionProvider"],
+        )
+        entry = {"name": "w", "dtype": "INT", "bw": 8, "is_sym": True, "enc_type": "PER_CHANNEL"}
+        entry |= {"scale": step.tolist(), "offset": [-128] * n_out}
+        encodings = tmp_path / "w.encodings"
+        encodings.write_text(json.dumps({"version": "1.0.0", "activation_encodings": [], "param_encodings": [entry]}))
+        load_encodings_to_sim(onnx_sim, str(encodings), strict=False)
+        for name, quantizer in onnx_sim.qc_quantize_op_dict.items():
+            quantizer.enabled = name == "w"  # the weight's alone: its product with I is the quantized weight
+        (y,) = onnx_sim.session.run(None, {"x": np.eye(n_in, dtype=np.float32)})
+        return torch.from_numpy(y).T
+
+    assert not torch.equal(device_weights(weight), on_grid)  # raw weights: aimet-onnx rounds them otherwise
+    exported = device_weights(on_grid)
+    assert torch.equal(exported, on_grid)
+
+    sim_model = torch.nn.Module()  # a sim whose one quantizer is a weight's
+    sim_model.param_quantizers, sim_model.input_quantizers, sim_model.output_quantizers = {"weight": q}, [], []
+    with aimet_onnx_rounding(sim_model):
+        assert torch.equal(q(weight).as_subclass(torch.Tensor), exported)

@@ -5,9 +5,10 @@ get ranges it calibrates itself. This check does the same with AIMET's ONNX simu
 config: the exported FP graph (the Quadapters folded), this package's encodings loaded and frozen, every other
 tensor calibrated on tuning text. It reports how many of the graph's quantized activation tensors carry an
 encoding from this package, names the others, and scores the graph in onnxruntime beside the sim, and beside the
-sim whose quantizers round as aimet-onnx's do (:func:`~aimet_quadapter.quant.quantizers.aimet_onnx_rounding`).
-It is one more :class:`~aimet_quadapter.export.formats.ExtraFormat`: its folder holds the report and the complete
-encodings the simulation ran with. ``aimet-onnx`` is an optional extra (``pip install
+sim whose activation quantizers round as aimet-onnx's do
+(:func:`~aimet_quadapter.quant.quantizers.aimet_onnx_rounding`). It is one more
+:class:`~aimet_quadapter.export.formats.ExtraFormat`: its folder holds the report and the complete encodings the
+simulation ran with. ``aimet-onnx`` is an optional extra (``pip install
 aimet-quadapter[device-check]``); everything it is asked for goes through this module.
 """
 
@@ -157,8 +158,8 @@ class DeviceGraphCheck:
             "ppl_rel_diff": abs(ppl / report.sim_ppl - 1),
             "sim_float_noise": report.sim_floor.ppl_rel_diff,  # the sim against itself, one ulp apart
         }
-        if sim is not None:  # the sim once more, its quantizers rounding as this simulation's kernel rounds
-            with aimet_onnx_rounding():
+        if sim is not None:  # the sim once more, its activations rounding as this simulation's kernel rounds
+            with aimet_onnx_rounding(sim.model):
                 rounded = perplexity(sim.model, windows, desc="sim, aimet-onnx's rounding", progress=self.progress)
             entry["sim_ppl_aimet_onnx_rounding"] = rounded.ppl
             entry["ppl_rel_diff_aimet_onnx_rounding"] = abs(ppl / rounded.ppl - 1)

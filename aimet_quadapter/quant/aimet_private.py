@@ -117,16 +117,16 @@ EXTRA_HADAMARD_FACTORS = {144: (12, 12)}
 
 
 @contextmanager
-def fake_quantize_replaced(fn: Callable[..., Any]) -> Iterator[None]:
+def fake_quantize_replaced(fn: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
     """AIMET's fixed-range fake-quant call (``torch_builtins._torch_fake_quantize``: ``(tensor, scale, offset, qmin,
     qmax) -> tensor``, per tensor and per channel) replaced by ``fn``: the path every quantizer takes while no
-    gradient is recorded."""
+    gradient is recorded. Yields AIMET's own, for ``fn`` to hand some calls back to."""
     from aimet_torch.quantization.affine.backends import torch_builtins
 
     before = torch_builtins._torch_fake_quantize
     torch_builtins._torch_fake_quantize = fn
     try:
-        yield
+        yield before
     finally:
         torch_builtins._torch_fake_quantize = before
 

@@ -272,7 +272,7 @@ def _zero_point(offset: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (-offset.to(torch.int32)).to(dtype)
 
 
-# True inside aimet_onnx_rounding(): evaluation rounds as aimet-onnx's kernel does
+# True inside aimet_onnx_rounding(): activations round as aimet-onnx's kernel does
 _onnx_rounding = False
 
 
@@ -291,22 +291,42 @@ def aimet_onnx_fake_quant(
 
 
 @contextmanager
-def aimet_onnx_rounding() -> Iterator[None]:
-    """Evaluate the sim with every quantizer rounding as AIMET's ONNX simulation does, gradients off.
+def aimet_onnx_rounding(sim_model: nn.Module) -> Iterator[None]:
+    """Evaluate ``sim_model`` with every activation quantizer rounding as AIMET's ONNX simulation does, gradients off.
 
     The sim's own arithmetic (``torch.fake_quantize``'s, and :class:`FakeQuantSTE`'s) rounds ``x * (1 / scale)``
-    half to even and then adds the zero point; aimet-onnx subtracts the offset first, in float32, and rounds half
-    up. A value within a float32 rounding of a half step gets the code above, never the one below: a bias one
-    code wide on few values, which an 8-bit residual stream carries from layer to layer. Scoring the sim both
-    ways tells that bias from a defect of the exported graph (``export --device-check``,
-    ``scripts/rounding_noise.py --rounding aimet-onnx``)."""
+    half to even and then adds the zero point; aimet-onnx's activation quantizers subtract the offset first, in
+    float32, and round half up. A value within a float32 rounding of a half step gets the code above, never the one
+    below: a bias one code wide on few values, which an 8-bit residual stream carries from layer to layer. The
+    weight quantizers keep the sim's arithmetic: the export writes every weight already on its grid as the sim
+    rounded it, and aimet-onnx's kernel gives an on-grid value back unchanged, so the device graph never rounds a
+    raw weight (one rounded half up here would: weights expanded from a 4-bit file sit on half steps of their 8-bit
+    grid). Scoring the sim both ways tells that bias from a defect of the exported graph (``export
+    --device-check``, ``scripts/rounding_noise.py --rounding aimet-onnx``)."""
     global _onnx_rounding
+    weights = [q for _, role, q in quantizers(sim_model) if not role.startswith(("input", "output"))]
+    inside = [0]  # > 0 while a weight quantizer runs: AIMET's own arithmetic
+
+    def enter(module, args) -> None:
+        inside[0] += 1
+
+    def leave(module, args, out) -> None:
+        inside[0] -= 1
+
+    def fake_quant(x, scale, offset, qmin, qmax):
+        if inside[0]:
+            return aimet(x, scale, offset, qmin, qmax)
+        return aimet_onnx_fake_quant(x, scale, offset, qmin, qmax)
+
+    handles = [h for q in weights for h in (q.register_forward_pre_hook(enter), q.register_forward_hook(leave))]
     before, _onnx_rounding = _onnx_rounding, True
     try:
-        with torch.no_grad(), fake_quantize_replaced(aimet_onnx_fake_quant):
+        with torch.no_grad(), fake_quantize_replaced(fake_quant) as aimet:
             yield
     finally:
         _onnx_rounding = before
+        for handle in handles:
+            handle.remove()
 
 
 class FakeQuantSTE(torch.autograd.Function):
