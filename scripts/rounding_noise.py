@@ -10,8 +10,8 @@ in a random order of its own: the sums of another runtime, whose kernels order t
 fixed size.
 
 With ``--rounding aimet-onnx`` every activation quantizer rounds as AIMET's ONNX simulation does
-(``aimet_onnx_rounding``: the offset subtracted before rounding, half up; weights as the sim rounds them, as
-aimet-onnx does), the as-saved score and every draw alike: the band of the device graph's own arithmetic.
+(``aimet_onnx_rounding``: the offset subtracted before rounding, half up; the weights as the sim rounds them, as the
+export writes them), the as-saved score and every draw alike: the band of the device graph's own arithmetic.
 
     python scripts/rounding_noise.py runs/demo/seed-0/calib-generated/ptq --model smollm2-135m --draws 3
     python scripts/rounding_noise.py S --model smollm2-135m --split valid --seq-len 128 --max-tokens 512 --draws 5
