@@ -25,6 +25,8 @@ says where the device graph lies against their range: the band and the device gr
     python scripts/device_divergence.py S E --model smollm2-135m --tensors
     python scripts/device_divergence.py S E --model smollm2-135m --windows 16
     python scripts/device_divergence.py S E --model smollm2-135m --windows 16 --skip 16 --draws 10
+    python scripts/device_divergence.py S E --model smollm2-135m --windows 2 --dataset data/austen --start 524288
+        (E exported with --seq-len 1024: the run tables' own development windows)
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from aimet_quadapter.export.onnx_eval import apply_encodings, ort_session, read_
 from aimet_quadapter.models import load_model
 from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
 from aimet_quadapter.quant.quantizers import aimet_onnx_rounding
-from aimet_quadapter.text.data import Window
+from aimet_quadapter.text.data import Window, eval_windows, load_text, tokenize
 from aimet_quadapter.text.perplexity import eval_windows_for, window_nll
 
 
@@ -124,15 +126,23 @@ def window_divergence(sim_model: torch.nn.Module, export: Path, windows: list[Wi
     ppl = [math.exp(sum(r[j] * w.n_targets for r, w in zip(losses, windows)) / tokens) for j in range(len(columns))]
     for name, value in zip(columns, ppl):
         print(f"{name}: perplexity {value:.3f}")
-    for a, b in [(1, 0), (2, 0), (3, 0), (3, 2)]:
+    sim, draw, rounded, dev = range(4)  # the columns before the draws
+    for a, b in [(draw, sim), (rounded, sim), (dev, sim), (dev, rounded)]:
+        if len(windows) < 2:
+            break  # no spread over one window
         d = [r[a] - r[b] for r in losses]
         mean, sd = statistics.mean(d), statistics.stdev(d)
         t = mean / (sd / math.sqrt(len(d))) if sd else float("inf")
         print(f"{columns[a]} - {columns[b]}: mean {mean:+.4f}, sd {sd:.4f} over windows, t {t:+.2f}")
     if draws:
-        low, high = min(ppl[4:]), max(ppl[4:])
-        where = "inside" if low <= ppl[3] <= high else f"{100 * (ppl[3] / (low if ppl[3] < low else high) - 1):+.1f} %"
-        print(f"draws under aimet-onnx's rounding: {low:.3f}-{high:.3f}; the device graph {ppl[3]:.3f}, {where}")
+        band, device_ppl = ppl[dev + 1 :], ppl[dev]
+        low, high = min(band), max(band)
+        where = (
+            "inside"
+            if low <= device_ppl <= high
+            else f"{100 * (device_ppl / (low if device_ppl < low else high) - 1):+.1f} %"
+        )
+        print(f"draws under aimet-onnx's rounding: {low:.3f}-{high:.3f}; the device graph {device_ppl:.3f}, {where}")
 
 
 def main() -> None:
@@ -142,6 +152,13 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--dataset", default="ptb")
     p.add_argument("--split", default="valid")
+    p.add_argument(
+        "--start",
+        type=int,
+        default=0,
+        help="with --windows: tokens of the split skipped first, as a "
+        "recipe's text `start` skips them (Austen-dev: 524288)",
+    )
     p.add_argument("--tensors", action="store_true", help="every encoded tensor: the export's own graph against it")
     p.add_argument("--windows", type=int, default=0, help="N windows' losses, the sim's and the device's")
     p.add_argument("--skip", type=int, default=0, help="with --windows: start after this many windows (fresh text)")
@@ -155,8 +172,8 @@ def main() -> None:
         return
     sim = QuadapterState.load(resolve_state(args.state)).build_sim(model, in_place=True)
     if args.windows:
-        last = seq_len * (args.skip + args.windows)
-        windows = eval_windows_for(tokenizer, args.dataset, args.split, seq_len, max_tokens=last)[args.skip :]
+        tokens = tokenize(tokenizer, load_text(args.dataset, args.split))[args.start :]
+        windows = eval_windows(tokens, seq_len, max_tokens=seq_len * (args.skip + args.windows))[args.skip :]
         window_divergence(sim.model, args.export, windows, args.draws)
         return
 
