@@ -52,7 +52,7 @@ from aimet_quadapter.models import load_model
 from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
 from aimet_quadapter.quant.quantizers import aimet_onnx_rounding
 from aimet_quadapter.text.data import Window, eval_windows, load_text, tokenize
-from aimet_quadapter.text.perplexity import eval_windows_for, window_nll
+from aimet_quadapter.text.perplexity import window_nll
 
 
 def _onnx_scope(path: str) -> str:
@@ -127,9 +127,8 @@ def window_divergence(sim_model: torch.nn.Module, export: Path, windows: list[Wi
     for name, value in zip(columns, ppl):
         print(f"{name}: perplexity {value:.3f}")
     sim, draw, rounded, dev = range(4)  # the columns before the draws
-    for a, b in [(draw, sim), (rounded, sim), (dev, sim), (dev, rounded)]:
-        if len(windows) < 2:
-            break  # no spread over one window
+    pairs = [(draw, sim), (rounded, sim), (dev, sim), (dev, rounded)] if len(windows) > 1 else []  # no spread of one
+    for a, b in pairs:
         d = [r[a] - r[b] for r in losses]
         mean, sd = statistics.mean(d), statistics.stdev(d)
         t = mean / (sd / math.sqrt(len(d))) if sd else float("inf")
@@ -156,8 +155,7 @@ def main() -> None:
         "--start",
         type=int,
         default=0,
-        help="with --windows: tokens of the split skipped first, as a "
-        "recipe's text `start` skips them (Austen-dev: 524288)",
+        help="tokens of the split skipped first, as a recipe's text `start` skips them (Austen-dev: 524288)",
     )
     p.add_argument("--tensors", action="store_true", help="every encoded tensor: the export's own graph against it")
     p.add_argument("--windows", type=int, default=0, help="N windows' losses, the sim's and the device's")
@@ -166,13 +164,13 @@ def main() -> None:
     args = p.parse_args()
     seq_len = int(json.loads((args.export / "manifest.json").read_text())["seq_len"])
     model, tokenizer = load_model(args.model, quiet=True)
-    ids = eval_windows_for(tokenizer, args.dataset, args.split, seq_len, max_tokens=seq_len)[0].ids[None]
+    tokens = tokenize(tokenizer, load_text(args.dataset, args.split))[args.start :]  # read once, for every mode
+    ids = eval_windows(tokens, seq_len, max_tokens=seq_len)[0].ids[None]
     if args.tensors:
         tensor_divergence(args.export, ids.numpy().astype(np.int64))
         return
     sim = QuadapterState.load(resolve_state(args.state)).build_sim(model, in_place=True)
     if args.windows:
-        tokens = tokenize(tokenizer, load_text(args.dataset, args.split))[args.start :]
         windows = eval_windows(tokens, seq_len, max_tokens=seq_len * (args.skip + args.windows))[args.skip :]
         window_divergence(sim.model, args.export, windows, args.draws)
         return
