@@ -18,7 +18,8 @@ mean difference over the windows, its spread and its t: whether the device graph
 its windows' differences make likely, and how those compare with a draw's. ``--skip K`` starts after the first K
 windows (text no earlier comparison read); ``--draws D`` adds D summation-order draws of the sim rounding as
 aimet-onnx does, each over all the windows as ``rounding_noise.py --orders --rounding aimet-onnx`` draws them, and
-says where the device graph lies against their range: the band and the device graph from one pass over the text.
+says where the device graph lies against their range and against the sim's float-noise band (:func:`noise_band`):
+the band and the device graph from one pass over the text.
 
     python scripts/device_divergence.py S E --model smollm2-135m
         (S: a state; E: its `aimet-quadapter export S --model smollm2-135m --out E --device-check --verify-split valid`)
@@ -134,14 +135,32 @@ def window_divergence(sim_model: torch.nn.Module, export: Path, windows: list[Wi
         t = mean / (sd / math.sqrt(len(d))) if sd else float("inf")
         print(f"{columns[a]} - {columns[b]}: mean {mean:+.4f}, sd {sd:.4f} over windows, t {t:+.2f}")
     if draws:
-        band, device_ppl = ppl[dev + 1 :], ppl[dev]
-        low, high = min(band), max(band)
-        where = (
-            "inside"
-            if low <= device_ppl <= high
-            else f"{100 * (device_ppl / (low if device_ppl < low else high) - 1):+.1f} %"
+        drawn, device_ppl = ppl[dev + 1 :], ppl[dev]
+        low, high = min(drawn), max(drawn)
+        print(
+            f"draws under aimet-onnx's rounding: {low:.3f}-{high:.3f}; the device graph {device_ppl:.3f}, "
+            f"{_where(device_ppl, low, high)}"
         )
-        print(f"draws under aimet-onnx's rounding: {low:.3f}-{high:.3f}; the device graph {device_ppl:.3f}, {where}")
+        low, high = noise_band(ppl[sim], [ppl[rounded], *drawn])
+        print(
+            f"the sim's float-noise band (the sim +- the farthest of aimet-onnx's rounding and the draws): "
+            f"{low:.3f}-{high:.3f}; the device graph {device_ppl:.3f}, {_where(device_ppl, low, high)}"
+        )
+
+
+def noise_band(sim: float, variants: list[float]) -> tuple[float, float]:
+    """The sim's perplexity +- the farthest any of its float variants lies from it: how far float32 rounding moves
+    the sim's own number. Centred on the sim, since the question is whether the device graph lies as far from the
+    sim as rounding puts it: the variants' own range need not hold the sim, and a draw exchangeable with ten
+    others still falls outside their range two times in eleven."""
+    radius = max(abs(v - sim) for v in variants)
+    return sim - radius, sim + radius
+
+
+def _where(value: float, low: float, high: float) -> str:
+    if low <= value <= high:
+        return "inside"
+    return f"{100 * (value / (low if value < low else high) - 1):+.1f} %"
 
 
 def main() -> None:

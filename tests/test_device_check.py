@@ -132,6 +132,20 @@ def test_device_divergence_by_window_scores_the_device_graph_as_the_check_does(c
     assert len(drawn) == 2 and drawn == pytest.approx([sim, sim], rel=1e-4)
     band = re.search(r"draws under aimet-onnx's rounding: ([0-9.]+)-([0-9.]+); the device graph ([0-9.]+)", printed)
     assert band and float(band.group(1)) == min(drawn) and float(band.group(3)) == device
+    centred = re.search(r"float-noise band .*: ([0-9.]+)-([0-9.]+); the device graph ([0-9.]+)", printed)
+    assert centred and float(centred.group(3)) == device
+    assert float(centred.group(1)) <= sim <= float(centred.group(2))
+
+
+def test_the_noise_band_is_centred_on_the_sim_and_reaches_its_farthest_variant(monkeypatch):
+    """A device graph as far from the sim as a draw is inside, though outside the draws' own range when the sim
+    lies beside them; one farther than every variant is not."""
+    scripts = Path(__file__).parents[1] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    noise_band = runpy.run_path(str(scripts / "device_divergence.py"))["noise_band"]
+    low, high = noise_band(77.4, [75.9, 76.9, 77.0])
+    assert (low, high) == pytest.approx((75.9, 78.9))
+    assert low <= 77.45 <= high and not low <= 79.0 <= high
 
 
 def test_the_device_graph_scores_near_the_sim(checked):
