@@ -293,3 +293,38 @@ def test_aimet_onnx_rounding_leaves_the_weights_as_the_exported_graph_holds_them
     sim_model.param_quantizers, sim_model.input_quantizers, sim_model.output_quantizers = {"weight": q}, [], []
     with aimet_onnx_rounding(sim_model):
         assert torch.equal(q(weight).as_subclass(torch.Tensor), exported)
+
+
+def test_device_texts_scores_a_runs_cell_on_the_runs_own_windows(tiny_gpt2_dir, corpus_dir, tmp_path, monkeypatch):
+    """``scripts/device_texts.py``: the run's cell exported, its graph in AIMET's ONNX simulation on the windows the
+    run scored, beside the sim's recorded number for each text, a test text and a development text of one name apart;
+    the run folder itself is refused."""
+    from aimet_quadapter.cli.app import main
+
+    run, export = tmp_path / "run", tmp_path / "export"
+    small = ["--seq-len", str(SEQ), "--max-tokens", str(4 * SEQ), "--calib-samples", "2", "--calib-len", str(SEQ)]
+    argv = ["eval", "--model", str(tiny_gpt2_dir), "--dataset", str(corpus_dir), "--methods", "ptq", *small]
+    assert main([*argv, "--policy-target", "htp", "--out", str(run), "--no-progress"]) == 0
+    (cell,) = {p.parent for p in run.rglob("*.safetensors")}
+    results = json.loads((run / "results.json").read_text())
+    (record,) = results["cells"].values()
+    record["dev_ppl"] = {"corpus": 2 * record["ppl"]["corpus"]}  # the same label on the valid split, as ptb's
+    (settings,) = (r["settings"] for r in results["recipes"].values())
+    settings["dev"] = {**settings["eval"], "split": "valid", "max_tokens": 2 * SEQ}
+    (run / "results.json").write_text(json.dumps(results))
+    verify = ["--verify-dataset", str(corpus_dir), "--verify-split", "valid", "--verify-windows", "2"]
+    exported = ["export", str(cell), "--model", str(tiny_gpt2_dir), "--out", str(export), "--seq-len", str(SEQ)]
+    assert main([*exported, *verify, "--device-check", "--no-progress"]) == 0
+
+    scripts = Path(__file__).parents[1] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    script = runpy.run_path(str(scripts / "device_texts.py"))
+    texts = script["texts_of"](*script["cell_record"](cell))
+    assert [(t.role, t.label, len(t.windows)) for t in texts] == [("test", "corpus", 4), ("dev", "corpus", 2)]
+    assert [t.sim for t in texts] == [record["ppl"]["corpus"], record["dev_ppl"]["corpus"]]
+    test, dev = script["device_perplexities"](export, texts)
+    # the same state and windows: the device graph within the band the fixture's check holds it to
+    assert test == pytest.approx(record["ppl"]["corpus"], rel=2 * DEVICE)
+    assert dev != pytest.approx(test, rel=1e-3)  # the valid split's own windows
+    with pytest.raises(Exception, match="give a cell folder of a run"):
+        script["cell_record"](run)

@@ -1,0 +1,103 @@
+"""A run's cell on the device graph: every text its run scored, the same windows, in AIMET's ONNX simulation.
+
+For a cell folder of a run (``RUN/seed-N/GROUP/METHOD``) and the export of its state (``aimet-quadapter export CELL
+--model M --out E --seq-len L --device-check``, L the run's evaluation length), the perplexity of the export's graph
+in AIMET's ONNX simulation (``--device-check``'s graph, its encodings loaded) on each test and development text of
+the run's recipe, beside the sim's number that the run recorded for the cell. One pass of the device graph per
+window and nothing else: where ``device_divergence.py --windows`` scores the sim's float variants beside it, this
+reads the sim's number from ``results.json``.
+
+    python scripts/device_texts.py runs/R/seed-0/calib-ptb/spinquant runs/E
+    python scripts/device_texts.py runs/R/seed-0/calib-ptb/spinquant runs/E --only test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.export.device_check import _SessionLM, device_sim
+from aimet_quadapter.export.formats import INPUT_NAME
+from aimet_quadapter.running.recipes import Recipe
+from aimet_quadapter.running.runner import RecipeRun
+from aimet_quadapter.text.data import Window
+from aimet_quadapter.text.perplexity import perplexity
+
+TEST, DEV = "test", "dev"  # a run's `eval` texts and its `dev` texts; one label may name one of each (ptb)
+ROLES = (TEST, DEV)
+
+
+@dataclass
+class Text:
+    role: str
+    label: str
+    windows: list[Window]
+    sim: float  # the run's number for the cell
+
+
+def cell_record(cell: Path) -> tuple[dict, Recipe]:
+    """The run's record of ``cell`` and the recipe (one seed's) it ran under."""
+    cell = cell.resolve()
+    run = next((p for p in cell.parents if (p / "results.json").is_file()), None)
+    if run is None:
+        raise QuadapterError(f"{cell}: no results.json in a folder above it: give a cell folder of a run")
+    results = json.loads((run / "results.json").read_text())
+    folder = cell.relative_to(run).as_posix()
+    record = next((r for r in results["cells"].values() if r.get("folder") == folder), None)
+    if record is None:
+        raise QuadapterError(f"{run / 'results.json'} has no cell in {folder}")
+    if len(results["recipes"]) != 1:  # a merged folder: its cells do not say which recipe ran them
+        raise QuadapterError(f"{run / 'results.json'} holds {len(results['recipes'])} recipes; give a run of one")
+    (settings,) = (r["settings"] for r in results["recipes"].values())
+    recipe = Recipe.model_validate(settings)
+    return record, recipe.for_seed(record["seed"]) if record.get("seed") is not None else recipe
+
+
+def texts_of(record: dict, recipe: Recipe, roles: tuple[str, ...] = ROLES) -> list[Text]:
+    """The texts the run scored for ``record``, test texts then development texts, each with the sim's number."""
+    run = RecipeRun(recipe, Path(".unused"), progress=False)
+    scored = {TEST: (run.eval_windows(), record["ppl"]), DEV: (run.dev_windows(), record.get("dev_ppl", {}))}
+    return [
+        Text(role, label, windows, scored[role][1][label])
+        for role in roles
+        for label, windows in scored[role][0].items()
+    ]
+
+
+def device_perplexities(export: Path, texts: list[Text], progress: bool = False) -> list[float]:
+    """The device graph's perplexity on each text's windows (one simulation for them all)."""
+    onnx_sim, coverage = device_sim(export)
+    if coverage.missing:  # the check calibrates them on its own tuning text, which this does not read
+        print(f"{len(coverage.missing)} tensors without an encoding, calibrated here on the first window scored")
+        first = texts[0].windows[0].ids[None].numpy().astype(np.int64)
+        onnx_sim.compute_encodings([{INPUT_NAME: first}])
+    device = _SessionLM(onnx_sim)
+    return [perplexity(device, t.windows, desc=f"{t.label} ({t.role})", progress=progress).ppl for t in texts]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("cell", type=Path, help="a cell folder of a run (its state inside)")
+    p.add_argument("export", type=Path, help="the export of that state (model.onnx and its encodings)")
+    p.add_argument("--only", choices=ROLES, help="only the run's test texts, or only its development texts")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args()
+    record, recipe = cell_record(args.cell)
+    texts = texts_of(record, recipe, (args.only,) if args.only else ROLES)
+    seq_len = int(json.loads((args.export / "manifest.json").read_text())["seq_len"])
+    other = [f"{t.label} ({t.role})" for t in texts if any(len(w.ids) != seq_len for w in t.windows)]
+    if other:  # the graph's input has a fixed length
+        raise SystemExit(f"{args.export}: a graph of {seq_len} tokens; {', '.join(other)}: windows of another length")
+    device = device_perplexities(args.export, texts, progress=not args.no_progress)
+    print(f"{record['method']} ({args.cell}), seed {record.get('seed')}: text | sim (results.json) | device graph")
+    for t, value in zip(texts, device):
+        print(f"{t.label} ({t.role}) | {t.sim:.3f} | {value:.3f} ({100 * (value / t.sim - 1):+.1f} %)")
+
+
+if __name__ == "__main__":
+    main()
