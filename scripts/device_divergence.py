@@ -43,10 +43,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from aimet_onnx.utils import OrtInferenceSession
+from device_texts import device_lm
 from onnx import TensorProto, helper
 from rounding_noise import activation_codes, shuffled_sums  # beside this script
 
-from aimet_quadapter.export.device_check import _SessionLM, device_sim
+from aimet_quadapter.export.device_check import device_sim
 from aimet_quadapter.export.formats import ENCODINGS, FP_ONNX, INPUT_NAME
 from aimet_quadapter.export.onnx_eval import apply_encodings, ort_session, read_encodings
 from aimet_quadapter.models import load_model
@@ -98,11 +99,7 @@ def window_divergence(sim_model: torch.nn.Module, export: Path, windows: list[Wi
     """Print each window's loss in the sim's variants and the device graph (see the module's doc); with ``draws``,
     that many summation-order draws of the sim rounding as aimet-onnx does, each over all the windows as
     ``rounding_noise.py --orders --rounding aimet-onnx`` draws them, and where the device graph lies against them."""
-    onnx_sim, coverage = device_sim(export)
-    if coverage.missing:  # the check calibrates them on its own windows of tuning text, not on this one
-        print(f"{len(coverage.missing)} tensors without an encoding, calibrated here on the first window")
-    onnx_sim.compute_encodings([{INPUT_NAME: windows[0].ids[None].numpy().astype(np.int64)}])
-    device = _SessionLM(onnx_sim)
+    device = device_lm(export, windows[0])
     columns = ["sim", "sim, a summation-order draw", "sim, aimet-onnx's rounding", "device graph"]
     columns += [f"aimet-onnx's rounding, draw {k}" for k in range(1, draws + 1)]
 

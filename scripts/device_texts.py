@@ -23,6 +23,7 @@ import numpy as np
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.device_check import _SessionLM, device_sim
 from aimet_quadapter.export.formats import INPUT_NAME
+from aimet_quadapter.running.provenance import results_above
 from aimet_quadapter.running.recipes import Recipe
 from aimet_quadapter.running.runner import RecipeRun
 from aimet_quadapter.text.data import Window
@@ -43,10 +44,10 @@ class Text:
 def cell_record(cell: Path) -> tuple[dict, Recipe]:
     """The run's record of ``cell`` and the recipe (one seed's) it ran under."""
     cell = cell.resolve()
-    run = next((p for p in cell.parents if (p / "results.json").is_file()), None)
-    if run is None:
+    found = results_above(cell)
+    if found is None or found[0] == cell:
         raise QuadapterError(f"{cell}: no results.json in a folder above it: give a cell folder of a run")
-    results = json.loads((run / "results.json").read_text())
+    run, results = found
     folder = cell.relative_to(run).as_posix()
     record = next((r for r in results["cells"].values() if r.get("folder") == folder), None)
     if record is None:
@@ -69,14 +70,20 @@ def texts_of(record: dict, recipe: Recipe, roles: tuple[str, ...] = ROLES) -> li
     ]
 
 
+def device_lm(export: Path, first: Window) -> _SessionLM:
+    """``export``'s graph in AIMET's ONNX simulation, ``ids -> logits``; a tensor without an encoding is calibrated
+    on ``first`` (the check calibrates such tensors on its own tuning text, which a scoring script does not read)."""
+    onnx_sim, coverage = device_sim(export)
+    if coverage.missing:
+        print(f"{len(coverage.missing)} tensors without an encoding, calibrated here on the first window")
+    # with every tensor encoded this changes nothing: the loaded encodings are frozen
+    onnx_sim.compute_encodings([{INPUT_NAME: first.ids[None].numpy().astype(np.int64)}])
+    return _SessionLM(onnx_sim)
+
+
 def device_perplexities(export: Path, texts: list[Text], progress: bool = False) -> list[float]:
     """The device graph's perplexity on each text's windows (one simulation for them all)."""
-    onnx_sim, coverage = device_sim(export)
-    if coverage.missing:  # the check calibrates them on its own tuning text, which this does not read
-        print(f"{len(coverage.missing)} tensors without an encoding, calibrated here on the first window scored")
-        first = texts[0].windows[0].ids[None].numpy().astype(np.int64)
-        onnx_sim.compute_encodings([{INPUT_NAME: first}])
-    device = _SessionLM(onnx_sim)
+    device = device_lm(export, texts[0].windows[0])
     return [perplexity(device, t.windows, desc=f"{t.label} ({t.role})", progress=progress).ppl for t in texts]
 
 

@@ -87,13 +87,19 @@ def run_folder(state: QuadapterState) -> tuple[Path, dict] | None:
     (``[seed-N/]<calibration>/<method>/``); None outside any."""
     if state.source is None:
         return None
-    for folder in list(state.source.resolve().parents)[:4]:
+    return results_above(state.source.resolve().parent)
+
+
+def results_above(folder: Path) -> tuple[Path, dict] | None:
+    """The run folder holding ``folder`` (a cell's: itself or up to three above it) and its results; None outside
+    any."""
+    for candidate in [folder, *folder.parents][:4]:
         try:
-            results = json.loads((folder / "results.json").read_text())
+            results = json.loads((candidate / "results.json").read_text())
         except (OSError, ValueError):
             continue
         if isinstance(results, dict) and isinstance(results.get("cells"), dict):
-            return folder, results
+            return candidate, results
     return None
 
 
