@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from aimet_onnx.utils import OrtInferenceSession
-from device_texts import device_lm
+from device_texts import scoring_lm
 from onnx import TensorProto, helper
 from rounding_noise import activation_codes, shuffled_sums  # beside this script
 
@@ -99,7 +99,7 @@ def window_divergence(sim_model: torch.nn.Module, export: Path, windows: list[Wi
     """Print each window's loss in the sim's variants and the device graph (see the module's doc); with ``draws``,
     that many summation-order draws of the sim rounding as aimet-onnx does, each over all the windows as
     ``rounding_noise.py --orders --rounding aimet-onnx`` draws them, and where the device graph lies against them."""
-    device = device_lm(export, windows[0])
+    device = scoring_lm(export, windows[0])
     columns = ["sim", "sim, a summation-order draw", "sim, aimet-onnx's rounding", "device graph"]
     columns += [f"aimet-onnx's rounding, draw {k}" for k in range(1, draws + 1)]
 

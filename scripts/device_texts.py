@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+import torch
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.export.device_check import _SessionLM, device_sim
-from aimet_quadapter.export.formats import INPUT_NAME
+from aimet_quadapter.export.device_check import device_lm
 from aimet_quadapter.running.provenance import results_above
 from aimet_quadapter.running.recipes import Recipe
 from aimet_quadapter.running.runner import RecipeRun
@@ -70,20 +70,18 @@ def texts_of(record: dict, recipe: Recipe, roles: tuple[str, ...] = ROLES) -> li
     ]
 
 
-def device_lm(export: Path, first: Window) -> _SessionLM:
+def scoring_lm(export: Path, first: Window) -> Callable[[torch.Tensor], torch.Tensor]:
     """``export``'s graph in AIMET's ONNX simulation, ``ids -> logits``; a tensor without an encoding is calibrated
     on ``first`` (the check calibrates such tensors on its own tuning text, which a scoring script does not read)."""
-    onnx_sim, coverage = device_sim(export)
+    device, coverage = device_lm(export, [first.ids])
     if coverage.missing:
         print(f"{len(coverage.missing)} tensors without an encoding, calibrated here on the first window")
-    # with every tensor encoded this changes nothing: the loaded encodings are frozen
-    onnx_sim.compute_encodings([{INPUT_NAME: first.ids[None].numpy().astype(np.int64)}])
-    return _SessionLM(onnx_sim)
+    return device
 
 
 def device_perplexities(export: Path, texts: list[Text], progress: bool = False) -> list[float]:
     """The device graph's perplexity on each text's windows (one simulation for them all)."""
-    device = device_lm(export, texts[0].windows[0])
+    device = scoring_lm(export, texts[0].windows[0])
     return [perplexity(device, t.windows, desc=f"{t.label} ({t.role})", progress=progress).ppl for t in texts]
 
 

@@ -117,6 +117,15 @@ class _SessionLM:
         return torch.from_numpy(logits)
 
 
+def device_lm(export: Path, calibration: Sequence[torch.Tensor]) -> tuple[_SessionLM, Coverage]:
+    """``export``'s graph in AIMET's ONNX simulation as ``ids -> logits`` (:func:`device_sim`), every tensor without
+    an encoding calibrated on ``calibration`` (this package's encodings are frozen: calibrating leaves them as
+    loaded), and its coverage."""
+    onnx_sim, coverage = device_sim(export)
+    onnx_sim.compute_encodings([{INPUT_NAME: c.reshape(1, -1).numpy().astype(np.int64)} for c in calibration])
+    return _SessionLM(onnx_sim), coverage
+
+
 @dataclass
 class DeviceGraphCheck:
     """The export's full-sequence graph in AIMET's ONNX simulation (see the module's doc); ``calibration``: the
@@ -139,10 +148,9 @@ class DeviceGraphCheck:
     def verify(self, sim: Any, folder: Path, windows: Sequence[Any], report: Any, export: Path) -> dict:
         from aimet_quadapter.text.perplexity import perplexity
 
-        onnx_sim, coverage = device_sim(export)
-        onnx_sim.compute_encodings([{INPUT_NAME: c.reshape(1, -1).numpy().astype(np.int64)} for c in self.calibration])
-        ppl = perplexity(_SessionLM(onnx_sim), windows, desc="device graph (aimet-onnx)", progress=self.progress).ppl
-        onnx_sim.export(str(folder), "device")  # every tensor's encoding, the calibrated ones too
+        device, coverage = device_lm(export, self.calibration)
+        ppl = perplexity(device, windows, desc="device graph (aimet-onnx)", progress=self.progress).ppl
+        device.sim.export(str(folder), "device")  # every tensor's encoding, the calibrated ones too
         for written in folder.iterdir():
             if written.name != "device.encodings":
                 written.unlink()  # the graph is the export's own model.onnx; only the encodings are new
