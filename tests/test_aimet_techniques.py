@@ -222,6 +222,30 @@ def test_a_rotated_training_state_rebuilds_the_sim_it_trained(name, tmp_path):
         assert any(not torch.equal(w, qat[n]) for n, w in state.weights.items() if "proj" in n)
 
 
+@pytest.mark.parametrize("target", ["paper", "htp"])
+@pytest.mark.parametrize("name", ["cle_phase2", "spinquant_cle_phase2"])
+def test_a_state_rebuilds_the_prefix_cache_its_run_scored_with(name, target, tmp_path):
+    """The run scores the sim in memory, the export and `eval` the sim its state rebuilds: the prefix's cache of
+    both is computed through the sim's own ops from the same weights, bit for bit (through the FP model's ops, or
+    from AIMET's transposed merged weights, it is a few ulps off, which moved one SmolLM2 state by 0.9 %)."""
+    from aimet_quadapter.methods.registry import MethodContext, run_method
+    from aimet_quadapter.quadapter.config import Phase1Parameters, Phase2Parameters, QuadapterParameters
+    from aimet_quadapter.quadapter.state import QuadapterState
+
+    model = toy_model("llama")
+    model.set_prefix([3, 5])
+    corpus = sample_corpus(model, 6, 32, seed=1)
+    policy = QuantPolicy(target="htp", bit_overrides=["*.residual_adds.*=16"]) if target == "htp" else QuantPolicy()
+    params = QuadapterParameters(phase1=Phase1Parameters(steps=2), phase2=Phase2Parameters(steps=2, batch_size=2))
+    ctx = MethodContext(model, policy, [corpus[:2]], [corpus[2:4]], params, out_dir=tmp_path, progress=False)
+    sim = run_method(name, ctx)
+    rebuilt = QuadapterState.load(tmp_path / f"{name}.safetensors").build_sim(model)
+    for (k, v), (k2, v2) in zip(sim.model.prefix_kv, rebuilt.model.prefix_kv, strict=True):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    with torch.no_grad():
+        assert torch.equal(sim.model(corpus[4:6]), rebuilt.model(corpus[4:6]))
+
+
 def test_an_order_576_hadamard_is_one_and_leaves_aimets_own_orders_alone():
     """SmolLM2's hidden size (576) has no Hadamard matrix in AIMET: the package adds H144 = H12 x H12, a true
     Hadamard matrix, through AIMET's own builder, which then gives every order it gave before unchanged."""

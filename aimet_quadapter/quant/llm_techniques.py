@@ -85,7 +85,11 @@ def _transformed_copy(fp_model: PreparedLM) -> PreparedLM:
     return model
 
 
-def _prefix_again(model: PreparedLM, fp_model: PreparedLM) -> None:
+def _finish_transform(model: PreparedLM, fp_model: PreparedLM) -> None:
+    # AIMET's merges leave weights transposed in memory; a saved state holds them row-major, and a matmul sums in
+    # another order on each layout: row-major here, so that the transformed model computes as its state rebuilt does
+    for p in model.parameters():
+        p.data = p.data.contiguous()
     # the prefix's full-precision keys and values, from the transformed weights
     ids = fp_model.prefix_ids
     model.set_prefix(None if ids is None else ids[0].tolist())
@@ -104,7 +108,7 @@ def spinquant_model(fp_model: PreparedLM, params: BaselineParameters | None = No
     model = _transformed_copy(fp_model)
     with extra_hadamard_orders(), torch.no_grad():
         apply_spinquant(model.lm, enable_r1=True, enable_r2=params.spinquant_r2)
-    _prefix_again(model, fp_model)
+    _finish_transform(model, fp_model)
     return model
 
 
@@ -125,7 +129,7 @@ def fptquant_model(fp_model: PreparedLM, params: BaselineParameters | None = Non
             with torch.no_grad():
                 transforms.merge_fpt_quant_transforms(model.lm)
         _save_fit(model, cached)
-    _prefix_again(model, fp_model)
+    _finish_transform(model, fp_model)
     return model
 
 

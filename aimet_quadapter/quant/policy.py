@@ -44,7 +44,13 @@ from aimet_quadapter.models.attention import set_mask_fill
 from aimet_quadapter.models.device_ops import RotaryTables, install_device_ops
 from aimet_quadapter.quant.aimet_private import htp_config_file
 from aimet_quadapter.quant.config import QUANT_SCHEMES, QuantPolicy
-from aimet_quadapter.quant.quantizers import DynamicRanges, quantizers, quantizers_in, shared_activation_groups
+from aimet_quadapter.quant.quantizers import (
+    DynamicRanges,
+    quantizers,
+    quantizers_in,
+    refresh_prefix,
+    shared_activation_groups,
+)
 
 # The value masked attention scores take under the htp target, where the softmax input is quantized: far
 # enough below real scores that the softmax does not change, near enough that 8 bits still resolve them.
@@ -325,6 +331,9 @@ def build_sim(
     # Nothing trains unless a training phase asks for it: no gradient for weights or quantizer ranges.
     for p in sim.model.parameters():
         p.requires_grad_(False)
+    # The prefix's cache through the sim's own ops, as training refreshes it: the FP model's ops round otherwise
+    # (htp's device ops, AIMET's wrappers), and a sim rebuilt from a state would not score as the one it saved.
+    refresh_prefix(sim.model)
     return sim
 
 
