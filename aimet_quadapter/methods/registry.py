@@ -46,7 +46,6 @@ from aimet_quadapter.quant.baselines import apply_adaround, apply_seq_mse
 from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
 from aimet_quadapter.quant.llm_techniques import apply_adascale, apply_omniquant, fptquant_model, spinquant_model
 from aimet_quadapter.quant.policy import build_sim, calibrate
-from aimet_quadapter.quant.quantizers import refresh_prefix
 
 
 @dataclass
@@ -448,8 +447,6 @@ def run_method(name: str, ctx: MethodContext):
     start = time.time()
     out = REGISTRY[name](ctx)
     ctx.timings[name] = time.time() - start
-    if isinstance(out, QuantizationSimModel):  # a technique may have changed weights after the last refresh
-        refresh_prefix(out.model)
     if isinstance(out, QuantizationSimModel) and _write_dir(ctx) is not None and name not in ctx.saved:
         # every quantized row can be exported: its ranges, and the weights it changed (AdaRound's, QAT's); saved by
         # this run whatever a file of that name holds (an earlier run's, under other settings)

@@ -26,6 +26,7 @@ from aimet_quadapter.models.attention import set_mask_fill
 from aimet_quadapter.quant.aimet_private import htp_config_file, seq_mse_bitwidth_limit
 from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
 from aimet_quadapter.quant.policy import HTP_MASK_FILL, aimet_quant_scheme, calibrate, sim_policy
+from aimet_quadapter.quant.quantizers import refresh_prefix
 
 
 def aimet_forward(model: nn.Module, batch: torch.Tensor):
@@ -130,6 +131,7 @@ def apply_adaround(
             for name, value in rounded.named_parameters():
                 mine[name].data = value.detach()  # new data: the sim's weights may be the FP model's storage
         sim.set_and_freeze_param_encodings(str(encodings))
+    refresh_prefix(sim.model)  # of the rounded weights, before the activations are calibrated on it
     if calibrate_after:
         calibrate(sim, batches)
     return {

@@ -197,12 +197,14 @@ def apply_adascale(
 
     from aimet_quadapter.quant.baselines import aimet_forward
     from aimet_quadapter.quant.policy import calibrate
+    from aimet_quadapter.quant.quantizers import refresh_prefix
 
     params = params or BaselineParameters()
     batches = list(calibration)
     with tempfile.TemporaryDirectory(prefix="aimet-quadapter-adascale-") as folder:
         aimet_adascale(sim, batches, forward_fn=aimet_forward, num_iterations=params.adascale_iterations,
                        checkpoint_dir=folder)  # fmt: skip
+    refresh_prefix(sim.model)  # of the weights AdaScale folded its scales into, before the activations are calibrated
     calibrate(sim, batches)
     return {"adascale_iterations": params.adascale_iterations}
 
@@ -217,6 +219,7 @@ def apply_omniquant(
     from aimet_quadapter.quant.aimet_private import omniquant_view
     from aimet_quadapter.quant.baselines import aimet_forward
     from aimet_quadapter.quant.policy import calibrate
+    from aimet_quadapter.quant.quantizers import refresh_prefix
 
     params = params or BaselineParameters()
     batches = [row[None] for batch in calibration for row in batch]
@@ -231,5 +234,6 @@ def apply_omniquant(
         omniquant(
             sim, batches, forward_fn=aimet_forward, num_iterations=params.omniquant_iterations, output_path=folder
         )
+    refresh_prefix(sim.model)  # the folded transforms change the keys and values: calibrate on the new ones
     calibrate(sim, list(calibration))
     return {"omniquant_iterations": params.omniquant_iterations}
