@@ -254,6 +254,8 @@ def test_a_technique_that_changes_weights_calibrates_on_their_prefix_cache(name,
     from aimet_quadapter.methods.registry import MethodContext, run_method
     from aimet_quadapter.quadapter.config import QuadapterParameters
     from aimet_quadapter.quadapter.state import QuadapterState
+    from aimet_quadapter.quant.policy import calibrate
+    from aimet_quadapter.quant.quantizers import quantizers
 
     model = toy_model("llama")
     model.set_prefix([3, 5])
@@ -271,6 +273,16 @@ def test_a_technique_that_changes_weights_calibrates_on_their_prefix_cache(name,
         assert torch.equal(k, k2) and torch.equal(v, v2)
     with torch.no_grad():
         assert torch.equal(sim.model(corpus[4:6]), rebuilt.model(corpus[4:6]))
+    # the activations' ranges are a calibration's on the new cache (the weights' as the technique left them)
+    for _, role, q in quantizers(rebuilt.model):
+        if role == "weight":
+            q.allow_overwrite(False)
+    calibrate(rebuilt, ctx.calibration)
+    again = {f"{p}.{r}": q for p, r, q in quantizers(rebuilt.model)}
+    for path, role, q in quantizers(sim.model):
+        if q.is_initialized():
+            other = again[f"{path}.{role}"]
+            assert torch.equal(q.min, other.min) and torch.equal(q.max, other.max), f"{path}.{role}"
 
 
 def test_an_order_576_hadamard_is_one_and_leaves_aimets_own_orders_alone():
