@@ -483,3 +483,54 @@ def test_an_export_without_the_disk_it_needs_is_one_line_before_the_sim(
     assert main(["export", str(tmp_state), "--model", str(tiny_gpt2_dir), "--out", str(out)]) == 2
     line = _error_line(capsys)
     assert str(out) in line and "free disk" in line
+
+
+# (what the folder holds, a phrase its refusal must hold)
+BAD_MODEL_FOLDERS = {
+    "missing": (None, "does not exist"),
+    "empty": ({}, "has no config.json"),
+    "config.json only": ({"config.json": '{"model_type": "gpt2"}'}, "has no weight files"),
+    "config.json not JSON": ({"config.json": "{not json", "model.safetensors": ""}, "config.json is not JSON"),
+    "unsupported model_type": (
+        {"config.json": '{"model_type": "bert"}', "model.safetensors": ""},
+        "model_type 'bert'; supported: gpt2, llama",
+    ),
+    "no tokenizer": ({"config.json": '{"model_type": "gpt2"}', "model.safetensors": ""}, "has no tokenizer files"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MODEL_FOLDERS))
+def test_a_model_folder_that_cannot_load_is_one_line_before_any_work(case, tmp_path, corpus_dir):
+    """`--set model=<folder>` names a folder that cannot load: refused naming the folder and what it lacks, before
+    the run folder exists, so before the FP model sampled the recipe's generated text or a tokenizer was tried."""
+    files, phrase = BAD_MODEL_FOLDERS[case]
+    folder = tmp_path / "model"
+    if files is not None:
+        folder.mkdir()
+        for name, text in files.items():
+            (folder / name).write_text(text)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "model: gpt2\nmethods: [fp, ptq]\ncalibration: {dataset: [generated], samples: 2, length: 64}\n"
+        f"generated: {{samples: 2, length: 64}}\neval: {{datasets: [{corpus_dir}], seq_len: 64, max_tokens: 256}}\n"
+    )
+    out = tmp_path / "out"
+    done = _cli(["run", str(recipe), "--set", f"model={folder}", "--out", str(out), "--no-progress"])
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("aimet-quadapter: error: "), done.stderr[-2000:]
+    assert f"model folder {folder}" in lines[0] and phrase in lines[0]
+    assert not out.exists()  # no run folder, no lock, no log: nothing was started
+
+
+def test_every_checkpoint_save_pretrained_writes_and_every_hub_name_pass_the_folder_check(tiny_gpt2_dir, tmp_path):
+    from aimet_quadapter.models.loading import check_model_source
+
+    for name in (str(tiny_gpt2_dir), "gpt2", "some-org/a-model-in-no-cache", "smollm2-135m"):
+        check_model_source(name)
+    # a sharded checkpoint (its index and shards) and a slow BPE tokenizer's two files
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for name in ("config.json", "model.safetensors.index.json", "vocab.json", "merges.txt"):
+        (sharded / name).write_text('{"model_type": "llama"}' if name == "config.json" else "{}")
+    check_model_source(str(sharded))

@@ -277,3 +277,41 @@ def test_eval_reads_the_prefix_the_recipes_read(tiny_gpt2_dir, corpus_dir, tmp_p
         assert main([*argv, "--json", str(out), *(["--prefix", prefix] if prefix else [])]) == 0
         ppl[prefix] = json.loads(out.read_text())["cells"]["fp"]["ppl"][corpus_dir.stem]
     assert ppl[None] != ppl["the market fell ."]
+
+
+def test_eval_follows_the_models_own_prefix_by_default_under_htp_only():
+    """Under htp the first token's outsized activations would set the static ranges: the model's own prefix is the
+    default there; the paper's placement keeps none, and a saved state holds its own."""
+    from aimet_quadapter.cli.app import _eval_recipe, build_parser
+
+    def prefix(*options: str) -> str | None:
+        args = build_parser().parse_args(["eval", "--model", "m", "--dataset", "ptb", *options])
+        return _eval_recipe(args).prefix
+
+    assert prefix() is None and prefix("--policy-target", "paper") is None
+    assert prefix("--policy-target", "htp") == "auto"
+    assert prefix("--policy-target", "htp", "--prefix", "none") is None
+    assert prefix("--policy-target", "htp", "--prefix", "the market") == "the market"
+    assert prefix("--prefix", "auto") == "auto"
+    assert prefix("--policy-target", "htp", "--state", "s.safetensors") is None
+
+
+def test_an_auto_prefix_of_a_tokenizer_without_bos_or_eos_is_none_and_the_log_says_so_once(
+    tiny_tokenizer, corpus_dir, tmp_path
+):
+    import copy
+
+    from conftest import save_tiny_gpt2
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.eos_token = None
+    folder = save_tiny_gpt2(tmp_path / "model", tokenizer)
+    argv = ["eval", "--model", str(folder), "--dataset", str(corpus_dir), "--methods", "fp", "--no-progress"]
+    argv += ["--seq-len", "64", "--max-tokens", "256", "--policy-target", "htp"]
+    ppl = {}
+    for prefix in ("auto", "none"):
+        assert main([*argv, "--out", str(tmp_path / prefix), "--prefix", prefix]) == 0
+        ppl[prefix] = json.loads((tmp_path / prefix / "results.json").read_text())["cells"]["fp"]["ppl"]
+    assert ppl["auto"] == ppl["none"]
+    log = (tmp_path / "auto" / "run.log").read_text()
+    assert log.count("neither a BOS nor an EOS token: no prefix") == 1

@@ -4,8 +4,14 @@ export carries it to every form of the model."""
 
 from __future__ import annotations
 
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 from aimet_torch.utils import remove_all_quantizers
 
 from aimet_quadapter.errors import QuadapterError
@@ -150,3 +156,40 @@ def test_a_prefixed_sim_exports_with_its_prefix_and_each_form_computes_what_the_
     assert reloaded.model.prefix_ids[0].tolist() == PREFIX
     with torch.no_grad():
         assert torch.allclose(reloaded.model(ids[None])[0], expected, atol=1e-4)
+
+
+def _gpt2_tokenizer(folder):
+    """GPT-2's tokenizer class with GPT-2's special tokens (its defaults), on a vocabulary of three tokens."""
+    from transformers import GPT2TokenizerFast
+
+    folder.mkdir()
+    (folder / "vocab.json").write_text(json.dumps({"<|endoftext|>": 0, "a": 1, "\u010a": 2}))  # Ċ: byte-level "\n"
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    return GPT2TokenizerFast(str(folder / "vocab.json"), str(folder / "merges.txt"))
+
+
+def test_the_auto_prefix_of_a_model_without_bos_is_its_eos_and_a_new_line(tmp_path, tiny_tokenizer):
+    from aimet_quadapter.models.prefix import model_prefix
+
+    gpt2 = _gpt2_tokenizer(tmp_path / "gpt2")
+    assert model_prefix(gpt2) == "<|endoftext|>\n"
+    assert gpt2(model_prefix(gpt2), add_special_tokens=False)["input_ids"] == [0, 2]
+    assert tiny_tokenizer.bos_token is None and model_prefix(tiny_tokenizer) == "<eos>\n"
+    bare = copy.deepcopy(tiny_tokenizer)
+    bare.eos_token = None
+    assert model_prefix(bare) is None
+
+
+@pytest.mark.slow  # converts the real SmolLM2 file's tokenizer
+def test_the_auto_prefix_of_smollm2_is_the_prefix_its_recipes_chose():
+    """``prefix: auto`` in _smollm2.yaml gives the tokens of the "<|im_start|>\\n" it replaced."""
+    from aimet_quadapter.models.loading import OFFLINE_MODELS, load_tokenizer
+    from aimet_quadapter.models.prefix import model_prefix
+
+    if importlib.util.find_spec(OFFLINE_MODELS["smollm2-135m"].package) is None:
+        pytest.skip(f"{OFFLINE_MODELS['smollm2-135m'].requirement} is not installed")
+    recipe = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes" / "_smollm2.yaml").read_text())
+    assert recipe["model"] == "smollm2-135m" and recipe["prefix"] == "auto"
+    tokenizer = load_tokenizer("smollm2-135m")
+    assert model_prefix(tokenizer) == "<|im_start|>\n"
+    assert tokenizer(model_prefix(tokenizer), add_special_tokens=False)["input_ids"] == [1, 198]

@@ -1096,3 +1096,18 @@ def test_a_composition_continues_only_a_state_stamped_with_its_rows_fingerprint(
         QuadapterState({}, {}, metadata={} if stamp is None else {"fingerprint": stamp}).save(path)
         origin = run._start_of(after, results)
         assert (origin is not None) == (stamp == record["fingerprint"]), stamp
+
+
+def test_an_auto_prefix_has_the_fingerprints_of_the_text_it_names(tiny_gpt2_dir, tmp_path):
+    """``prefix: auto`` is the tokenizer's own prefix (here "<eos>\\n"): cells computed under that text written out
+    stay done."""
+    recipe_file = tmp_path / "m.yaml"
+    recipe_file.write_text(f"model: {tiny_gpt2_dir}\nmethods: [fp, ptq]\nfid: [ptb]\neval: {{datasets: [ptb]}}\n")
+
+    def fingerprints(*overrides: str) -> dict[str, str]:
+        run = RecipeRun(load_recipe(recipe_file, list(overrides)), tmp_path / "out", progress=False)
+        return {c.method: run.fingerprint(c) for c in run.cells}
+
+    auto = fingerprints("prefix=auto")
+    assert auto == fingerprints('prefix="<eos>\\n"')
+    assert auto["fp"] != fingerprints()["fp"] and auto["ptq"] != fingerprints()["ptq"]

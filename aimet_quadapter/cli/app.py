@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # for the annotations only
     SubParsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
 _PREFIX = "section:"
+_NO_PREFIX = "none"  # --prefix none: no prefix, where the default would be the model's own
 
 
 def _sections() -> list[tuple[str, type[BaseModel], tuple[str, ...]]]:
@@ -95,17 +96,24 @@ def add_device_option(p: argparse.ArgumentParser, recipe: bool = False) -> None:
     )
 
 
-def _add_prefix_option(p: argparse.ArgumentParser) -> None:
+def _add_prefix_option(p: argparse.ArgumentParser, default: str = "none") -> None:
     p.add_argument(
         "--prefix",
         help="text every sequence follows, its keys and values kept in full precision (the recipe field `prefix`; "
-        "PrefixQuant), e.g. '<|im_start|>\\n' for SmolLM2 (default: none)",
+        "PrefixQuant); auto: the model's own (its BOS token, else EOS, and a new line: '<|im_start|>\\n' for "
+        f"SmolLM2); none: no prefix (default: {default})",
     )
 
 
 def _prefix_ids(tokenizer, prefix: str | None) -> list[int] | None:
     """The tokens of ``--prefix`` (None without one); a prefix of no token is refused by name."""
-    if prefix is None:
+    from aimet_quadapter.models.prefix import AUTO_PREFIX, model_prefix
+
+    if prefix == AUTO_PREFIX:
+        prefix = model_prefix(tokenizer)
+        if prefix is None:
+            logs.log.info("--prefix auto: the tokenizer has neither a BOS nor an EOS token: no prefix")
+    if prefix is None or prefix == _NO_PREFIX:
         return None
     ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
     if not ids:
@@ -157,8 +165,9 @@ def _eval_recipe(args: argparse.Namespace) -> Recipe:
         "eval": {"datasets": list(args.dataset), "split": args.split},
         "device": args.device,
     }
-    if args.prefix is not None:
-        raw["prefix"] = args.prefix
+    prefix = _eval_prefix(args)
+    if prefix is not None:
+        raw["prefix"] = prefix
     given = {
         "calibration.samples": args.calib_samples,
         "calibration.length": args.calib_len,
@@ -173,6 +182,18 @@ def _eval_recipe(args: argparse.Namespace) -> Recipe:
         section, _, name = key.partition(".")
         raw.setdefault(section, {})[name] = value
     return validate_recipe(raw, "eval")
+
+
+def _eval_prefix(args: argparse.Namespace) -> str | None:
+    """The recipe's ``prefix`` for ``eval``: by default the model's own under htp, whose static ranges the first
+    token's outsized activations would otherwise set; none under the paper's placement, as its tables had none."""
+    from aimet_quadapter.models.prefix import AUTO_PREFIX
+
+    if args.prefix is None:
+        # a saved state holds the prefix it was trained with
+        htp = _section_overrides(args).get("policy.target") == "htp"
+        return AUTO_PREFIX if htp and not args.state else None
+    return None if args.prefix == _NO_PREFIX else args.prefix
 
 
 def _check_json_path(path: str | None) -> None:
@@ -194,6 +215,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     _check_json_path(args.json)
     if onnx_eval.is_export(args.model):  # an exported ONNX model: its perplexity in onnxruntime
         return _eval_export(args)
+    from aimet_quadapter.models.loading import check_model_source
+
+    check_model_source(args.model)
     if args.state:
         return _eval_state(args)
     recipe = _eval_recipe(args)  # validated before the heavy imports below
@@ -290,10 +314,12 @@ def _eval_export(args: argparse.Namespace) -> int:
 
 def _cmd_describe(args: argparse.Namespace) -> int:
     from aimet_quadapter.models import load_model
+    from aimet_quadapter.models.loading import check_model_source
     from aimet_quadapter.quant.config import QuantPolicy
     from aimet_quadapter.quant.policy import build_sim, calibrate, describe, format_description
     from aimet_quadapter.text.data import calibration_batches, check_crop_count, load_text
 
+    check_model_source(args.model)
     given = {k.split(".", 1)[1]: v for k, v in _section_overrides(args).items() if k.startswith("policy.")}
     policy = QuantPolicy(**given)
     samples, length, seed = _calibration_values(args)
@@ -327,13 +353,14 @@ def _cmd_sensitivity(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from aimet_quadapter.models import load_model
-    from aimet_quadapter.models.loading import check_length, max_positions
+    from aimet_quadapter.models.loading import check_length, check_model_source, max_positions
     from aimet_quadapter.quadapter.phase2 import lm_loss, mean_lm_loss
     from aimet_quadapter.quant.config import QuantPolicy
     from aimet_quadapter.quant.mixed_precision import bit_sensitivity, quantizer_kinds
     from aimet_quadapter.quant.policy import build_sim, calibrate
     from aimet_quadapter.text.data import batches, check_crop_count, holdout_seed, load_text, random_crops, tokenize
 
+    check_model_source(args.model)
     given = {k.split(".", 1)[1]: v for k, v in _section_overrides(args).items() if k.startswith("policy.")}
     policy = QuantPolicy(**given)
     samples, length, seed = _calibration_values(args, ("--held-out", args.held_out))
@@ -412,7 +439,7 @@ def _add_eval_command(sub: SubParsers) -> None:
         help="score this saved state (.safetensors, or a run folder holding one) instead of running methods",
     )
     p.add_argument("--json", help="also write results.json to this file")
-    _add_prefix_option(p)
+    _add_prefix_option(p, "auto under --policy-target htp, whose static ranges the first token would set; else none")
     p.add_argument("--out", help="run folder for results.json, Quadapter states and checkpoints (default: none kept)")
     p.add_argument("--calib-dataset", help="dataset whose train split calibrates (default: the first --dataset)")
     p.add_argument("--finetune-dataset", help="phase-2 data (train split; default: the calibration dataset)")
@@ -521,7 +548,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _stopped_cells(results: dict) -> int:
-    """1 when some cell's training diverged (the others were recorded), after saying which; else 0."""
+    """1 when some cell stopped, its training diverged or its perplexity not finite (the others were recorded), after
+    saying which; else 0."""
     stopped = {key: cell["error"] for key, cell in results["cells"].items() if cell.get("error")}
     for key, error in stopped.items():
         print(f"aimet-quadapter: {key} stopped: {error}", file=sys.stderr)

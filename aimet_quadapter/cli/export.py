@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.formats import ENCODING_VERSION, ENCODING_VERSIONS, SEQ_LEN
 from aimet_quadapter.text import EVAL_SEQ_LEN
 
@@ -119,113 +118,49 @@ def _add_format_options(p) -> None:
 
 
 def _cmd_export(args) -> int:
+    from aimet_quadapter.models.loading import check_model_source
     from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
     from aimet_quadapter.running.provenance import check_model, check_row
 
     start = time.time()
     state_path = resolve_state(args.state)
     state = QuadapterState.load(state_path)
+    check_model_source(args.model)
     check_model(state, args.model)
     check_row(state)
-    kv = _checked_before_loading(args, state)
-    result = _export(args, state, state_path, kv)
+    job = export_job(args, state_path)
+    kv = job.check(state)
+    result = job.run(state, kv)
     _print_summary(args, result, len(state.metadata.get("prefix") or []))
     print(f"export time {result.manifest['export_time_s']:.1f} s (total {time.time() - start:.1f} s)")
     return 0
 
 
-def _prefix_words(prefix: int) -> str:
-    return f"--seq-len {{}} + the state's {prefix} prefix tokens =" if prefix else "--seq-len"
+def export_job(args, state_path: Path) -> Any:
+    """The :class:`~aimet_quadapter.export.job.ExportJob` the command's options describe."""
+    from aimet_quadapter.export.job import ExportJob
 
-
-def _checked_before_loading(args, state) -> Any:
-    """Everything a user can get wrong, checked before the model loads; the KV graphs' format, if asked for."""
-    from aimet_quadapter.atomic import check_new_folder
-    from aimet_quadapter.models.devices import resolve_device
-    from aimet_quadapter.models.loading import check_length, max_positions
-    from aimet_quadapter.text import data
-
-    kv = None
-    if args.kv_graphs:
-        from aimet_quadapter.export.kv import KVGraphs
-
-        if args.kv_prefill >= args.kv_context:
-            raise QuadapterError(f"--kv-prefill {args.kv_prefill} must be below --kv-context {args.kv_context}")
-        kv = KVGraphs(args.kv_context, (args.kv_prefill, 1), "int32" if args.kv_int32_ids else "int64")
-    resolve_device(args.device)
-    if args.device_check:
-        from aimet_quadapter.export.device_check import require_aimet_onnx
-
-        require_aimet_onnx()
-        data.load_text(args.verify_dataset, "train")
-    # a state trained with a prefix is exported with it: every sequence, the verification's too, follows it
-    prefix = len(state.metadata.get("prefix") or [])
-    after = f" after the state's {prefix} prefix tokens" if prefix else ""
-    if kv is not None and prefix + args.seq_len > kv.context - 1:
-        raise QuadapterError(
-            f"--seq-len {args.seq_len}: the verification windows{after} must fit --kv-context {kv.context}"
-        )
-    check_new_folder(Path(args.out).expanduser().absolute(), args.force)
-    data.load_text(args.verify_dataset, args.verify_split)  # read again below, once the tokenizer is there
-    check_length(max_positions(args.model), prefix + args.seq_len, _prefix_words(prefix).format(args.seq_len))
-    if kv is not None:
-        check_length(max_positions(args.model), kv.context, "--kv-context")
-    return kv
-
-
-def _export(args, state, state_path: Path, kv) -> Any:
-    """The model loaded, the state's sim built on it, verification windows cut, and the export written."""
-    from aimet_quadapter.export.exporter import check_free_disk, export_quantized, sha256_file
-    from aimet_quadapter.export.formats import ExtraFormat
-    from aimet_quadapter.models import load_model
-    from aimet_quadapter.models.devices import resolve_device
-    from aimet_quadapter.text.perplexity import eval_windows_for
-
-    prefix = len(state.metadata.get("prefix") or [])
-    model, tokenizer = load_model(args.model, quiet=True, device=resolve_device(args.device))
-    model.check_length(prefix + args.seq_len, _prefix_words(prefix).format(args.seq_len))
-    check_free_disk(args.out, model)  # the weights' size is known now, before the sim is built
-    # in place: the FP weights are not needed again, no copy of them
-    sim = state.build_sim(model, in_place=True, merge_shared_ranges=args.merge_shared_ranges)
-    del model
-    windows = eval_windows_for(
-        tokenizer, args.verify_dataset, args.verify_split, args.seq_len, None, args.seq_len * args.verify_windows
-    )
-    windows = [w for w in windows if len(w.ids) == args.seq_len][: args.verify_windows]
-    if not windows:
-        raise QuadapterError(f"--verify-dataset {args.verify_dataset} has fewer than {args.seq_len} tokens")
-    formats: list[ExtraFormat] = [kv] if kv is not None else []
-    if args.device_check:
-        from aimet_quadapter.export.device_check import DeviceGraphCheck
-
-        tuning = eval_windows_for(
-            tokenizer, args.verify_dataset, "train", args.seq_len, None, args.seq_len * args.verify_windows
-        )
-        calibration = [w.ids for w in tuning if len(w.ids) == args.seq_len][: args.verify_windows]
-        formats.append(DeviceGraphCheck(calibration, progress=not args.no_progress))
-    if args.hf_checkpoint:
-        from aimet_quadapter.export.hf import HFCheckpoint
-
-        formats.append(HFCheckpoint(tokenizer))
-    local = Path(args.model).expanduser()
-    return export_quantized(
-        sim,
-        args.out,
-        args.seq_len,
-        args.encodings_version,
-        verify_windows=windows,
-        model_name=str(local.resolve()) if local.exists() else args.model,
-        method=state.metadata.get("method"),
+    return ExportJob(
+        state=state_path,
+        model=args.model,
+        out=Path(args.out),
+        seq_len=args.seq_len,
+        encodings_version=args.encodings_version,
         dynamic_length=args.dynamic_length,
         opset=args.opset,
-        overwrite=args.force,
+        verify_dataset=args.verify_dataset,
+        verify_split=args.verify_split,
+        verify_windows=args.verify_windows,
         merge_shared_ranges=args.merge_shared_ranges,
-        extra_manifest={
-            "state": {"path": str(state_path.resolve()), "sha256": sha256_file(state_path), "metadata": state.metadata},
-            "verify_dataset": {"name": args.verify_dataset, "split": args.verify_split},
-        },
+        kv_graphs=args.kv_graphs,
+        kv_context=args.kv_context,
+        kv_prefill=args.kv_prefill,
+        kv_int32_ids=args.kv_int32_ids,
+        hf_checkpoint=args.hf_checkpoint,
+        device_check=args.device_check,
+        force=args.force,
         progress=not args.no_progress,
-        formats=formats,
+        device=args.device,
     )
 
 

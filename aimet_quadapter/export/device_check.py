@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,6 +64,10 @@ def device_sim(export: Path) -> tuple[Any, Coverage]:
     frozen (a tensor they do not name keeps its quantizer, to be calibrated), and which tensors they cover."""
     import onnx
     from aimet_onnx.quantsim import QuantizationSimModel, load_encodings_to_sim
+
+    # aimet-onnx sets its loggers back to INFO when it first asks for one: its list of every quantizer the loaded
+    # encodings change (expected here: they are the device's) would bury the check's own lines
+    logging.getLogger("Quant").setLevel(logging.WARNING)
 
     encodings_file = export / ENCODINGS
     model = onnx.load(str(export / FP_ONNX))  # external data is read from beside the graph
@@ -126,13 +131,49 @@ def device_lm(export: Path, calibration: Sequence[torch.Tensor]) -> tuple[_Sessi
     return _SessionLM(onnx_sim), coverage
 
 
+def greedy(lm: Any, prompt: torch.Tensor, tokens: int, length: int | None = None) -> torch.Tensor:
+    """``tokens`` tokens ``lm`` (``ids (1, T) -> logits``) appends to ``prompt`` greedily; ``length``: a static
+    graph's input length, the ids padded at the end (causal: the padding changes no earlier position)."""
+    ids = prompt.reshape(-1).tolist()
+    for _ in range(tokens):
+        feed = ids + [0] * (length - len(ids)) if length else ids
+        logits = lm(torch.tensor([feed]))
+        ids.append(int(logits[0, len(ids) - 1].argmax()))
+    return torch.tensor(ids[prompt.numel() :])
+
+
+@dataclass
+class Prompt:
+    """A prompt's ids and the FP model's greedy continuation of it, to set the device graph's beside."""
+
+    ids: torch.Tensor
+    fp: torch.Tensor
+
+
+def _answers(lm: Any, prompts: Sequence[Prompt], length: int) -> list[dict]:
+    """Each prompt answered greedily by the device graph ``lm``, beside the FP model's answer; ``top1``: how often
+    the device graph's most likely next token is the FP model's along the FP model's own answer."""
+    out = []
+    for p in prompts:
+        text = torch.cat([p.ids.reshape(-1), p.fp.reshape(-1)])[:length]
+        logits = lm(torch.cat([text, text.new_zeros(length - text.numel())])[None])
+        start = p.ids.numel()
+        picks = logits[0, start - 1 : text.numel() - 1].argmax(-1)
+        top1 = float((picks == text[start:]).float().mean()) if text.numel() > start else 0.0
+        device = greedy(lm, p.ids, p.fp.numel(), length)
+        out.append({"prompt": p.ids.tolist(), "fp": p.fp.tolist(), "device": device.tolist(), "top1": top1})
+    return out
+
+
 @dataclass
 class DeviceGraphCheck:
     """The export's full-sequence graph in AIMET's ONNX simulation (see the module's doc); ``calibration``: the
-    windows (of the graph's length) its tensors without an encoding are calibrated on."""
+    windows (of the graph's length) its tensors without an encoding are calibrated on; ``prompts``: answered
+    greedily by the device graph beside the FP model's answers."""
 
     calibration: Sequence[torch.Tensor]
     progress: bool = False
+    prompts: Sequence[Prompt] = ()
     key: ClassVar[str] = "device_check"
 
     def check(self, windows: Sequence[Any], prefix_tokens: int) -> None:
@@ -150,6 +191,7 @@ class DeviceGraphCheck:
 
         device, coverage = device_lm(export, self.calibration)
         ppl = perplexity(device, windows, desc="device graph (aimet-onnx)", progress=self.progress).ppl
+        answers = _answers(device, self.prompts, int(self.calibration[0].numel())) if self.prompts else []
         device.sim.export(str(folder), "device")  # every tensor's encoding, the calibrated ones too
         for written in folder.iterdir():
             if written.name != "device.encodings":
@@ -166,6 +208,8 @@ class DeviceGraphCheck:
             "ppl_rel_diff": abs(ppl / report.sim_ppl - 1),
             "sim_float_noise": report.sim_floor.ppl_rel_diff,  # the sim against itself, one ulp apart
         }
+        if self.prompts:
+            entry["prompts"] = answers
         if sim is not None:  # the sim once more, its activations rounding as this simulation's kernel rounds
             with aimet_onnx_rounding(sim.model):
                 rounded = perplexity(sim.model, windows, desc="sim, aimet-onnx's rounding", progress=self.progress)

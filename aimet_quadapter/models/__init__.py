@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .base import (
+    SITE_ROLES,
     Architecture,
     PreparedLM,
     Site,
@@ -29,6 +30,7 @@ EXTRA_SITE_GROUPS: tuple[str, ...] = tuple(sorted({s.extra for a in ARCHITECTURE
 __all__ = [
     "ARCHITECTURES",
     "EXTRA_SITE_GROUPS",
+    "SITE_ROLES",
     "Architecture",
     "FixedPrefixCache",
     "PreparedLM",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -19,6 +19,13 @@ from transformers import DynamicCache
 from .prefix import causal_mask, prefix_cache, prefix_keys_values
 from .residual import ResidualSpec
 from .storage import sharing_twin
+
+# What a site is to its block, named alike in every family so that a recipe's choice of sites holds on any model:
+# attention_inputs (the norm before the attention -> q/k/v), qk (k_proj -> q_proj: Q . K^T), values (v_proj ->
+# o_proj), mlp_inputs (the norm before the MLP -> its first linears), up_down (up_proj -> down_proj), head (the
+# final norm -> lm_head).
+SiteRole = Literal["attention_inputs", "qk", "values", "mlp_inputs", "up_down", "head"]
+SITE_ROLES: tuple[str, ...] = get_args(SiteRole)
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,7 @@ class SiteSpec:
 
     producer: str
     consumers: tuple[str, ...]
+    role: SiteRole = field(kw_only=True)
     # A module whose forward goes from the producer to the consumers when they are not chained directly
     # (e.g. the attention between v_proj and o_proj); phase 1 reconstructs its output.
     scope: str | None = None
@@ -57,6 +65,7 @@ class Site:
     name: str
     producer: str
     consumers: tuple[str, ...]
+    role: SiteRole = field(kw_only=True)
     scope: str | None = None
     extra: str | None = None
     # (repeat, head_dim) when consumer channels are a per-head expansion of producer channels.
@@ -295,6 +304,7 @@ def _resolve(spec: SiteSpec, prefix: str, expand: tuple[int, int] | None, norm_o
         name=label,
         producer=producer,
         consumers=consumers,
+        role=spec.role,
         scope=f"{prefix}.{spec.scope}" if spec.scope else None,
         extra=spec.extra,
         expand=expand if spec.repeat_heads and expand and expand[0] > 1 else None,

@@ -58,7 +58,7 @@ def leave_unquantized(module_cls: type[torch.nn.Module]) -> None:
     QuantizationMixin.ignore(module_cls)
 
 
-PRE_FEEDFORWARD = SiteSpec("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"))
+PRE_FEEDFORWARD = SiteSpec("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), role="mlp_inputs")
 # Gemma-2 and -3 norm each branch's output before its sum
 SANDWICH = ResidualSpec(
     ("input_layernorm", "self_attn", "post_attention_layernorm"),

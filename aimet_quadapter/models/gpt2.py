@@ -86,10 +86,10 @@ GPT2 = Architecture(
     embedding="transformer.wte",
     lm_head="lm_head",
     block_sites=(
-        SiteSpec("ln_1", ("attn.c_attn",)),
-        SiteSpec("ln_2", ("mlp.c_fc",)),
+        SiteSpec("ln_1", ("attn.c_attn",), role="attention_inputs"),
+        SiteSpec("ln_2", ("mlp.c_fc",), role="mlp_inputs"),
     ),
-    head_site=SiteSpec("transformer.ln_f", ("lm_head",)),
+    head_site=SiteSpec("transformer.ln_f", ("lm_head",), role="head"),
     prepare=prepare,
     head_layout=head_layout,
     tiny_config=tiny_config,

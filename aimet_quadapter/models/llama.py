@@ -57,12 +57,15 @@ def tiny_config_of(model_type: str, **fixed: Any) -> Callable[..., object]:
     return tiny_config
 
 
-ATTENTION_INPUTS = SiteSpec("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
+ATTENTION_INPUTS = SiteSpec(
+    "input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), role="attention_inputs"
+)
 # Q . K^T is unchanged when a K channel is scaled by alpha and the matching Q channel (of every query head in
 # the KV head's group) by 1/alpha; alpha equal on the two channels RoPE rotates together.
 QK = SiteSpec(
     "self_attn.k_proj",
     ("self_attn.q_proj",),
+    role="qk",
     scope="self_attn",
     extra="qk",
     repeat_heads=True,
@@ -73,12 +76,18 @@ QK = SiteSpec(
 # Attention is linear in V: a V channel scaled by alpha leaves the attention output scaled the same way, per
 # head, so o_proj's matching columns can take 1/alpha.
 VO = SiteSpec(
-    "self_attn.v_proj", ("self_attn.o_proj",), scope="self_attn", extra="linear", repeat_heads=True, cached=True
+    "self_attn.v_proj",
+    ("self_attn.o_proj",),
+    role="values",
+    scope="self_attn",
+    extra="linear",
+    repeat_heads=True,
+    cached=True,
 )
-MLP_INPUTS = SiteSpec("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))
+MLP_INPUTS = SiteSpec("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), role="mlp_inputs")
 RESIDUAL = ResidualSpec(("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp"), mixer="self_attn")
 # silu(gate) * up is linear in up per channel.
-UP_DOWN = SiteSpec("mlp.up_proj", ("mlp.down_proj",), scope="mlp", extra="linear")
+UP_DOWN = SiteSpec("mlp.up_proj", ("mlp.down_proj",), role="up_down", scope="mlp", extra="linear")
 
 
 def llama_shaped(
@@ -100,7 +109,7 @@ def llama_shaped(
         embedding="model.embed_tokens",
         lm_head="lm_head",
         block_sites=block_sites or (ATTENTION_INPUTS, QK, VO, MLP_INPUTS, UP_DOWN),
-        head_site=SiteSpec("model.norm", ("lm_head",)),
+        head_site=SiteSpec("model.norm", ("lm_head",), role="head"),
         prepare=prepare or attention_prepare(attention),
         head_layout=head_layout,
         extra_sites_default=("linear",),

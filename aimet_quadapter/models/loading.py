@@ -77,6 +77,53 @@ def _folder_or_hub_id(name: str) -> str:
     return name
 
 
+# What a tokenizer saved by `save_pretrained` leaves in a folder: one of these files, or a pair below. Permissive
+# on purpose: a folder that passes here and still cannot be read is refused when the tokenizer loads.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.txt")
+_TOKENIZER_PAIRS = (("vocab.json", "merges.txt"),)
+
+
+def check_model_source(name: str) -> None:
+    """Refuse, in one line and before any work, a local model folder that cannot load: missing, no config.json
+    or one that is not JSON, a model type no family supports, no weight files, no tokenizer files. A hub id and
+    an offline alias pass untouched (what the hub holds is known only when it loads)."""
+    from . import ARCHITECTURES
+
+    if name in OFFLINE_MODELS:
+        return
+    folder = Path(_folder_or_hub_id(name))  # a path that does not exist is refused here
+    if not folder.exists():
+        return  # a hub id
+    if not folder.is_dir():
+        raise QuadapterError(f"model folder {name} is a file, not a folder (config.json, weights, tokenizer files)")
+    config = folder / "config.json"
+    if not config.is_file():
+        raise QuadapterError(
+            f"model folder {name} has no config.json (a model folder holds config.json, the weights and the "
+            f"tokenizer files, as `save_pretrained` writes them)"
+        )
+    try:
+        values = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise QuadapterError(f"model folder {name}: config.json is not JSON ({reason})") from None
+    supported = ", ".join(t for a in ARCHITECTURES for t in a.model_types)
+    model_type = values.get("model_type") if isinstance(values, dict) else None
+    if not any(model_type in a.model_types for a in ARCHITECTURES):
+        said = f"model_type {model_type!r}" if model_type is not None else "no model_type"
+        raise QuadapterError(f"model folder {name}: config.json has {said}; supported: {supported}")
+    files = {f.name for f in folder.iterdir()}
+    if not any(f.endswith((".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")) for f in files):
+        raise QuadapterError(
+            f"model folder {name} has no weight files (*.safetensors, *.bin, or a sharded checkpoint's index json)"
+        )
+    if not (files & set(_TOKENIZER_FILES) or any(set(pair) <= files for pair in _TOKENIZER_PAIRS)):
+        raise QuadapterError(
+            f"model folder {name} has no tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model, "
+            f"or vocab.json and merges.txt): save the model's tokenizer into it too"
+        )
+
+
 def _tokenizer_cache(gguf: Path) -> Path:
     """Where the tokenizer converted from ``gguf`` is kept: building it from the GGUF vocabulary takes
     seconds at every command, reading the converted one a fraction of one. Keyed by the file's identity."""

@@ -17,10 +17,10 @@ PHI3 = Architecture(
     embedding="model.embed_tokens",
     lm_head="lm_head",
     block_sites=(
-        SiteSpec("input_layernorm", ("self_attn.qkv_proj",)),
-        SiteSpec("post_attention_layernorm", ("mlp.gate_up_proj",)),
+        SiteSpec("input_layernorm", ("self_attn.qkv_proj",), role="attention_inputs"),
+        SiteSpec("post_attention_layernorm", ("mlp.gate_up_proj",), role="mlp_inputs"),
     ),
-    head_site=SiteSpec("model.norm", ("lm_head",)),
+    head_site=SiteSpec("model.norm", ("lm_head",), role="head"),
     prepare=attention_prepare("transformers.models.phi3.modeling_phi3.Phi3Attention"),
     head_layout=head_layout,
     # each branch's output goes through a dropout (identity in eval) before its sum

@@ -14,6 +14,9 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+# The value of a prefix setting (the recipe's `prefix`, the command line's --prefix) that means model_prefix's.
+AUTO_PREFIX = "auto"
+
 
 def prefix_keys_values(lm: nn.Module, config: Any, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The keys and values of every layer of the Hugging Face model ``lm`` for the tokens ``ids`` (1, P)."""
@@ -65,3 +68,10 @@ def causal_mask(length: int, past: int, device: torch.device) -> torch.Tensor:
     and new tokens 0..i; a finite minimum keeps fully-masked rows free of NaN."""
     mask = torch.full((length, past + length), torch.finfo(torch.float32).min, device=device)
     return torch.triu(mask, diagonal=past + 1)[None, None]
+
+
+def model_prefix(tokenizer: Any) -> str | None:
+    """The prefix of ``tokenizer``'s model: the token its texts follow (BOS; EOS where it has none, as GPT-2
+    separates texts with it), on which attention sinks form, and a new line. None for a tokenizer with neither."""
+    token = tokenizer.bos_token or tokenizer.eos_token
+    return f"{token}\n" if token else None

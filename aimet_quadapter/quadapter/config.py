@@ -10,11 +10,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from aimet_quadapter.models import EXTRA_SITE_GROUPS
+from aimet_quadapter.models import EXTRA_SITE_GROUPS, SITE_ROLES
 from aimet_quadapter.settings import Settings, setting
 
 # the name of phase 1's state (Quadapter BC) in a run folder; the method catalog names its row after it
 BC_STATE = "quadapter_bc"
+# what a site name or a glob of them holds and a role (a bare word) does not
+_SITE_NAME_MARKS = ("*", "?", "[", ".", "->")
 
 
 class Phase1Parameters(Settings):
@@ -40,7 +42,9 @@ class Phase1Parameters(Settings):
     )
     # A block-wise optimum fitted to the calibration text can generalise worse than the start (docs/method.md, phase 1).
     keep_start: tuple[str, ...] = setting(
-        (), help="sites (fnmatch patterns of site names) left at their start alpha, in effect but not trained"
+        (),
+        help=f"sites left at their start alpha, in effect but not trained: site roles ({', '.join(SITE_ROLES)}; "
+        "a role the model has no site of matches none) or fnmatch patterns of site names",
     )
     # Each site is optimised alone, under dynamic ranges: the sum of those moves can overshoot for the static
     # model. The held-out check also scores points on the way, and keeps the best of all.
@@ -61,6 +65,17 @@ class Phase1Parameters(Settings):
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1:
                 raise ValueError(f"[{i}] must be a number between 0 and 1 (excluded), got {t!r}")
         return values
+
+    @field_validator("keep_start")
+    @classmethod
+    def _roles_or_globs(cls, entries: tuple[str, ...]) -> tuple[str, ...]:
+        # a bare word can only be a role: a misspelt one would otherwise fail as a glob only once the model loads
+        for i, entry in enumerate(entries):
+            if entry not in SITE_ROLES and not any(mark in entry for mark in _SITE_NAME_MARKS):
+                raise ValueError(
+                    f"[{i}] must be a site role ({', '.join(SITE_ROLES)}) or a glob of site names, got {entry!r}"
+                )
+        return entries
 
     @property
     def first_lr(self) -> float:

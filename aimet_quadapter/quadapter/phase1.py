@@ -52,7 +52,7 @@ from tqdm.auto import tqdm
 from aimet_quadapter import distributed
 from aimet_quadapter.atomic import write_atomic
 from aimet_quadapter.errors import QuadapterError, TrainingDiverged
-from aimet_quadapter.models import FixedPrefixCache, PreparedLM, Site, device_of
+from aimet_quadapter.models import SITE_ROLES, FixedPrefixCache, PreparedLM, Site, device_of
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quadapter.config import Phase1Parameters
 from aimet_quadapter.quant.quantizers import DynamicRanges, plain_tensors, quantizers, quantizers_in, refresh_prefix
@@ -294,10 +294,16 @@ class Phase1Result:
     validation: dict | None = None
 
 
-def kept_at_start(names: Sequence[str], patterns: Sequence[str]) -> set[str]:
-    """The site ``names`` that ``patterns`` (``phase1.keep_start``) match; a pattern that matches none is an error."""
+def kept_at_start(sites: Sequence[Site], patterns: Sequence[str]) -> set[str]:
+    """The names of the ``sites`` that ``patterns`` (``phase1.keep_start``) match: a role matches every site of it,
+    none on a model without one (a recipe holds for every family); a glob of site names that matches none is an
+    error."""
+    names = [s.name for s in sites]
     kept: set[str] = set()
     for pattern in patterns:
+        if pattern in SITE_ROLES:
+            kept.update(s.name for s in sites if s.role == pattern)
+            continue
         hits = fnmatch.filter(names, pattern)
         if not hits:
             example = f" (e.g. {names[0]!r})" if names else ""
@@ -377,7 +383,7 @@ class _Checkpoint:
 
 def _kept_sites(sim_model: PreparedLM, qset: QuadapterSet, params: Phase1Parameters) -> set[str]:
     """The sites phase 1 leaves at their starting alpha; with a prefix, its cache is refreshed through them."""
-    kept = kept_at_start([q.site.name for q in qset], params.keep_start)
+    kept = kept_at_start([q.site for q in qset], params.keep_start)
     if sim_model.prefix_ids is not None:
         # Their alphas change the prefix's cached keys or values, which stay fixed while a site trains here;
         # phase 2 trains them, the cache recomputed after every step.

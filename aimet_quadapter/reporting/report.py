@@ -51,12 +51,16 @@ def ordered_rows(results: dict, seeds: bool = False) -> list[dict]:
     return sorted(cells, key=lambda c: (order[c["group"]], c.get("rank", 99), c.get("size") or 0, c.get("seed") or 0))
 
 
+def _stop_reason(error: str) -> str:
+    """What stopped a cell, short enough for a row label: the cells table gives its whole error."""
+    return "perplexity not finite" if error.startswith("perplexity ") else "training diverged"
+
+
 def _row_label(cell: dict) -> str:
-    stopped = " (stopped: training diverged)" if cell.get("error") else ""
+    reason = _stop_reason(str(cell.get("error", "")))
+    stopped = f" (stopped: {reason})" if cell.get("error") else ""
     if cell.get("stopped_seeds"):
-        stopped = (
-            f" (seed {', '.join(map(str, cell['stopped_seeds']))} stopped: training diverged; the mean of the others)"
-        )
+        stopped = f" (seed {', '.join(map(str, cell['stopped_seeds']))} stopped: {reason}; the mean of the others)"
     if cell.get("settings"):  # its key's seeds ran under more than one set of settings: which this row is
         stopped += f" (settings {cell['settings']})"
     if cell.get("nonfinite_seeds"):
@@ -300,7 +304,7 @@ def timing_table(results: dict) -> str:
     ]
     for r in ordered_rows(results, seeds=True):
         key = next(k for k, v in results["cells"].items() if v is r)
-        if r.get("error"):  # a stopped cell has no times: its training diverged
+        if r.get("error"):  # a stopped cell has no times: its training diverged, or its perplexity is not finite
             lines.append(f"| {key} | – | – | – | – | stopped: {r['error']} |")
             continue
         rss = f"{r['peak_rss_kib'] / 2**20:.2f}" if r.get("peak_rss_kib") else "–"  # cells run before it was kept
@@ -349,6 +353,7 @@ def build_report(run_dir: str | Path) -> str:
     if comparisons:
         parts += ["## Against the matched baselines", "", *comparisons, ""]
     parts += _dev_section(results)
+    parts += export_section(results)
     parts += _figure_sections(run_dir, results)
     parts += ["## Cells and wall time", "", timing_table(results), ""]
     return "\n".join(parts)
@@ -410,6 +415,70 @@ def _dev_section(results: dict) -> list[str]:
             "",
         ]
     return parts
+
+
+def export_section(results: dict) -> list[str]:
+    """The row chosen on development text, its export and the device graph beside the sim; nothing without one."""
+    e = results.get("export")
+    if not e:
+        return []
+    labels = {c["method"]: c["label"] for c in results["cells"].values()}
+    rows = sorted(e["scores"].items(), key=lambda kv: kv[1])
+    parts = [
+        "## The device export",
+        "",
+        f"Chosen on development text ({e['rule']}): **{labels.get(e['chosen'], e['chosen'])}** (`{e['chosen']}`, "
+        f"cell `{e['cell']}`), exported to `{e['path']}`.",
+        "",
+        "| row | development-text score |",
+        "| --- | ---: |",
+        *[f"| {labels.get(m, m)}{' (chosen)' if m == e['chosen'] else ''} | {_fmt(v)} |" for m, v in rows],
+        "",
+    ]
+    d = e.get("device_check")
+    if not d:
+        return parts
+    v = e["verification"]
+    share = d["with_encoding"] / max(d["activation_tensors"], 1)
+    rounded = d.get("sim_ppl_aimet_onnx_rounding")
+    parts += [
+        f"The device graph in {d['simulator']}: {d['with_encoding']} of {d['activation_tensors']} quantized "
+        f"activation tensors carry this package's encoding ({share:.1%}); the rest were calibrated on "
+        f"{d['calibration_windows']} window(s) of tuning text.",
+        "",
+        f"| graph, on {v['windows']} window(s) of {e.get('verify_text', 'the verification text')} | perplexity "
+        "| against the sim |",
+        "| --- | ---: | ---: |",
+        f"| the sim | {_fmt(d['sim_ppl'])} | float32 noise {d['sim_float_noise']:.1e} |",
+        *(
+            [f"| the sim, rounding as aimet-onnx rounds | {_fmt(rounded)} | {rounded / d['sim_ppl'] - 1:+.1e} |"]
+            if rounded
+            else []
+        ),
+        f"| **the device graph** | {_fmt(d['ppl'])} | {d['ppl'] / d['sim_ppl'] - 1:+.1e} |",
+        "",
+    ]
+    answers = d.get("prompts") or []
+    if answers:
+        parts += [
+            "Prompts answered greedily, the FP model beside the device graph; top-1: how often the device graph's "
+            "most likely next token is the FP model's along the FP model's answer.",
+            "",
+            "| prompt | FP model | device graph | top-1 |",
+            "| --- | --- | --- | ---: |",
+            *[
+                f"| {_cell_text(a['prompt_text'])} | {_cell_text(a['fp_text'])} | {_cell_text(a['device_text'])} "
+                f"| {a['top1']:.0%} |"
+                for a in answers
+            ],
+            "",
+        ]
+    return parts
+
+
+def _cell_text(text: str) -> str:
+    """``text`` as one table cell: its line breaks and pipes escaped."""
+    return text.replace("|", "\\|").replace("\n", "⏎ ").strip() or "–"
 
 
 def _figure_sections(run_dir: Path, results: dict) -> list[str]:

@@ -81,6 +81,10 @@ class Fingerprints:
     fids: dict[str, list[DatasetRef]]
     catalog: dict[str, MethodInfo]
 
+    def prefix_text(self) -> str | None:
+        """The recipe's prefix as text (the run resolves ``auto`` with its tokenizer)."""
+        raise NotImplementedError
+
     def _sections(self, names: tuple[str, ...]) -> dict:
         return {n: result_section(n, getattr(self.recipe, n).model_dump(mode="json")) for n in names}
 
@@ -99,8 +103,10 @@ class Fingerprints:
             for s in self.evals
         ]
         payload: dict = {"model": self.model_name, "eval": evals}
-        if self.recipe.prefix is not None:  # absent otherwise: the cells of run folders before the field stay
-            payload["prefix"] = self.recipe.prefix
+        # the text, not `auto`: a recipe that names its model's own prefix either way computes the same cells
+        prefix = self.prefix_text()
+        if prefix is not None:  # absent otherwise: the cells of run folders before the field stay
+            payload["prefix"] = prefix
         return payload
 
     def _sources(self, refs: list[DatasetRef], by_path: bool = False) -> list:

@@ -66,6 +66,8 @@ def check_row(state: QuadapterState) -> None:
         expected, what = cell.get("fingerprint"), f"row {key} of {results_file}"
     elif name == BC_STATE and side.is_file():
         expected, what = side.read_text().strip(), f"the phase 1 its run shared ({side})"
+    if rows and rows[0][1].get("error"):  # its training diverged or its perplexity is not finite
+        raise QuadapterError(f"{state.described} is the state of row {rows[0][0]}, which failed: {rows[0][1]['error']}")
     if expected is not None and stamp == expected:
         return
     if expected is None:

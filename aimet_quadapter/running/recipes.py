@@ -28,6 +28,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError
 
 from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.export.formats import SEQ_LEN as EXPORT_SEQ_LEN
 from aimet_quadapter.methods.catalog import CATALOG
 from aimet_quadapter.methods.generated import GenerationParameters
 from aimet_quadapter.models.devices import DEVICE_CHOICES, DEVICE_PATTERN
@@ -130,6 +131,33 @@ class DevSection(EvalSection):
     split: Literal["train", "valid", "test"] = "valid"
 
 
+# What a user would look at first: a few prompts answered greedily by the FP model and by the device graph.
+PROMPTS = (
+    "The capital of France is",
+    "def add(a, b):",
+    "Once upon a time",
+)
+
+
+class ExportSection(_Section):
+    """After every cell: the quantized row chosen on development text, exported with AIMET's encodings and run in
+    AIMET's ONNX simulation of the device graph. The rule: the lowest geometric mean of perplexity over the
+    development texts (each seed's, then their mean); its first seed's state is the one exported."""
+
+    # the rows the choice is among; default: every quantized row of the run
+    candidates: list[MethodName] | None = None
+    seq_len: int = Field(EXPORT_SEQ_LEN, ge=2)  # the graph's static input length
+    # the export is checked on development text: a text no evaluation reads; its train split calibrates the
+    # tensors the encodings leave out
+    verify_dataset: str = "ptb"
+    verify_split: Literal["train", "valid", "test"] = "valid"
+    verify_windows: int = Field(4, ge=1)
+    device_check: bool = True
+    kv_graphs: bool = False
+    prompts: list[str] = Field(default_factory=lambda: list(PROMPTS))
+    new_tokens: int = Field(16, ge=1)  # each prompt's greedy answer
+
+
 class Recipe(_Section):
     name: str | None = None
     description: str | None = None
@@ -164,8 +192,13 @@ class Recipe(_Section):
     dev: DevSection | None = None
     # Text whose tokens every sequence follows, their keys and values computed once in full precision and
     # held as a KV cache (PrefixQuant): the first token draws the attention sinks' outsized activations,
-    # which then enter no static range. The FP model reads the same prefix. E.g. "<|im_start|>\n".
+    # which then enter no static range. The FP model reads the same prefix. E.g. "<|im_start|>\n"; `auto`: the
+    # model's own, whatever the family (models/prefix.py: model_prefix).
     prefix: str | None = Field(None, min_length=1)
+    # a method whose AIMET technique does not support the model's family (quant/llm_techniques.py) is replaced by
+    # the method named here, so that one recipe runs on every family; a method with none is refused
+    fallbacks: dict[MethodName, MethodName] = Field(default_factory=dict)
+    export: ExportSection | None = None
 
     _path: Path | None = PrivateAttr(default=None)
 
@@ -191,6 +224,27 @@ class Recipe(_Section):
             for section in ("calibration", "generated", "phase1")
         }
         out = self.model_copy(update={**update, "seeds": None})
+        out._path = self._path
+        return out
+
+    def for_family(self, family: str | None) -> Recipe:
+        """This recipe with every method AIMET refuses on ``family`` (None: not known before the model loads)
+        replaced by its fallback, in ``methods`` and ``export.candidates``."""
+        from aimet_quadapter.quant.llm_techniques import refusal
+
+        def swap(method: str) -> str:
+            technique = CATALOG[method].aimet
+            refused = technique is not None and refusal(technique, family, self.policy) is not None
+            return self.fallbacks.get(method, method) if refused else method
+
+        methods = list(dict.fromkeys(swap(m) for m in self.methods))
+        if methods == self.methods:
+            return self
+        update: dict[str, Any] = {"methods": methods}
+        if self.export is not None and self.export.candidates:
+            candidates = list(dict.fromkeys(swap(m) for m in self.export.candidates))
+            update["export"] = self.export.model_copy(update={"candidates": candidates})
+        out = self.model_copy(update=update)
         out._path = self._path
         return out
 
@@ -367,10 +421,28 @@ def validate_recipe(raw: dict, where: str = "recipe", overridden: list[str] | No
         )
     if recipe.seeds and len(set(recipe.seeds)) < len(recipe.seeds):
         raise QuadapterError(f"{where}: field seeds: {recipe.seeds} names a seed twice")
+    _check_export(recipe, where)
     tuning = [m for m in recipe.methods if CATALOG[m].finetunes]
     if tuning and not recipe.fid:
         raise QuadapterError(f"{where}: field fid: methods {', '.join(tuning)} fine-tune, so they need an F-ID dataset")
     return recipe
+
+
+def _check_export(recipe: Recipe, where: str) -> None:
+    e = recipe.export
+    if e is None:
+        return
+    if recipe.dev is None:
+        raise QuadapterError(f"{where}: field export: the row to export is chosen on development text: add dev")
+    quantized = [m for m in recipe.methods if CATALOG[m].quantized]
+    for name in e.candidates or []:
+        if name not in quantized:
+            raise QuadapterError(
+                f"{where}: field export.candidates: {name} is not a quantized method of this recipe "
+                f"({', '.join(quantized) or 'none'})"
+            )
+    if not (e.candidates or quantized):
+        raise QuadapterError(f"{where}: field export: the recipe has no quantized method to export")
 
 
 def _loc(loc: tuple) -> str:

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
+import math
 import shutil
 import sys
 import time
@@ -48,6 +50,9 @@ from aimet_quadapter.running.lock import RunLock
 from aimet_quadapter.running.recipes import Recipe
 from aimet_quadapter.running.results_file import FORMAT, RESULTS, load_results, write_results
 from aimet_quadapter.versions import library_versions, source_commit
+
+# the file of a phase-2 loss curve a method writes into its cell's folder: ``[<method>_]phase2_losses.json``
+PHASE2_CURVE = "phase2_losses.json"
 
 if TYPE_CHECKING:  # imported when a run starts: the model code pulls in AIMET
     from aimet_quadapter.models import PreparedLM
@@ -158,6 +163,16 @@ class RecipeRun(Fingerprints):
         seed: int | None = None,
         parent: Recipe | None = None,
     ):
+        from aimet_quadapter.models.loading import check_model_source
+
+        try:  # a folder that cannot load is refused before any text is read or sampled
+            check_model_source(recipe.resolve_model())
+        except QuadapterError as e:
+            raise QuadapterError(f"{recipe.where()}: field model: {e}") from None
+        if parent is None:  # a seed's run inherits its parent's methods
+            from aimet_quadapter.models.loading import family_of
+
+            recipe = recipe.for_family(family_of(recipe.resolve_model()))
         self.recipe = recipe
         self.seed = seed
         self.parent = parent or recipe  # what results.json records as the recipe
@@ -344,16 +359,37 @@ class RecipeRun(Fingerprints):
             self._check_sites(self._model)  # site names are known once the model is: before any cell's work
             self._check_aimet_support(self.cells, self._model.arch.name)
             self._model.set_prefix(self.prefix_ids())
+            self._say_auto_prefix()
         return self._model
+
+    def prefix_text(self) -> str | None:
+        """The recipe's ``prefix`` (``auto``: the model's own, from its tokenizer; None: no prefix)."""
+        from aimet_quadapter.models.prefix import AUTO_PREFIX, model_prefix
+
+        if self.recipe.prefix != AUTO_PREFIX:
+            return self.recipe.prefix
+        return model_prefix(self.tokenizer())
 
     def prefix_ids(self) -> list[int]:
         """The tokens of the recipe's ``prefix`` (none without one)."""
-        if self.recipe.prefix is None:
+        text = self.prefix_text()
+        if text is None:
             return []
-        ids = self.tokenizer()(self.recipe.prefix, add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer()(text, add_special_tokens=False)["input_ids"]
         if not ids:
-            raise QuadapterError(f"{self.recipe.where()}: field prefix: {self.recipe.prefix!r} gives no token")
+            raise QuadapterError(f"{self.recipe.where()}: field prefix: {text!r} gives no token")
         return list(ids)
+
+    def _say_auto_prefix(self) -> None:
+        from aimet_quadapter.models.prefix import AUTO_PREFIX
+
+        if self.recipe.prefix != AUTO_PREFIX:
+            return
+        text = self.prefix_text()
+        if text is None:
+            self._say(f"prefix auto: the tokenizer of {self.model_name} has neither a BOS nor an EOS token: no prefix")
+        else:
+            self._say(f"prefix auto: {text!r} (tokens {self.prefix_ids()})")
 
     def score(self, state: QuadapterState) -> dict[str, float]:
         """Perplexity of ``state``'s sim, rebuilt on this run's model, on the evaluation texts."""
@@ -397,7 +433,26 @@ class RecipeRun(Fingerprints):
                     self.validation_batches(cell.calibration)
             if cell.fid is not None:
                 self.finetune_batches(cell.fid, cell.size)
+        self._check_export()
         release_freed_memory()  # what tokenizing whole corpora freed (sampling gives its own back)
+
+    def _check_export(self) -> None:
+        """The export's texts and aimet-onnx, before the cells: a hand-off that cannot start fails now."""
+        e = self.recipe.export
+        if e is None:
+            return
+        from aimet_quadapter.text import data
+
+        if e.device_check:
+            from aimet_quadapter.export.device_check import require_aimet_onnx
+
+            require_aimet_onnx()
+        source = self.recipe.resolve_dataset(e.verify_dataset)
+        for split in dict.fromkeys((e.verify_split, "train")):
+            try:
+                data.load_text(source, split)
+            except QuadapterError as exc:
+                raise QuadapterError(f"{self.recipe.where()}: field export.verify_dataset: {exc}") from None
 
     def _check_aimet_support(self, cells: list[Cell], family: str | None) -> None:
         """Refuse a method whose AIMET technique AIMET refuses for this family (None: not known before the model
@@ -439,7 +494,7 @@ class RecipeRun(Fingerprints):
 
         sites = model.sites(self.recipe.quadapter.extra_sites)
         try:
-            kept_at_start([s.name for s in sites], self.recipe.phase1.keep_start)
+            kept_at_start(sites, self.recipe.phase1.keep_start)
         except QuadapterError as e:
             raise QuadapterError(f"{self.recipe.where()}: {e}") from None
 
@@ -701,8 +756,9 @@ class RecipeRun(Fingerprints):
                 shutil.rmtree(checkpoints)
             checkpoints.mkdir(parents=True, exist_ok=True)
             write_text_atomic(stamp, fingerprint)
-            # the states of an earlier computation of this cell (other settings): none may stay beside the new row
-            for old in cell_dir.glob("*.safetensors"):
+            # the states and loss curves of an earlier computation of this cell (other settings): none may stay
+            # beside the new row
+            for old in [*cell_dir.glob("*.safetensors"), *cell_dir.glob(f"*{PHASE2_CURVE}")]:
                 old.unlink()
         distributed.barrier()  # under torchrun: no process resumes from a checkpoint the first one removes
         extra: dict = {}
@@ -745,7 +801,36 @@ class RecipeRun(Fingerprints):
         }
         del evaluated, ctx
         release_freed_memory()
-        return record
+        failure = self._nonfinite(ppl, dev_ppl, cell_dir)
+        # no number for a perplexity that is none: the cell failed, and a rerun computes it again
+        return self.failed_record(cell, failure) if failure else record
+
+    def _nonfinite(self, ppl: dict[str, float], dev_ppl: dict[str, float], cell_dir: Path) -> str | None:
+        """Why a cell whose evaluation gave a perplexity that is NaN or infinite failed, with where its training
+        ended (the last step and loss of each phase-2 curve the cell wrote); None when every value is finite."""
+        bad = [
+            f"{value} on {label} ({text})"
+            for values, text in ((ppl, "test text"), (dev_ppl, "development text"))
+            for label, value in values.items()
+            if not math.isfinite(value)
+        ]
+        if not bad:
+            return None
+        ends = []
+        for path in sorted(cell_dir.glob(f"*{PHASE2_CURVE}")):  # this computation's: older ones were removed
+            try:
+                losses = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(losses, list) and losses:
+                name = path.name.removesuffix(PHASE2_CURVE).rstrip("_") or "quadapter"
+                ends.append(f"{name} phase 2 ended at step {len(losses)} with loss {losses[-1]:.4g}")
+        training = (
+            f"the training losses stayed finite ({'; '.join(ends)})"
+            if ends
+            else "the method ended without a non-finite training loss"
+        )
+        return f"perplexity {', '.join(bad)}; {training}"
 
     def _record(self, cell: Cell) -> dict:
         """What every results.json record of ``cell`` says, finished or stopped."""
@@ -777,7 +862,8 @@ class RecipeRun(Fingerprints):
         }
 
     def failed_record(self, cell: Cell, error: str) -> dict:
-        """The record of a cell whose training diverged: no perplexity, so a rerun computes it again."""
+        """The record of a cell whose training diverged or whose perplexity is not finite: no perplexity, so a rerun
+        computes it again."""
         return {**self._record(cell), "ppl": {}, "error": error}
 
     def _write(self, results: dict) -> None:
@@ -793,17 +879,37 @@ class RecipeRun(Fingerprints):
         with lock, log_file(self.out_dir / "run.log") if self.main else contextlib.nullcontext():
             log.debug("run of %s (%s) by: %s", self.recipe.display_name, self.recipe.where(), " ".join(sys.argv))
             log.debug("versions: %s", library_versions())
-            if not self.recipe.seeds:
-                return self._run()
-            results: dict = {}
-            for seed in self.recipe.seeds:
-                self._say(f"seed {seed} ({self.recipe.seeds.index(seed) + 1} of {len(self.recipe.seeds)})")
+            seeds = self.recipe.seeds or []
+            if not seeds:
+                results = self._run()
+            for i, seed in enumerate(seeds):
+                self._say(f"seed {seed} ({i + 1} of {len(seeds)})")
                 child = RecipeRun(self.recipe.for_seed(seed), self.out_dir, self.progress, seed, self.recipe)
                 # one model and one tokenization of each text for every seed
                 child._model, child._tokenizer, child._token_cache = self._model, self._tokenizer, self._token_cache
                 results = child._run()
                 self._model, self._tokenizer = child._model, child._tokenizer
+            if self.recipe.export is not None and self.main:
+                self._hand_off(results)
             return results
+
+    def _hand_off(self, results: dict) -> None:
+        """The row chosen on development text, exported and checked (running/handoff.py), into ``results``."""
+        from aimet_quadapter.running.handoff import fp_answers, hand_off
+
+        prompts = fp_answers(self.recipe, self._load_model(), self.tokenizer())
+        self._model = None  # the export loads the model again into its sim: no second copy of the weights
+        release_freed_memory()
+        results["export"] = hand_off(self.recipe, self.out_dir, results, prompts, self.tokenizer(), self.progress)
+        self._write(results)
+        e = results["export"]
+        check = e.get("device_check")
+        if check:
+            self._say(
+                f"export: {e['chosen']} (chosen on development text) in {e['path']}; device graph {check['ppl']:.3f} "
+                f"vs sim {check['sim_ppl']:.3f} on {e['verify_text']}, {check['with_encoding']} of "
+                f"{check['activation_tensors']} activation tensors with this package's encoding"
+            )
 
     def _run(self) -> dict:
         results = self._load_or_new()

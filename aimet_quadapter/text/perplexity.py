@@ -60,10 +60,19 @@ def perplexity(
         logits = forward(window.ids.unsqueeze(0).to(device))
         total += window_nll(logits, window).cpu()
         count += window.n_targets
-        bar.set_postfix(ppl=f"{math.exp(total.item() / count):.2f}")
+        bar.set_postfix(ppl=f"{_exp(total.item() / count):.2f}")
     summed, count = distributed.sum_over_ranks(total.item(), count)
     nll = summed / count
-    return Perplexity(math.exp(nll), nll, int(count))
+    return Perplexity(_exp(nll), nll, int(count))
+
+
+def _exp(nll: float) -> float:
+    """The perplexity of a mean NLL: inf past float64's range (math.exp raises there), NaN for NaN; the runner
+    records either as a failed cell."""
+    try:
+        return math.exp(nll)
+    except OverflowError:
+        return math.inf
 
 
 @torch.no_grad()
