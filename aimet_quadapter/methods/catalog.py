@@ -193,7 +193,7 @@ CATALOG: dict[str, MethodInfo] = {
     # FPTQuant's online Hadamard left out: the export holds plain weights
     **_on_transform("fptquant", "FPTQuant", _FPT),
     "quadapter_seq_mse": _after_quadapter("Quadapter + SeqMSE", _SEQ_MSE),
-    # SeqMSE's search confined to the weight ranges phase 2 learned (issue 62's third lever)
+    # SeqMSE's search confined to the weight ranges phase 2 learned
     "quadapter_seq_mse_learned": _after_quadapter("Quadapter + SeqMSE in learned ranges", _SEQ_MSE),
     "quadapter_adaround": _after_quadapter("Quadapter + AdaRound", _ADAROUND),
 }

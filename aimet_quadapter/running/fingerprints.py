@@ -15,16 +15,16 @@ from aimet_quadapter.running.recipes import result_section
 
 if TYPE_CHECKING:
     from aimet_quadapter.methods.catalog import MethodInfo
+    from aimet_quadapter.running.cells import Cell, DatasetRef, EvalSpec
     from aimet_quadapter.running.recipes import Recipe
-    from aimet_quadapter.running.runner import Cell, DatasetRef, EvalSpec
 
 
 def _text(ref: DatasetRef, by_path: bool) -> str:
     return ref.source if by_path else ref.identity
 
 
-# What each method's fingerprint read of the recipe sections before catalog ``reads`` declared fields (issue 61;
-# reads, unused): wider than what it reads now, so a cell recorded under it was computed
+# What each method's fingerprint read of the recipe sections before catalog ``reads`` declared fields (reads,
+# unused): wider than what it reads now, so a cell recorded under it was computed
 # under today's value of every field it reads, and stays done. Methods whose payload did not change are absent.
 _WIDE: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     **dict.fromkeys(("adaround", "seq_mse", "spinquant", "fptquant", "adascale", "omniquant"), (("baselines",), ())),

@@ -31,7 +31,6 @@ import math
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +44,7 @@ from aimet_quadapter.errors import QuadapterError, TrainingDiverged
 from aimet_quadapter.logs import log, log_file
 from aimet_quadapter.memory import PeakRSS, release_freed_memory
 from aimet_quadapter.methods.catalog import BC, CATALOG
+from aimet_quadapter.running.cells import Cell, DatasetRef, EvalSpec, safe_name
 from aimet_quadapter.running.fingerprints import Fingerprints, _fingerprint
 from aimet_quadapter.running.lock import RunLock
 from aimet_quadapter.running.recipes import Recipe
@@ -59,72 +59,6 @@ if TYPE_CHECKING:  # imported when a run starts: the model code pulls in AIMET
     from aimet_quadapter.quadapter.state import QuadapterState
 
 # recipe section -> the parameter dataclass whose fields say which settings change a result
-
-
-@dataclass(frozen=True)
-class DatasetRef:
-    spec: str  # as the recipe wrote it
-    source: str  # corpus name or absolute path
-    label: str  # table column / group name
-
-    @property
-    def identity(self) -> str:
-        """What fingerprints and merge compare: the corpus name, or a local text's content hash (not its path,
-        which differs between two checkouts of one recipe)."""
-        from aimet_quadapter.text.data import text_identity
-
-        return text_identity(self.source)
-
-
-@dataclass(frozen=True)
-class EvalSpec:
-    ref: DatasetRef
-    split: str
-    seq_len: int
-    max_tokens: int | None
-    stride: int | None
-    start: int = 0  # tokens of the split skipped before the first window
-
-    @property
-    def stop(self) -> int | None:
-        """Where the tokens the windows read end (None: the end of the split)."""
-        return None if self.max_tokens is None else self.start + self.max_tokens
-
-
-@dataclass(frozen=True)
-class Cell:
-    key: str  # key in results.json
-    method: str
-    group: str  # "-", "calib:<set>" or the F-ID's name
-    calibration: str | None  # calibration set name
-    fid: str | None  # F-ID name (fine-tuning cells)
-    size: int | None  # fine-tuning sequences in a data-size sweep
-    seed: int | None = None  # one seed of a recipe's ``seeds``
-
-    @property
-    def calibration_set(self) -> str:
-        """The calibration set's name; every cell but the FP model's has one."""
-        if self.calibration is None:
-            raise QuadapterError(f"cell {self.key} has no calibration set")
-        return self.calibration
-
-    @property
-    def fid_name(self) -> str:
-        """The F-ID's name; every fine-tuning cell has one."""
-        if self.fid is None:
-            raise QuadapterError(f"cell {self.key} is not a fine-tuning cell")
-        return self.fid
-
-    @property
-    def folder(self) -> str:
-        """Where the cell's states and figures go (``MethodContext.out_dir``), relative to the run folder."""
-        leaf = _safe(self.method + (f"@{self.size}" if self.size else ""))
-        folder = leaf if self.group == "-" else _safe(self.group.replace("calib:", "calib-")) + "/" + leaf
-        return folder if self.seed is None else f"seed-{self.seed}/{folder}"
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "._+-@" else "_" for c in name) or "_"
 
 
 def _named(ref: DatasetRef) -> str:
@@ -693,7 +627,7 @@ class RecipeRun(Fingerprints):
 
     def _bc_dir(self, cal: str) -> Path:
         folder = self.out_dir if self.seed is None else self.out_dir / f"seed-{self.seed}"
-        return folder / _safe(f"calib-{cal}") / BC
+        return folder / safe_name(f"calib-{cal}") / BC
 
     def _bc_state(self, cal: str, info: dict):
         """Quadapter BC's state for calibration set ``cal``: in memory, saved by an earlier cell, or computed now."""
