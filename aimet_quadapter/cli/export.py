@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aimet_quadapter.export.formats import ENCODING_VERSION, ENCODING_VERSIONS, SEQ_LEN
+from aimet_quadapter.export.formats import BLOCKWISE_ENCODING_VERSION, ENCODING_VERSION, ENCODING_VERSIONS, SEQ_LEN
 from aimet_quadapter.text import EVAL_SEQ_LEN
 
 
@@ -46,8 +46,9 @@ def add_export_command(subparsers) -> None:
     p.add_argument(
         "--encodings-version",
         choices=ENCODING_VERSIONS,
-        default=ENCODING_VERSION,
-        help=f"AIMET encodings format (default {ENCODING_VERSION})",
+        default=None,
+        help=f"AIMET encodings format (default {ENCODING_VERSION}; {BLOCKWISE_ENCODING_VERSION} for a state of "
+        f"block-wise weights, which 1.0.0 cannot carry checked)",
     )
     p.add_argument(
         "--dynamic-length",

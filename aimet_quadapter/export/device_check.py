@@ -29,7 +29,7 @@ import torch
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.formats import ENCODINGS, FP_ONNX, INPUT_NAME
 from aimet_quadapter.export.onnx_eval import read_encodings
-from aimet_quadapter.quant.aimet_private import HTP_VERSION, htp_config_file
+from aimet_quadapter.quant.aimet_private import HTP_VERSION, add_missing_onnx_quantizers, htp_config_file
 from aimet_quadapter.quant.quantizers import aimet_onnx_rounding
 
 REPORT = "device_check.json"
@@ -70,16 +70,21 @@ def device_sim(export: Path) -> tuple[Any, Coverage]:
     logging.getLogger("Quant").setLevel(logging.WARNING)
 
     encodings_file = export / ENCODINGS
+    encodings = json.loads(encodings_file.read_text())
     model = onnx.load(str(export / FP_ONNX))  # external data is read from beside the graph
     sim = QuantizationSimModel(
         model, config_file=htp_config_file(package="aimet_onnx"), providers=["CPUExecutionProvider"]
     )
+    # the embedding table is a Gather input aimet-onnx quantizes as an activation; the export names it a param
+    ours = {e.name for e in read_encodings(encodings)}
+    if not str(encodings.get("version", "")).startswith("1."):
+        # as aimet-onnx adds them for a 1.0.0 file (e.g. the embedding's output), the graph's initializers as params
+        initializers = {t.name for t in model.graph.initializer}
+        add_missing_onnx_quantizers(sim, sorted(ours & initializers), sorted(ours - initializers))
     # strict=False: a quantizer takes the loaded encoding's bits and symmetry, as a converter's override does
     load_encodings_to_sim(
         sim, str(encodings_file), strict=False, allow_overwrite=False, disable_missing_quantizers=False
     )
-    # the embedding table is a Gather input aimet-onnx quantizes as an activation; the export names it a param
-    ours = {e.name for e in read_encodings(json.loads(encodings_file.read_text()))}
     quantizer = sim.qc_quantize_op_dict
     # aimet-onnx ties a Concat's inputs to its output, one quantizer under several names: the prefix's constant keys
     # and values share the sequence's own, and a converter quantizes them with that encoding rather than fold them

@@ -46,7 +46,6 @@ from packaging.version import Version
 from aimet_quadapter.atomic import check_new_folder, write_text_atomic
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.formats import (
-    ENCODING_VERSION,
     ENCODING_VERSIONS,
     ENCODINGS,
     FP_ONNX,
@@ -57,6 +56,7 @@ from aimet_quadapter.export.formats import (
     SEQ_LEN,
     ExtraFormat,
     data_file,
+    encoding_version_for,
 )
 from aimet_quadapter.export.lean import export_sim_graphs, opset_imports, weights_parked
 from aimet_quadapter.export.onnx_eval import (
@@ -166,6 +166,16 @@ def check_encoding_names(fp_model, entries: Sequence[Encoding]) -> None:
         )
 
 
+def _written_scale(q) -> torch.Tensor:
+    """The scale an encodings file holds for ``q``. LPBQ's is written as its two factors, integer block scales and a
+    float scale per channel, whose float32 product may differ from the sim's own rounding of it by an ulp."""
+    encoding = q.get_encodings() if q.block_size is not None else None
+    ints = getattr(encoding, "per_block_int_scale", None)
+    if ints is None:
+        return q.get_scale()
+    return ints.float() * encoding.per_channel_scale
+
+
 def check_quantizer_coverage(
     sim: QuantizationSimModel, entries: Sequence[Encoding], where: str = "the encodings file"
 ) -> int:
@@ -177,10 +187,12 @@ def check_quantizer_coverage(
     offsets by running the graph with the encodings applied. Returns the number of quantizers.
     """
     available = {(e.bitwidth, e.scale.astype(np.float32).tobytes()) for e in entries}
+    # a block-wise Linear weight's scales are (out, blocks) in the sim, (blocks, out) in the graph's transposed copy
+    available |= {(e.bitwidth, np.ascontiguousarray(e.scale.T, np.float32).tobytes()) for e in entries if e.block_size}
     count, missing = 0, []
     for path, role, q in quantizers(sim.model):
         count += 1
-        key = (int(q.bitwidth), q.get_scale().detach().float().cpu().numpy().reshape(-1).tobytes())
+        key = (int(q.bitwidth), _written_scale(q).detach().float().cpu().numpy().reshape(-1).tobytes())
         if key not in available:
             missing.append(f"{path}.{role}")
     if missing:
@@ -620,7 +632,7 @@ def export_quantized(
     sim: QuantizationSimModel,
     out_dir: str | Path,
     seq_len: int = SEQ_LEN,
-    encoding_version: str = ENCODING_VERSION,
+    encoding_version: str | None = None,
     *,
     verify_windows: Sequence[Window | torch.Tensor],
     model_name: str | None = None,
@@ -640,13 +652,17 @@ def export_quantized(
     a dynamic axis instead (batch stays 1). ``opset`` is the FP graph's (default: torch's); the QDQ graph
     is opset 21. ``verify_windows`` are held-out token windows (at most ``seq_len`` tokens each; shorter
     ones are padded at the end for a fixed-length graph) on which the export must match the sim.
-    ``model_name`` is what ``eval`` loads the tokenizer from. ``merge_shared_ranges``: see
+    ``encoding_version``: AIMET's encodings format (default 1.0.0, 2.0.0 for a sim with block-wise weights:
+    :func:`~aimet_quadapter.export.formats.encoding_version_for`). ``model_name`` is what ``eval`` loads the
+    tokenizer from. ``merge_shared_ranges``: see
     :func:`reconcile_shared_ranges` (changes ``sim``). ``formats``: further forms of the model, each in its
     subfolder and verified on the same windows (e.g. ``KVGraphs()``: prefill and decode graphs with a KV cache;
     ``HFCheckpoint()``: a Hugging Face checkpoint with AIMET's torch encodings).
     """
     start = time.time()
     check_free_disk(out_dir, sim.model)
+    blockwise = next((f"{path}.{role}" for path, role, q in quantizers(sim.model) if q.block_size is not None), None)
+    encoding_version = encoding_version_for(blockwise, encoding_version)
     windows, prefix = _checked_windows(sim, seq_len, encoding_version, verify_windows, dynamic_length, formats)
     out_dir = Path(out_dir).expanduser().absolute()
     check_new_folder(out_dir, overwrite)

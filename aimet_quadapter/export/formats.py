@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 ENCODING_VERSIONS = ("1.0.0", "2.0.0")  # AIMET encodings JSON formats a converter takes
 ENCODING_VERSION = ENCODING_VERSIONS[0]
+# The format of block-wise weights (LPBQ): 2.0.0 names each one's blocked axis, which 1.0.0 leaves to the graph's
+# layout and the export's checks cannot read back
+BLOCKWISE_ENCODING_VERSION = "2.0.0"
 SEQ_LEN = 128  # the graph's fixed input length: device graphs are static
 QDQ_OPSET = 21  # QuantizeLinear/DequantizeLinear with per-axis and 4/16-bit types; what AIMET recommends
 INPUT_NAME, OUTPUT_NAME = "input_ids", "logits"
@@ -25,6 +28,22 @@ MANIFEST = "manifest.json"
 FP_ONNX = "model.onnx"
 ENCODINGS = "model.encodings"  # AIMET names it after the ONNX file: <stem>.encodings
 QDQ_ONNX = "model_qdq.onnx"
+
+
+def encoding_version_for(blockwise: str | None, asked: str | None = None) -> str:
+    """The encodings format of an export: ``asked``, or by default :data:`ENCODING_VERSION`, or
+    :data:`BLOCKWISE_ENCODING_VERSION` where ``blockwise`` names a block-wise quantized tensor; 1.0.0 is refused
+    for one."""
+    from aimet_quadapter.errors import QuadapterError
+
+    if asked is None:
+        return BLOCKWISE_ENCODING_VERSION if blockwise else ENCODING_VERSION
+    if blockwise and asked == "1.0.0":
+        raise QuadapterError(
+            f"encodings version 1.0.0 leaves the layout of block-wise weights ({blockwise}) implicit, and the "
+            f"export's checks cannot read it back: export them as {BLOCKWISE_ENCODING_VERSION} (the default for them)"
+        )
+    return asked
 
 
 def data_file(graph: str) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.export.formats import ENCODING_VERSION, SEQ_LEN
+from aimet_quadapter.export.formats import SEQ_LEN, encoding_version_for
 from aimet_quadapter.text import EVAL_SEQ_LEN
 
 
@@ -22,7 +22,7 @@ class ExportJob:
     model: str  # the FP model the state was trained on: hub id, folder or offline alias
     out: Path
     seq_len: int = SEQ_LEN
-    encodings_version: str = ENCODING_VERSION
+    encodings_version: str | None = None  # None: the export's default for the state's weights
     dynamic_length: bool = False
     opset: int | None = None
     verify_dataset: str = "ptb"
@@ -54,6 +54,8 @@ class ExportJob:
                 raise QuadapterError(f"--kv-prefill {self.kv_prefill} must be below --kv-context {self.kv_context}")
             kv = KVGraphs(self.kv_context, (self.kv_prefill, 1), "int32" if self.kv_int32_ids else "int64")
         resolve_device(self.device)
+        block = state.policy.lpbq_block_size
+        encoding_version_for(f"LPBQ blocks of {block}" if block else None, self.encodings_version)
         if self.device_check:
             from aimet_quadapter.export.device_check import require_aimet_onnx
 

@@ -165,11 +165,14 @@ class Encoding:
 
     name: str
     bitwidth: int
-    scale: np.ndarray  # float32, one value per channel (one for per-tensor)
+    # float32, one value per channel (one for per-tensor); block-wise: one per block, shaped as the tensor with
+    # the blocked axis divided by block_size (ONNX's blocked QuantizeLinear)
+    scale: np.ndarray
     zero_point: np.ndarray  # int64, same shape as scale
     dtype: str  # a key of _ONNX_TYPES
-    axis: int | None  # channel axis; None for per-tensor (1.0.0 files leave it implicit: see apply_encodings)
+    axis: int | None  # channel axis (block-wise: the blocked one); None for per-tensor (1.0.0: see apply_encodings)
     is_param: bool | None  # 1.0.0 files say; 2.0.0 files do not
+    block_size: int | None = None
 
 
 def read_encodings(encodings: dict) -> list[Encoding]:
@@ -181,6 +184,11 @@ def read_encodings(encodings: dict) -> list[Encoding]:
             for entry in encodings.get(kind, []):
                 if entry.get("dtype", "INT") != "INT":
                     raise QuadapterError(f"encoding of {entry['name']!r} is {entry['dtype']}: only INT is supported")
+                if entry.get("enc_type") in ("PER_BLOCK", "LPBQ"):
+                    raise QuadapterError(
+                        f"encoding of {entry['name']!r} is block-wise, whose layout a 1.0.0 file leaves implicit: "
+                        f"read its 2.0.0 form, which names the blocked axis"
+                    )
                 bw = int(entry["bw"])
                 scale = np.asarray(entry["scale"], dtype=np.float32).reshape(-1)
                 # AIMET's offset is the negated ONNX zero point, on an unsigned grid [0, 2^bw - 1]
@@ -199,18 +207,23 @@ def read_encodings(encodings: dict) -> list[Encoding]:
                 )
     elif version.startswith("2."):
         for entry in encodings.get("encodings", []):
-            if "block_size" in entry:
-                raise QuadapterError(f"encoding of {entry['name']!r} is block-wise: not supported here")
             dtype = entry["output_dtype"]
             if dtype not in _ONNX_TYPES:
                 raise QuadapterError(f"encoding of {entry['name']!r} has output_dtype {dtype!r}: not supported here")
-            scale = np.asarray(entry["y_scale"], dtype=np.float32).reshape(-1)
-            zero_point = np.asarray(entry.get("y_zero_point", 0), dtype=np.int64).reshape(-1)
-            if zero_point.size == 1 and scale.size > 1:
-                zero_point = np.repeat(zero_point, scale.size)
+            block_size = entry.get("block_size")
+            if "per_block_int_scale" in entry:  # LPBQ: integer block scales times a float scale per channel
+                scale = np.asarray(entry["per_block_int_scale"], dtype=np.float32) * np.asarray(
+                    entry["per_channel_float_scale"], dtype=np.float32
+                )
+            else:
+                scale = np.asarray(entry["y_scale"], dtype=np.float32)
+            if block_size is None:
+                scale = scale.reshape(-1)
+            zero_point = np.broadcast_to(np.asarray(entry.get("y_zero_point", 0), dtype=np.int64), scale.shape)
+            zero_point = zero_point.reshape(scale.shape).copy()
             bw = int(re.sub(r"\D", "", dtype))
             axis = entry.get("axis")
-            out.append(Encoding(entry["name"], bw, scale, zero_point, dtype, axis, None))
+            out.append(Encoding(entry["name"], bw, scale, zero_point, dtype, axis, None, block_size))
     else:
         raise QuadapterError(f"unsupported encodings version {version!r} (supported: 1.0.0, 2.0.0)")
     return out
@@ -236,29 +249,52 @@ def qdq_graph_encodings(model, base_dir: str | Path | None = None) -> list[Encod
 
     constants = {t.name: t for t in model.graph.initializer}
     constants.update({n.output[0]: n.attribute[0].t for n in model.graph.node if n.op_type == "Constant"})
+    dequantized = {n.output[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear"}
+
+    def value(name: str) -> np.ndarray:
+        if base_dir is not None and uses_external_data(constants[name]):
+            load_external_data_for_tensor(constants[name], str(base_dir))
+            constants[name].data_location = TensorProto.DEFAULT
+        return numpy_helper.to_array(constants[name])
+
+    def scale_of(name: str) -> np.ndarray:
+        if name in constants:
+            return value(name).astype(np.float32)
+        # LPBQ: the block scales are integers dequantized by a float scale per channel
+        node = dequantized[name]
+        ints, meta, zero = (value(i).astype(np.float32) for i in node.input[:3])
+        axis = _attribute(node, "axis", 1)
+        shape = [1] * ints.ndim
+        shape[axis] = -1
+        return (ints - zero.reshape(shape)) * meta.reshape(shape)
+
     out = []
     for node in model.graph.node:
         if node.op_type != "QuantizeLinear" or len(node.input) < 3 or node.input[2] not in constants:
             continue
-        for name in node.input[1:3]:
-            if base_dir is not None and uses_external_data(constants[name]):
-                load_external_data_for_tensor(constants[name], str(base_dir))
-                constants[name].data_location = TensorProto.DEFAULT
+        if node.input[1] not in constants and node.input[1] not in dequantized:
+            continue
         zero_point = constants[node.input[2]]
         dtype = TensorProto.DataType.Name(zero_point.data_type).lower()  # "uint8", "int4", ...
-        axis = next((a.i for a in node.attribute if a.name == "axis"), None)
+        block_size = _attribute(node, "block_size", 0) or None
+        scale = scale_of(node.input[1])
         out.append(
             Encoding(
                 node.input[0],
                 int(re.sub(r"\D", "", dtype) or 0),
-                numpy_helper.to_array(constants[node.input[1]]).astype(np.float32).reshape(-1),
-                numpy_helper.to_array(zero_point).astype(np.int64).reshape(-1),
+                scale if block_size else scale.reshape(-1),
+                value(node.input[2]).astype(np.int64).reshape(scale.shape if block_size else -1),
                 dtype,
-                axis,
+                _attribute(node, "axis", None),
                 None,
+                block_size,
             )
         )
     return out
+
+
+def _attribute(node, name: str, default: Any) -> Any:
+    return next((a.i for a in node.attribute if a.name == name), default)
 
 
 def apply_encodings(model, encodings: Iterable[Encoding], copy: bool = True):
@@ -307,7 +343,11 @@ def apply_encodings(model, encodings: Iterable[Encoding], copy: bool = True):
         np_type = helper.tensor_dtype_to_np_dtype(getattr(TensorProto, _ONNX_TYPES[enc.dtype]))
         needs_opset21 |= enc.dtype in ("uint16", "int16", "uint4", "int4")
         attrs: dict[str, Any] = {}  # node attributes: make_node takes them as keyword arguments
-        if enc.scale.size > 1:
+        if enc.block_size is not None:
+            attrs.update(axis=enc.axis, block_size=enc.block_size)
+            scale, zero_point = enc.scale, enc.zero_point.astype(np_type)
+            needs_opset21 = True
+        elif enc.scale.size > 1:
             attrs["axis"] = _channel_axis(enc, shape, consumers.get(enc.name, []))
             scale, zero_point = enc.scale, enc.zero_point.astype(np_type)
         else:

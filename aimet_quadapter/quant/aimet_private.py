@@ -3,7 +3,8 @@
 This module is the one place AIMET's private calls sit: the shims over its underscored symbols (QTensor casting,
 precomputed encodings, the minimum scale, Sequential MSE's bit-width limit, its ONNX export and QDQ passes, its
 fixed-range fake-quant call), the Hadamard orders AIMET lacks, the patches FPTQuant and OmniQuant run under, and
-the path of AIMET's HTP quantsim config inside its install (package data, not an API). Nothing else in the package
+the path of AIMET's HTP quantsim config inside its install (package data, not an API), and aimet-onnx's step that
+adds the quantizers an encodings file needs. Nothing else in the package
 names an underscored AIMET symbol: when AIMET changes one of these, this module is the one to fix, and its tests
 (tests/test_methods.py, tests/test_quadapter.py, tests/test_aimet_techniques.py, tests/test_device_check.py) say
 which. (Named for what it wraps, not "adapter": quadapter/adapter.py is the technique's own.)
@@ -212,6 +213,15 @@ def _plain_weight_quantizers(before: dict) -> None:
             # recompute the range from the quantize-dequantized weights, close to the learned one but not it
             plain.allow_overwrite(False)
             module.param_quantizers[name] = plain
+
+
+def add_missing_onnx_quantizers(sim: Any, params: list[str], activations: list[str]) -> None:
+    """aimet-onnx's own step for an encodings file naming tensors its ``sim`` holds no quantizer for: one added
+    (disabled until an encoding loads) for each. Its loader takes it for a 1.0.0 file only; a 2.0.0 file, which
+    does not say which tensors are parameters, is refused instead."""
+    from aimet_onnx.quantsim import _add_missing_quantizers
+
+    _add_missing_quantizers(sim, params, activations)
 
 
 # The Hexagon (HTP) generation whose quantsim config the `htp` target uses: AIMET ships one per generation.

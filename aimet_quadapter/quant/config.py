@@ -5,7 +5,7 @@ bad value is refused before AIMET is imported.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Strict, field_validator, model_validator
 
@@ -31,6 +31,19 @@ TARGETS: dict[str, str] = {
 # holds it, so that a cell computed under an earlier placement is computed again (absent: the first revision).
 # htp 2: the rotation, its tables and SiLU as the exported graph's ops (models/device_ops.py).
 PLACEMENT_REVISION: dict[str, int] = {"htp": 2}
+
+
+# LPBQ, AIMET's low-power blockwise quantization of weights: blocks of input channels on 4-bit symmetric grids
+# whose scales are 8-bit integers times one float scale per output channel (AIMET's decompressed_bw). The widths
+# of AIMET's documented example, and of the W4A16 configuration Qualcomm publishes its LLMs at.
+LPBQ_BITS = 4
+LPBQ_SCALE_BITS = 8
+
+
+# precision -> the fields it sets: a named device configuration, one setting to reach it
+PRECISIONS: dict[str, dict[str, Any]] = {
+    "w4a16-lpbq": {"activation_bits": 16, "lpbq_block_size": 64},
+}
 
 
 _PAPER_ONLY = ("per_channel_weights", "symmetric_weights", "quantize_norm_weights", "quantize_logits")
@@ -59,6 +72,20 @@ class QuantPolicy(Settings):
         help="how compute_encodings sets ranges: min_max (alias tf), tf_enhanced (SQNR) or percentile",
     )
     percentile: float = setting(99.99, ge=50, le=100, help="the kept share of values under 'percentile', in %")
+    # a shorthand for the fields it sets, which carry the result (and the fingerprints)
+    precision: Literal[tuple(PRECISIONS)] | None = setting(  # type: ignore[valid-type]
+        None,
+        result=False,
+        help="a named device configuration (target htp), setting the fields it implies: w4a16-lpbq "
+        "(activation_bits 16, lpbq_block_size 64); such a field given too must hold that value",
+    )
+    lpbq_block_size: int | None = setting(
+        None,
+        ge=1,
+        before=None,
+        help=f"the Linear weights but lm_head's as AIMET's LPBQ: {LPBQ_BITS}-bit blocks of this many input "
+        f"channels, their scales {LPBQ_SCALE_BITS}-bit per output channel (target htp; None: off)",
+    )
     # Mixed precision, as these targets fall back for the few tensors 8 bits cannot hold (e.g. 16-bit inputs
     # of a Llama's down_proj). Patterns match quantizer names as `describe` prints them.
     bit_overrides: tuple[str, ...] = setting(
@@ -73,9 +100,31 @@ class QuantPolicy(Settings):
     def _entries(cls, value):
         return (value,) if isinstance(value, str) else value  # one entry given as a string
 
+    @model_validator(mode="before")
+    @classmethod
+    def _precision(cls, values: Any) -> Any:
+        name = values.get("precision") if isinstance(values, dict) else None
+        if name not in PRECISIONS:
+            return values  # none, or a bad name the field's own check refuses
+        implied = PRECISIONS[name]
+        for field, value in implied.items():
+            if field in values and values[field] != value:
+                raise ValueError(
+                    f"precision {name!r} sets {field} to {value!r}, and {field} is given as {values[field]!r}: "
+                    f"leave {field} out, or precision"
+                )
+        return {**implied, **values}
+
     @model_validator(mode="after")
     def _consistent(self) -> QuantPolicy:
         self.overrides()
+        if self.precision is not None and self.target != "htp":
+            raise ValueError(f"precision {self.precision!r} is a device configuration: it applies to target 'htp' only")
+        if self.lpbq_block_size is not None and self.target != "htp":
+            raise ValueError(
+                "lpbq_block_size applies to target 'htp' only: LPBQ is a device (HTP) weight format, which "
+                "the paper's placement does not hold"
+            )
         if self.target != "paper":
             # these four place quantizers the paper's way; under another target its config decides
             fields = type(self).model_fields
@@ -106,6 +155,12 @@ class QuantPolicy(Settings):
     def label(self) -> str:
         if self.target != "paper":
             label = f"W{self.weight_bits}A{self.activation_bits} under target {self.target} ({TARGETS[self.target]})"
+            if self.lpbq_block_size is not None:
+                label = (
+                    f"W{LPBQ_BITS}A{self.activation_bits} under target {self.target} ({TARGETS[self.target]}), "
+                    f"the Linear weights but lm_head's LPBQ ({LPBQ_BITS}-bit blocks of {self.lpbq_block_size}, "
+                    f"{LPBQ_SCALE_BITS}-bit per-channel scales), the other weights {self.weight_bits}-bit"
+                )
             return label + "".join(f", {bits} bits at {pattern}" for pattern, bits in self.overrides())
         gran = "per-channel" if self.per_channel_weights else "per-tensor"
         sym = "symmetric" if self.symmetric_weights else "asymmetric"

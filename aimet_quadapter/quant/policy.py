@@ -36,6 +36,7 @@ from aimet_torch.quantization.encoding_analyzer import (
     TfEnhancedEncodingAnalyzer,
 )
 from aimet_torch.quantsim import QuantizationSimModel
+from aimet_torch.quantsim.config_utils import set_grouped_blockwise_quantization_for_weights
 from torch import nn
 
 from aimet_quadapter.errors import QuadapterError
@@ -43,7 +44,7 @@ from aimet_quadapter.models import PreparedLM, device_of, weight_sharing_copy
 from aimet_quadapter.models.attention import set_mask_fill
 from aimet_quadapter.models.device_ops import RotaryTables, install_device_ops
 from aimet_quadapter.quant.aimet_private import htp_config_file
-from aimet_quadapter.quant.config import QUANT_SCHEMES, QuantPolicy
+from aimet_quadapter.quant.config import LPBQ_BITS, LPBQ_SCALE_BITS, QUANT_SCHEMES, QuantPolicy
 from aimet_quadapter.quant.quantizers import (
     DynamicRanges,
     quantizers,
@@ -237,6 +238,40 @@ def tie_shared_ranges(sim_model: nn.Module) -> list[list[str]]:
     return groups
 
 
+def _weight_quantized(module: Any) -> bool:
+    quantizers = getattr(module, "param_quantizers", None)
+    return quantizers is not None and "weight" in quantizers and quantizers["weight"] is not None
+
+
+def apply_lpbq(sim: QuantizationSimModel, model: PreparedLM, policy: QuantPolicy) -> list[str]:
+    """AIMET's LPBQ on the weight of every quantized Linear but lm_head (in place, before calibration), blocks of
+    ``policy.lpbq_block_size`` input channels. Returns the modules' paths.
+
+    lm_head keeps the target's 8-bit per-channel weights, as Qualcomm's published W4A16 LLMs hold it: its error
+    reaches every logit unmixed, and it is one layer of many."""
+    size = policy.lpbq_block_size
+    if size is None:
+        return []
+    head = sim.model.get_submodule(f"lm.{model.arch.lm_head}")
+    chosen: list[tuple[str, Any]] = [  # AIMET quantized modules: their quantizer containers are not typed
+        (path, m)
+        for path, m in sim.model.named_modules()
+        if isinstance(m, nn.Linear) and m is not head and _weight_quantized(m)
+    ]
+    uneven = [(path, m.in_features) for path, m in chosen if m.in_features % size]
+    if uneven:
+        path, width = uneven[0]
+        raise QuadapterError(
+            f"policy.lpbq_block_size {size} does not divide {path}'s {width} input channels: take a divisor of "
+            f"every Linear's input width"
+        )
+    modules = [m for _, m in chosen]
+    set_grouped_blockwise_quantization_for_weights(
+        sim, modules, LPBQ_BITS, True, LPBQ_SCALE_BITS, block_size=size, block_grouping=-1
+    )
+    return [path for path, _ in chosen]
+
+
 def name_matches(name: str, pattern: str) -> bool:
     """``*`` (any text) and ``?`` (one character) wildcards, everything else literal: quantizer names hold
     brackets (``input[0]``) that fnmatch would read as a character class."""
@@ -320,6 +355,7 @@ def build_sim(
             quantize_cached_inputs(sim.model, policy)
         unquantize_angles(sim.model)
         drop_requantization(sim.model)
+        apply_lpbq(sim, model, policy)  # after the dynamic-range pass above, which takes no block-wise grid
     else:
         logits = sim.model.get_submodule(f"lm.{model.arch.lm_head}")
         apply_policy(sim.model, policy, logits_module=logits)
@@ -367,15 +403,21 @@ def describe(sim_model: nn.Module) -> list[dict]:
             "kind": "weight" if not role.startswith(("input", "output")) else "activation",
             "bits": q.bitwidth,
             "symmetric": bool(q.symmetric),
-            "granularity": "per-tensor"
-            if q.shape == () or all(s == 1 for s in q.shape)
-            else f"per-channel{tuple(q.shape)}",
+            "granularity": _granularity(q),
         }
         if q.is_initialized():
             row["min"] = float(q.get_min().min())
             row["max"] = float(q.get_max().max())
         rows.append(row)
     return rows
+
+
+def _granularity(q: QuantizeDequantize) -> str:
+    if q.block_size is not None:
+        blocks = max(b for b in q.block_size if b > 0)
+        lpbq = "LPBQ " if getattr(q, "decompressed_bw", None) is not None else ""
+        return f"{lpbq}blocks of {blocks}{tuple(q.shape)}"
+    return "per-tensor" if q.shape == () or all(s == 1 for s in q.shape) else f"per-channel{tuple(q.shape)}"
 
 
 def format_description(rows: list[dict]) -> str:

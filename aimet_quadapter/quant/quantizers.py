@@ -127,7 +127,12 @@ class DynamicRanges:
 
     def observed_range(self, q: QuantizeDequantize, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.as_subclass(torch.Tensor)
-        lo, hi = _reduce(x, tuple(q.shape), torch.amin), _reduce(x, tuple(q.shape), torch.amax)
+        if q.block_size is not None:  # one range per block: the tensor's dimensions split into (blocks, size)
+            split = x.reshape([n for blocks, width in zip(q.shape, x.shape) for n in (blocks, width // blocks)])
+            inner = tuple(range(1, split.dim(), 2))
+            lo, hi = split.amin(dim=inner), split.amax(dim=inner)
+        else:
+            lo, hi = _reduce(x, tuple(q.shape), torch.amin), _reduce(x, tuple(q.shape), torch.amax)
         return (lo, hi) if self.range_gradient else (lo.detach(), hi.detach())
 
     def pin(self, qs: Iterable[QuantizeDequantize], x: torch.Tensor) -> None:
@@ -143,15 +148,28 @@ class DynamicRanges:
             return x.as_subclass(torch.Tensor)
         lo, hi = self._pinned.get(id(q)) or self.observed_range(q, x)
         scale, offset = min_max_encoding(q, lo, hi)
+        if q.block_size is not None:
+            return self._aimet_forward(q, x, scale, offset)
         return fake_quantize(x.as_subclass(torch.Tensor), scale, offset, q.qmin, q.qmax)
+
+    @staticmethod
+    def _aimet_forward(q: QuantizeDequantize, x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
+        """``q``'s own forward on the range of ``scale`` and ``offset``: a block-wise grid (LPBQ's rounded block
+        scales among them) as AIMET computes it, the gradient reaching the range."""
+        patched = q.__dict__.pop("forward")
+        try:
+            bounds = {"min": (offset + q.qmin) * scale, "max": (offset + q.qmax) * scale}
+            return torch.func.functional_call(q, bounds, (x,)).as_subclass(torch.Tensor)
+        finally:
+            q.forward = patched
 
     def __enter__(self) -> DynamicRanges:
         # An AIMET module calibrates a parameter quantizer that has no range yet at its first call, inside
         # its own compute-encodings context, which on exit deletes the ``forward`` patched below: the
         # quantizer would then quantize with the range of the unscaled weight for the rest of the context.
         # A placeholder range, put back on exit, keeps AIMET from doing that.
-        if any(q.block_size is not None or q.zero_point_shift != 0 for q in self.quantizers):
-            raise NotImplementedError("dynamic ranges: block-wise or shifted grids are not supported")
+        if any(q.zero_point_shift != 0 for q in self.quantizers):
+            raise NotImplementedError("dynamic ranges: shifted grids are not supported")
         self._uninitialized = [(q, _clone_state(q.state_dict())) for q in self.quantizers if not q.is_initialized()]
         for q, _ in self._uninitialized:
             q.set_range(-1.0, 1.0)

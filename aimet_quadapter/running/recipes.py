@@ -121,7 +121,8 @@ class EvalSection(_Section):
     datasets: list[Annotated[EvalDataset, BeforeValidator(_as_dataset)]] = Field(min_length=1)
     split: Literal["train", "valid", "test"] = "test"
     max_tokens: int | None = Field(None, ge=2)
-    seq_len: int = Field(EVAL_SEQ_LEN, ge=2)
+    # null: the longest window the model takes after the prefix, at most EVAL_SEQ_LEN (a recipe for any model)
+    seq_len: int | None = Field(EVAL_SEQ_LEN, ge=2)
     stride: int | None = Field(None, ge=1)
 
 

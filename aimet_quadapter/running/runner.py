@@ -114,6 +114,7 @@ class RecipeRun(Fingerprints):
         self.progress = progress
         self.catalog = CATALOG
         self.model_name = recipe.resolve_model()
+        self._tokenizer: Any = None
         self.device = self._device()
         self.fids = {self._group_name(g): g for g in (self._refs(group) for group in recipe.fid)}
         shared = recipe.calibration.dataset
@@ -127,7 +128,6 @@ class RecipeRun(Fingerprints):
         self.devs = self._eval_specs("dev")
         self.cells = self._plan()
         self._model: PreparedLM | None = None
-        self._tokenizer: Any = None
         self._token_cache: dict[tuple[str, str], torch.Tensor] = {}  # shared with the seeds' child runs
         self._bc: dict[str, QuadapterState | None] = {}
         # Under torchrun every process computes every cell (data-parallel inside); only the first writes files.
@@ -182,7 +182,7 @@ class RecipeRun(Fingerprints):
                 EvalSpec(
                     ref,
                     d.split or e.split,
-                    d.seq_len or e.seq_len,
+                    d.seq_len or e.seq_len or self._longest_window(),
                     d.max_tokens if d.max_tokens is not None else e.max_tokens,
                     d.stride if d.stride is not None else e.stride,
                     d.start,
@@ -196,6 +196,15 @@ class RecipeRun(Fingerprints):
                 f"give one a label"
             )
         return specs
+
+    def _longest_window(self) -> int:
+        """The longest window the model takes after the recipe's prefix, at most the usual evaluation length;
+        that length where the model's positions are not known before it loads (checked once it is)."""
+        from aimet_quadapter.models.loading import max_positions
+        from aimet_quadapter.text import EVAL_SEQ_LEN
+
+        positions = max_positions(self.model_name)
+        return EVAL_SEQ_LEN if positions is None else min(EVAL_SEQ_LEN, positions - len(self.prefix_ids()))
 
     def _calibration_of(self, fid: str) -> str:
         return next(iter(self.calibration_sets)) if self.shared_calibration else fid
