@@ -188,3 +188,13 @@ def test_its_export_writes_block_encodings_that_load_back(toy, trained, tmp_path
     assert loaded.enabled and loaded.bitwidth == 4 and loaded.quant_info.blockSize == BLOCK
     check = result.manifest["device_check"]
     assert check["ppl_rel_diff"] < 1e-3
+
+
+def test_an_export_of_its_state_as_1_0_0_is_refused_before_the_model_loads(tmp_path):
+    from aimet_quadapter.export.job import ExportJob
+
+    state = QuadapterState({}, {}, POLICY)
+    job = ExportJob(state=tmp_path / "s.safetensors", model="unused", out=tmp_path / "out", encodings_version="1.0.0")
+    with pytest.raises(QuadapterError, match=r"1\.0\.0 leaves the layout of block-wise weights \(LPBQ blocks of 32\)"):
+        job.check(state)
+    assert ExportJob(state=job.state, model="unused", out=job.out).encodings_version is None  # the export chooses

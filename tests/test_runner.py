@@ -1111,3 +1111,17 @@ def test_an_auto_prefix_has_the_fingerprints_of_the_text_it_names(tiny_gpt2_dir,
     auto = fingerprints("prefix=auto")
     assert auto == fingerprints('prefix="<eos>\\n"')
     assert auto["fp"] != fingerprints()["fp"] and auto["ptq"] != fingerprints()["ptq"]
+
+
+def test_a_column_says_which_text_the_last_run_scored_under_its_label(tiny_gpt2_dir, corpus_dir, tmp_path):
+    """A recipe that changes the text behind a column's label: results.json names the new text, not the first."""
+    recipe = tmp_path / "r.yaml"
+    out = tmp_path / "run"
+    for start in (0, 64):
+        recipe.write_text(
+            f"model: {tiny_gpt2_dir}\nmethods: [fp]\neval: {{datasets: [{corpus_dir}], seq_len: 32, max_tokens: 64}}\n"
+            f"dev: {{datasets: [{{name: {corpus_dir}, label: d, start: {start}}}], seq_len: 32, max_tokens: 64}}\n"
+        )
+        assert main(["run", str(recipe), "--out", str(out), "--no-progress"]) == 0
+        columns = json.loads((out / "results.json").read_text())["dev_datasets"]
+        assert [(c["label"], c["start"]) for c in columns] == [("d", start)]

@@ -166,14 +166,16 @@ def check_encoding_names(fp_model, entries: Sequence[Encoding]) -> None:
         )
 
 
-def _written_scale(q) -> torch.Tensor:
-    """The scale an encodings file holds for ``q``. LPBQ's is written as its two factors, integer block scales and a
-    float scale per channel, whose float32 product may differ from the sim's own rounding of it by an ulp."""
-    encoding = q.get_encodings() if q.block_size is not None else None
-    ints = getattr(encoding, "per_block_int_scale", None)
-    if ints is None:
-        return q.get_scale()
-    return ints.float() * encoding.per_channel_scale
+# AIMET's sim and its export compute LPBQ's per-channel scale apart, an ulp or so: block scales match to this
+BLOCK_SCALE_RTOL = 1e-6
+
+
+def _same_blocks(written: np.ndarray, sim: np.ndarray) -> bool:
+    """Block scales of a file (a Linear's weight transposed in the graph: (blocks, out)) against the sim's."""
+    for candidate in (written, written.T):
+        if candidate.shape == sim.shape and np.allclose(candidate, sim, rtol=BLOCK_SCALE_RTOL, atol=0):
+            return True
+    return False
 
 
 def check_quantizer_coverage(
@@ -184,16 +186,24 @@ def check_quantizer_coverage(
     Matched by value, not by name: AIMET names a tensor after the ONNX graph (a Linear weight becomes its
     transposed copy ``<param>_0``, a norm output ``/lm/.../Mul_1_output_0``), and quantizers of one tensor
     (q, k and v's inputs) share one entry. The names themselves are checked against the graph, and the
-    offsets by running the graph with the encodings applied. Returns the number of quantizers.
+    offsets by running the graph with the encodings applied. Block scales (LPBQ's) match to
+    :data:`BLOCK_SCALE_RTOL`. Returns the number of quantizers.
     """
-    available = {(e.bitwidth, e.scale.astype(np.float32).tobytes()) for e in entries}
-    # a block-wise Linear weight's scales are (out, blocks) in the sim, (blocks, out) in the graph's transposed copy
-    available |= {(e.bitwidth, np.ascontiguousarray(e.scale.T, np.float32).tobytes()) for e in entries if e.block_size}
+    available = {(e.bitwidth, e.scale.astype(np.float32).tobytes()) for e in entries if not e.block_size}
+    blocks: dict[tuple[int, tuple[int, ...]], list[np.ndarray]] = {}
+    for e in entries:
+        if e.block_size:
+            blocks.setdefault((e.bitwidth, tuple(sorted(e.scale.shape))), []).append(e.scale)
     count, missing = 0, []
     for path, role, q in quantizers(sim.model):
         count += 1
-        key = (int(q.bitwidth), _written_scale(q).detach().float().cpu().numpy().reshape(-1).tobytes())
-        if key not in available:
+        scale = q.get_scale().detach().float().cpu().numpy()
+        if q.block_size is not None:
+            written = blocks.get((int(q.bitwidth), tuple(sorted(scale.shape))), [])
+            found = any(_same_blocks(w, scale) for w in written)
+        else:
+            found = (int(q.bitwidth), scale.reshape(-1).tobytes()) in available
+        if not found:
             missing.append(f"{path}.{role}")
     if missing:
         raise QuadapterError(

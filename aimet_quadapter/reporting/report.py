@@ -322,15 +322,24 @@ def _settings_lines(results: dict) -> list[str]:
         p1, p2, cal = s["phase1"], s["phase2"], s["calibration"]
         pol = s["policy"]
         lines.append(
-            f"- recipe `{name}`: methods {', '.join(s['methods'])}; "
-            f"W{pol['weight_bits']}A{pol['activation_bits']} "
-            f"{'symmetric' if pol['symmetric_weights'] else 'asymmetric'} "
-            f"{'per-channel' if pol['per_channel_weights'] else 'per-tensor'} weights; calibration "
+            f"- recipe `{name}`: methods {', '.join(s['methods'])}; {_policy_label(pol)}; calibration "
             f"{cal['samples']} x {cal['length']} tokens of {', '.join(cal['dataset'] or ['each F-ID'])}; "
             f"phase 1 {p1['steps']} steps; phase 2 {p2['steps']} steps x {p2['batch_size']} x {p2['seq_len']} tokens"
             + (f"; fine-tuning sizes {s['finetune_sizes']}" if s.get("finetune_sizes") else "")
         )
     return lines
+
+
+def _policy_label(values: dict) -> str:
+    """Which graph a run's numbers are for: its policy's label (its target, bits and weights' grids)."""
+    from pydantic import ValidationError
+
+    from aimet_quadapter.quant.config import QuantPolicy
+
+    try:
+        return QuantPolicy.model_validate(values).label()
+    except ValidationError:  # a policy of another version: what every version records
+        return f"W{values['weight_bits']}A{values['activation_bits']} under target {values.get('target', 'paper')}"
 
 
 def _images(run_dir: Path, pattern: str) -> list[str]:

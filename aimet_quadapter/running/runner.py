@@ -251,26 +251,23 @@ class RecipeRun(Fingerprints):
         }
         if self.parent.seeds:
             results["seeds"] = sorted({*results.get("seeds", []), *self.parent.seeds})
-        columns = results.setdefault("datasets", [])
-        known = {c["label"] for c in columns}
-        for s in self.evals:
-            if s.ref.label not in known:
-                columns.append(
-                    {"label": s.ref.label, "source": s.ref.source, "identity": s.ref.identity, "split": s.split}
-                )
-        dev = results.setdefault("dev_datasets", [])
-        known = {c["label"] for c in dev}
-        for s in self.devs:
-            if s.ref.label not in known:
-                dev.append(
-                    {
-                        "label": s.ref.label,
-                        "source": s.ref.source,
-                        "identity": s.ref.identity,
-                        "split": s.split,
-                        "start": s.start,
-                    }
-                )
+        # a column of this run's texts says what this run scores under its label (a recipe may change the text)
+        for field, specs in (("datasets", self.evals), ("dev_datasets", self.devs)):
+            columns = results.setdefault(field, [])
+            for s in specs:
+                entry: dict[str, Any] = {
+                    "label": s.ref.label,
+                    "source": s.ref.source,
+                    "identity": s.ref.identity,
+                    "split": s.split,
+                }
+                if field == "dev_datasets":
+                    entry["start"] = s.start
+                at = next((i for i, c in enumerate(columns) if c["label"] == s.ref.label), None)
+                if at is None:
+                    columns.append(entry)
+                else:
+                    columns[at] = entry
         fids = results.setdefault("fids", {})
         for name, refs in self.fids.items():
             fids[name] = [r.label for r in refs]
