@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+import torch
 
 pytest.importorskip("aimet_onnx", reason="aimet-onnx is the optional extra device-check")
 
@@ -328,3 +329,27 @@ def test_device_texts_scores_a_runs_cell_on_the_runs_own_windows(tiny_gpt2_dir, 
     assert dev != pytest.approx(test, rel=1e-3)  # the valid split's own windows
     with pytest.raises(Exception, match="give a cell folder of a run"):
         script["cell_record"](run)
+
+
+def test_the_prompts_answers_are_plain_greedy_decodings_with_fewer_forwards():
+    from aimet_quadapter.export.device_check import Prompt, _answers, greedy
+
+    model, length = toy_model("llama"), 24
+    calls = []
+
+    def lm(ids):  # a static graph: every call the same length
+        assert ids.shape == (1, length)
+        calls.append(1)
+        with torch.no_grad():
+            return model(ids)
+
+    prompt = torch.tensor([5, 9, 2])
+    own = greedy(lm, prompt, 8, length)
+    g = torch.Generator().manual_seed(0)
+    other = torch.randint(0, model.config.vocab_size, (8,), generator=g)
+    for fp in (own, torch.cat([own[:4], other[4:]]), other):  # agreeing, parting at token 5, parting at once
+        calls.clear()
+        (answer,) = _answers(lm, [Prompt(prompt, fp)], length)
+        assert answer["device"] == own.tolist()  # what decoding token by token gives
+        agree = int((fp == own).long().cumprod(0).sum())
+        assert len(calls) == 1 + max(0, 8 - agree - 1)  # the teacher-forced forward, then one per token after the part

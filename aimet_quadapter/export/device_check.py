@@ -147,6 +147,20 @@ def greedy(lm: Any, prompt: torch.Tensor, tokens: int, length: int | None = None
     return torch.tensor(ids[prompt.numel() :])
 
 
+def _greedy_after(lm: Any, prompt: Prompt, picks: torch.Tensor, length: int) -> torch.Tensor:
+    """:func:`greedy`'s answer to ``prompt`` from ``picks``, the graph's top-1 along the FP model's answer: while they
+    agree, greedy decoding feeds the graph that same text, and a static causal graph gives each position the same
+    logits whatever follows it; only after the first disagreement does it need one more forward per token."""
+    fp = prompt.fp.reshape(-1)
+    same = picks[: fp.numel()] == fp[: picks.numel()]
+    agree = int(same.long().cumprod(0).sum())
+    if agree == fp.numel():
+        return fp.clone()
+    head = torch.cat([fp[:agree], picks[agree : agree + 1]])  # the first pick of its own, where picks reach it
+    rest = greedy(lm, torch.cat([prompt.ids.reshape(-1), head]), fp.numel() - head.numel(), length)
+    return torch.cat([head, rest])
+
+
 @dataclass
 class Prompt:
     """A prompt's ids and the FP model's greedy continuation of it, to set the device graph's beside."""
@@ -165,7 +179,7 @@ def _answers(lm: Any, prompts: Sequence[Prompt], length: int) -> list[dict]:
         start = p.ids.numel()
         picks = logits[0, start - 1 : text.numel() - 1].argmax(-1)
         top1 = float((picks == text[start:]).float().mean()) if text.numel() > start else 0.0
-        device = greedy(lm, p.ids, p.fp.numel(), length)
+        device = _greedy_after(lm, p, picks, length)
         out.append({"prompt": p.ids.tolist(), "fp": p.fp.tolist(), "device": device.tolist(), "top1": top1})
     return out
 

@@ -354,6 +354,10 @@ class FakeQuantSTE(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int):
         if _onnx_rounding:
             return aimet_onnx_fake_quant(x, scale, -zero_point, qmin, qmax)
+        if not x.requires_grad and x.device.type == "cpu" and x.is_contiguous():
+            kernels = _compiled()  # the same values in one pass instead of five (tested)
+            if kernels is not None:
+                return kernels[0](x.reshape(-1), scale, zero_point, qmin, qmax).view(x.shape)
         q = x.mul(1.0 / scale).round_().add_(zero_point)
         if x.requires_grad:
             ctx.save_for_backward((q >= qmin) & (q <= qmax))
@@ -380,31 +384,81 @@ class FakeQuantLearnedRange(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qmin: int, qmax: int):
         s = scale.detach()
         zero_point = _zero_point(offset.detach(), s.dtype)
-        scaled = x.mul(1.0 / s)
-        rounded = scaled.round()
-        q = rounded.add(zero_point)
-        mask = (q >= qmin) & (q <= qmax)
-        q.clamp_(qmin, qmax).sub_(zero_point)  # the grid value relative to the zero point, as dequantized
-        ctx.shapes = scale.shape, offset.shape
-        # in place, the same values as torch.where(mask, rounded - scaled, q): on lm_head's weights each copy
-        # of the tensor is over 100 MB at a phase-2 step's peak
-        scale_factor = None
-        if scale.requires_grad:
-            scale_factor = rounded.sub_(scaled)
-            del scaled
-            outside = ~mask
-            scale_factor.masked_scatter_(outside, q[outside])
+        ctx.shapes, ctx.limits = (scale.shape, offset.shape), (qmin, qmax)
+        kernels = _compiled() if x.device.type == "cpu" and x.is_contiguous() else None
+        ctx.compiled = kernels is not None
+        if kernels is not None:
+            # One pass over x instead of eight. The backward recomputes the masks from x element by element and
+            # sums as below: the same values and the same sums, bit for bit (tested).
+            ctx.save_for_backward(x.detach(), s, zero_point)
+            return kernels[0](x.detach().reshape(-1), s, zero_point, qmin, qmax).view(x.shape)
+        mask, scale_factor, q = _eager_terms(x, s, zero_point, qmin, qmax, scale.requires_grad)
         ctx.save_for_backward(mask, scale_factor, s)
         return q.mul_(s)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        mask, scale_factor, s = ctx.saved_tensors
         scale_shape, offset_shape = ctx.shapes
+        if ctx.compiled:
+            x, s, zero_point = ctx.saved_tensors
+            qmin, qmax = ctx.limits
+            scale_factor: Any
+            if not grad.is_contiguous():  # the eager products would be laid out, and summed, in grad's order
+                mask, scale_factor, _ = _eager_terms(x, s, zero_point, qmin, qmax, ctx.needs_input_grad[1])
+            else:
+                terms = _compiled_terms()(grad.reshape(-1), x.reshape(-1), s, zero_point, qmin, qmax)
+                grad_x, by_scale, by_offset = (t.view(x.shape) for t in terms)
+                return (
+                    grad_x if ctx.needs_input_grad[0] else None,
+                    by_scale.sum().reshape(scale_shape) if ctx.needs_input_grad[1] else None,
+                    by_offset.sum().mul(s).reshape(offset_shape) if ctx.needs_input_grad[2] else None,
+                    None,
+                    None,
+                )
+        else:
+            mask, scale_factor, s = ctx.saved_tensors
         grad_x = grad * mask if ctx.needs_input_grad[0] else None
         grad_scale = (grad * scale_factor).sum().reshape(scale_shape) if ctx.needs_input_grad[1] else None
         grad_offset = (grad * ~mask).sum().mul(s).reshape(offset_shape) if ctx.needs_input_grad[2] else None
         return grad_x, grad_scale, grad_offset, None, None
+
+
+def _eager_terms(
+    x: torch.Tensor, s: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int, scale_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The in-range mask, the scale's gradient factor (where ``scale_grad``) and the grid value less the zero
+    point, as :class:`FakeQuantLearnedRange` computes them without kernels."""
+    scaled = x.mul(1.0 / s)
+    rounded = scaled.round()
+    q = rounded.add(zero_point)
+    mask = (q >= qmin) & (q <= qmax)
+    q.clamp_(qmin, qmax).sub_(zero_point)  # the grid value relative to the zero point, as dequantized
+    # in place, the same values as torch.where(mask, rounded - scaled, q): on lm_head's weights each copy
+    # of the tensor is over 100 MB at a phase-2 step's peak
+    scale_factor = None
+    if scale_grad:
+        scale_factor = rounded.sub_(scaled)
+        del scaled
+        outside = ~mask
+        scale_factor.masked_scatter_(outside, q[outside])
+    return mask, scale_factor, q
+
+
+def _learned_terms(
+    grad: torch.Tensor, x: torch.Tensor, s: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # FakeQuantLearnedRange.backward's three products, element by element; the caller sums them as it does
+    scaled = x * (1.0 / s)
+    rounded = scaled.round()
+    q = rounded + zero_point
+    inside = (q >= qmin) & (q <= qmax)
+    factor = torch.where(inside, rounded - scaled, q.clamp(qmin, qmax) - zero_point)
+    return grad * inside, grad * factor, grad * ~inside
+
+
+@functools.cache
+def _compiled_terms() -> Any:
+    return torch.compile(_learned_terms, dynamic=True)
 
 
 def _learned_forward(x: torch.Tensor, s: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
@@ -415,13 +469,9 @@ def _learned_forward(x: torch.Tensor, s: torch.Tensor, zero_point: torch.Tensor,
 def _learned_backward(
     grad: torch.Tensor, x: torch.Tensor, s: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # FakeQuantLearnedRange.backward's terms, recomputed from the input instead of read from saved masks
-    scaled = x * (1.0 / s)
-    rounded = scaled.round()
-    q = rounded + zero_point
-    inside = (q >= qmin) & (q <= qmax)
-    factor = torch.where(inside, rounded - scaled, q.clamp(qmin, qmax) - zero_point)
-    return grad * inside, (grad * factor).sum(), (grad * ~inside).sum() * s
+    # FakeQuantLearnedRange.backward's gradients, recomputed from the input instead of read from saved masks
+    grad_x, by_scale, by_offset = _learned_terms(grad, x, s, zero_point, qmin, qmax)
+    return grad_x, by_scale.sum(), by_offset.sum() * s
 
 
 @functools.cache

@@ -824,14 +824,19 @@ class RecipeRun(Fingerprints):
                 results = self._run()
             for i, seed in enumerate(seeds):
                 self._say(f"seed {seed} ({i + 1} of {len(seeds)})")
-                child = RecipeRun(self.recipe.for_seed(seed), self.out_dir, self.progress, seed, self.recipe)
-                # one model and one tokenization of each text for every seed
-                child._model, child._tokenizer, child._token_cache = self._model, self._tokenizer, self._token_cache
-                results = child._run()
-                self._model, self._tokenizer = child._model, child._tokenizer
+                results = self._run_seed(seed)
             if self.recipe.export is not None and self.main:
                 self._hand_off(results)
             return results
+
+    def _run_seed(self, seed: int) -> dict:
+        """One seed's cells, by a run of its own that goes when they are done (its data with it)."""
+        child = RecipeRun(self.recipe.for_seed(seed), self.out_dir, self.progress, seed, self.recipe)
+        # one model and one tokenization of each text for every seed
+        child._model, child._tokenizer, child._token_cache = self._model, self._tokenizer, self._token_cache
+        results = child._run()
+        self._model, self._tokenizer = child._model, child._tokenizer
+        return results
 
     def _hand_off(self, results: dict) -> None:
         """The row chosen on development text, exported and checked (running/handoff.py), into ``results``."""

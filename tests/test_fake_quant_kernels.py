@@ -1,0 +1,100 @@
+"""The CPU's compiled fake-quant kernels compute what the eager arithmetic computes, to the bit: the fixed-range
+forward of evaluation, and a trained range's forward and backward (gradients summed as the eager path sums them),
+so that every number a cell records is the same with and without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aimet_quadapter.models import quiet_libraries
+from aimet_quadapter.quadapter.api import attach_quadapters
+from aimet_quadapter.quadapter.phase2 import Phase2Parameters, run_phase2
+from aimet_quadapter.quant import quantizers
+from aimet_quadapter.quant.config import QuantPolicy
+from aimet_quadapter.quant.policy import build_sim, calibrate
+from aimet_quadapter.quant.quantizers import FakeQuantLearnedRange, FakeQuantSTE, range_parameters
+from aimet_quadapter.testing import sample_corpus, toy_model
+from aimet_quadapter.text.data import eval_windows
+from aimet_quadapter.text.perplexity import evaluate
+
+quiet_libraries()
+
+
+@pytest.fixture(autouse=True)
+def _compiler():
+    if quantizers._compiled() is None:
+        pytest.skip("torch.compile cannot build kernels on this machine")
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    """Inside ``with eager():`` the kernels are unavailable, as on a machine without a compiler."""
+
+    class Eager:
+        def __enter__(self):
+            monkeypatch.setattr(quantizers, "_compiled", lambda: None)
+
+        def __exit__(self, *exc):
+            monkeypatch.undo()
+
+    return Eager
+
+
+def _inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 17, 40, generator=g, dtype=dtype) * 4
+    x[0, 0, :5] = torch.tensor([-1e3, 1e3, 0.0, 0.015, -0.015], dtype=dtype)  # clamped both ends, on a boundary
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("grad_layout", ["contiguous", "strided"])
+def test_a_trained_range_gives_the_eager_values_and_gradients_to_the_bit(eager, dtype, grad_layout):
+    x = _inputs(dtype)
+    weights = torch.linspace(-1, 1, x.numel(), dtype=dtype).reshape(x.shape)
+    runs = []
+    for kernels in (False, True):
+        xs = x.clone().requires_grad_()
+        scale = torch.tensor(0.03, dtype=dtype, requires_grad=True)
+        offset = torch.tensor(-120.0, dtype=dtype, requires_grad=True)
+        with eager() if not kernels else torch.enable_grad():
+            y = FakeQuantLearnedRange.apply(xs, scale, offset, 0, 255)
+            # a transposed consumer hands back a strided gradient
+            out = (y.transpose(1, 2) * weights.transpose(1, 2)) if grad_layout == "strided" else y * weights
+            out.sum().backward()
+        runs.append((y.detach(), xs.grad, scale.grad, offset.grad))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    assert runs[0][2].abs() > 0 and runs[0][3].abs() > 0
+
+
+def test_a_fixed_range_gives_the_eager_values_to_the_bit(eager):
+    x = _inputs()
+    scale, zero_point = torch.tensor(0.03), torch.tensor(7.0)
+    with torch.no_grad():
+        compiled = FakeQuantSTE.apply(x, scale, zero_point, -128, 127)
+        with eager():
+            plain = FakeQuantSTE.apply(x, scale, zero_point, -128, 127)
+    assert torch.equal(compiled, plain)
+    assert (compiled != x).any()
+
+
+def test_htp_evaluation_and_phase2_record_the_same_numbers_with_and_without_kernels(eager):
+    model = toy_model("llama")
+    corpus = sample_corpus(model, 6, 32, seed=1)
+    runs = []
+    for kernels in (False, True):
+        with eager() if not kernels else torch.no_grad():
+            sim = build_sim(model, QuantPolicy(target="htp"))
+            calibrate(sim, [corpus[:2]])
+            qset = attach_quadapters(sim)
+            params = Phase2Parameters(steps=2, batch_size=2, learn_ranges=True)
+            with torch.enable_grad():
+                losses = run_phase2(sim.model, qset, [corpus[2:4], corpus[4:6]], params, progress=False).losses
+            trained = torch.cat([p.detach().flatten() for p in [q.theta for q in qset] + range_parameters(sim.model)])
+            ppl = evaluate(sim, {"text": eval_windows(corpus[:2].flatten(), 32)}, progress=False)
+        runs.append((losses, trained, ppl))
+    (losses, trained, ppl), (k_losses, k_trained, k_ppl) = runs
+    assert k_losses == losses and k_ppl == ppl
+    assert torch.equal(k_trained, trained)
