@@ -6,6 +6,8 @@ import ctypes
 import ctypes.util
 import gc
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 
 import psutil
@@ -17,6 +19,10 @@ LARGE_WEIGHTS_BYTES = 1 << 30
 # the blocks glibc maps rather than cuts from its heap: from this size for any model (the attention scores and
 # MLP activations of a 1,024-token window), from 1 MiB for models of over LARGE_WEIGHTS_BYTES
 MAPPED_BLOCK_BYTES = 4 << 20
+# while a pass keeps nothing for a backward pass (evaluation, calibration), its blocks up to this size are cut
+# from the heap and reused: mapping each one costs page faults and zeroed pages at every allocation
+REUSED_BLOCK_BYTES = 64 << 20
+_threshold: int | None = None  # what map_large_blocks last set (glibc has no getter)
 
 
 @cache
@@ -51,8 +57,31 @@ def map_large_blocks(threshold: int = 1 << 20) -> bool:
     the holes they leave there stay resident and add to every later peak. Mapping costs page faults at every
     allocation: MAPPED_BLOCK_BYTES for any model, the default for models whose weights, not their speed,
     decide whether they fit."""
+    global _threshold
     mallopt = getattr(_libc(), "mallopt", None)
-    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold) == 1
+    if mallopt is None or mallopt(M_MMAP_THRESHOLD, threshold) != 1:
+        return False
+    _threshold = threshold
+    return True
+
+
+@contextmanager
+def heap_reused(threshold: int = REUSED_BLOCK_BYTES) -> Iterator[None]:
+    """Inside, glibc serves blocks below ``threshold`` from its heap, where their memory is reused from one
+    forward pass to the next, instead of mapping each; on exit the threshold :func:`map_large_blocks` set comes
+    back and the heap's free pages go back to the system. For passes without a backward pass: what they free
+    is freed whole, and leaves no holes that a training step's peak would add to. Only where
+    :func:`map_large_blocks` set a lower threshold (glibc's own rises by itself)."""
+    before = _threshold
+    if before is None or before >= threshold:
+        yield
+        return
+    map_large_blocks(threshold)
+    try:
+        yield
+    finally:
+        map_large_blocks(before)
+        trim_heap()
 
 
 class PeakRSS:

@@ -4,7 +4,8 @@ Each target runs in its own process (so that its peak RSS is its own), one after
 the FP model's forward and forward+backward (the reference), evaluation, PTQ's calibration, phase 1 on one
 decoder block's sites, phase 2 (distillation into alpha and every range), and SpinQuant then PTQ. A second,
 profiled process per target says where each step's time goes, by kind of quantizer and op (the labels below);
-times and peak RSS come from the first. Prints a table of the ratios and writes JSON.
+times and peak RSS come from the unprofiled ones: ``--repeats`` per target, the targets alternating. Prints a
+table of the median times' ratios with each repetition's ratio, and writes JSON.
 
     python benchmarks/htp.py --json benchmarks/results/cpu-htp.json
 """
@@ -16,6 +17,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -193,10 +195,27 @@ def _sim_steps(model, policy, calib, windows, train, args) -> dict:
 
 
 # --- the parent ---------------------------------------------------------------------------------------------
+def _median_run(target: str, runs: list[dict]) -> dict:
+    """Each step's median time over ``runs`` (with every run's time), and the largest peak RSS."""
+    out: dict = {"target": target}
+    for step in STEPS:
+        times = sorted(r[step]["s"] for r in runs)
+        out[step] = {"s": statistics.median(times), "runs_s": [r[step]["s"] for r in runs]}
+    out["peak_rss_gib"] = max(r["peak_rss_gib"] for r in runs)
+    return out
+
+
+def _ratios(runs: dict[str, list[dict]]) -> dict:
+    """htp / paper per step, repetition by repetition: the spread the medians' ratio sits in."""
+    pairs = list(zip(runs["paper"], runs["htp"]))
+    return {step: [h[step]["s"] / p[step]["s"] for p, h in pairs] for step in STEPS}
+
+
 def table(results: dict) -> str:
     paper, htp = results["paper"], results["htp"]
     lines = [
-        "| step | paper (s) | htp (s) | htp / paper | goal | where htp's extra time goes (s, profiled pass) |",
+        "| step | paper (s, median) | htp (s, median) | htp / paper (each repetition's, min-max) | goal "
+        "| where htp's extra time goes (s, profiled pass) |",
         "|---|---:|---:|---:|---:|---|",
     ]
     for step in STEPS:
@@ -207,7 +226,9 @@ def table(results: dict) -> str:
             deltas = sorted(((hb[k] - pb.get(k, 0.0), k) for k in hb), reverse=True)
             extra = "; ".join(f"{k} +{d:.1f}" for d, k in deltas[:3] if d > 0.05)
         goal = "" if step.startswith("fp_") else f"{GOAL_TIME}"
-        lines.append(f"| {step} | {a:.2f} | {b:.2f} | {b / a:.2f} | {goal} | {extra} |")
+        spread = results.get("ratios", {}).get(step)
+        ratio = f"{b / a:.2f}" + (f" ({min(spread):.2f}-{max(spread):.2f})" if spread and len(spread) > 1 else "")
+        lines.append(f"| {step} | {a:.2f} | {b:.2f} | {ratio} | {goal} | {extra} |")
     pm, hm = paper["peak_rss_gib"], htp["peak_rss_gib"]
     lines.append(f"| peak RSS (GiB) | {pm:.2f} | {hm:.2f} | {hm / pm:.2f} | {GOAL_MEMORY} | |")
     return "\n".join(lines)
@@ -224,6 +245,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="no second, profiled pass")
     ap.add_argument("--eager", action="store_true", help="without the CPU's compiled fake-quant kernels")
+    ap.add_argument("--repeats", type=int, default=3, help="timed processes per target, alternating (median kept)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--target", choices=TARGETS, help=argparse.SUPPRESS)  # one target's process
     args = ap.parse_args()
@@ -247,9 +269,15 @@ def main() -> None:
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     results: dict = {"machine": machine(), "command": " ".join(["python", *sys.argv])}
+    # times and peak memory from processes without the profiler, whose records take gigabytes; the targets
+    # alternate, so that a slower stretch of a shared machine falls on both
+    runs: dict[str, list[dict]] = {t: [] for t in TARGETS}
+    for _ in range(args.repeats):
+        for target in TARGETS:
+            runs[target].append(child(target, profile=False))
     for target in TARGETS:
-        # times and peak memory from a process without the profiler, whose records take gigabytes
-        results[target] = child(target, profile=False)
+        results[target] = _median_run(target, runs[target])
+    results["ratios"] = _ratios(runs)
     if args.profile:
         for target in TARGETS:
             profiled = child(target, profile=True)

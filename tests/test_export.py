@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -792,3 +793,35 @@ def test_a_summation_order_draw_sums_the_same_terms():
     assert (drawn - before).abs().max() <= 256 * torch.finfo(torch.float32).eps * before.abs().max()
     assert torch.equal(after, before) and torch.equal(sim_after, sim_before)
     assert torch.equal(model.lm.model.embed_tokens.weight, table)
+
+
+def test_the_noise_floor_moves_every_quantizer_input_by_whole_ulps_up_and_down():
+    """The sim's float-noise band runs it with each activation quantizer's input one float32 ulp away, up or
+    down at random: each element moves by exactly that many ulps, in both directions, the same for a seed."""
+    from aimet_quadapter.export.exporter import one_ulp_inputs
+
+    class Holder(torch.nn.Module):  # where quantizers() finds quantizers: AIMET's three slots
+        def __init__(self):
+            super().__init__()
+            self.param_quantizers = {}
+            self.input_quantizers = torch.nn.ModuleList([torch.nn.Identity()])
+            self.output_quantizers = torch.nn.ModuleList()
+
+    holder = Holder()
+    x = torch.randn(3, 1000) * torch.logspace(-3, 3, 1000)
+    up, down = torch.nextafter(x, torch.tensor(math.inf)), torch.nextafter(x, torch.tensor(-math.inf))
+    with one_ulp_inputs(holder, seed=0):
+        moved = holder.input_quantizers[0](x)
+    assert bool(((moved == up) | (moved == down)).all()), "an input moved by other than one ulp"
+    assert 0.4 < (moved == up).float().mean().item() < 0.6, "both directions, about equally often"
+    with one_ulp_inputs(holder, seed=0):
+        assert torch.equal(holder.input_quantizers[0](x), moved), "a seed draws the same moves"
+    with one_ulp_inputs(holder, seed=0, ulps=2):
+        twice = holder.input_quantizers[0](x)
+    assert bool(
+        (
+            (twice == torch.nextafter(up, torch.tensor(math.inf)))
+            | (twice == torch.nextafter(down, torch.tensor(-math.inf)))
+        ).all()
+    )
+    assert torch.equal(holder.input_quantizers[0](x), x), "the hooks are gone afterwards"

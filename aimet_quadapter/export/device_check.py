@@ -14,6 +14,7 @@ aimet-quadapter[device-check]``); everything it is asked for goes through this m
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -206,12 +207,21 @@ class DeviceGraphCheck:
         return {}
 
     def verify(self, sim: Any, folder: Path, windows: Sequence[Any], report: Any, export: Path) -> dict:
+        from aimet_quadapter.export.lean import weights_parked
         from aimet_quadapter.text.perplexity import perplexity
 
-        device, coverage = device_lm(export, self.calibration)
-        ppl = perplexity(device, windows, desc="device graph (aimet-onnx)", progress=self.progress).ppl
-        answers = _answers(device, self.prompts, int(self.calibration[0].numel())) if self.prompts else []
-        device.sim.export(str(folder), "device")  # every tensor's encoding, the calibrated ones too
+        rounded = None
+        if sim is not None:  # the sim once more, its activations rounding as this simulation's kernel rounds
+            with aimet_onnx_rounding(sim.model):
+                rounded = perplexity(sim.model, windows, desc="sim, aimet-onnx's rounding", progress=self.progress)
+        # the torch sim's weights wait on disk while AIMET's ONNX sim holds the graph's own copies of them
+        parked = weights_parked(sim.model, folder / "parked") if sim is not None else contextlib.nullcontext()
+        with parked:
+            device, coverage = device_lm(export, self.calibration)
+            ppl = perplexity(device, windows, desc="device graph (aimet-onnx)", progress=self.progress).ppl
+            answers = _answers(device, self.prompts, int(self.calibration[0].numel())) if self.prompts else []
+            device.sim.export(str(folder), "device")  # every tensor's encoding, the calibrated ones too
+            del device
         for written in folder.iterdir():
             if written.name != "device.encodings":
                 written.unlink()  # the graph is the export's own model.onnx; only the encodings are new
@@ -229,9 +239,7 @@ class DeviceGraphCheck:
         }
         if self.prompts:
             entry["prompts"] = answers
-        if sim is not None:  # the sim once more, its activations rounding as this simulation's kernel rounds
-            with aimet_onnx_rounding(sim.model):
-                rounded = perplexity(sim.model, windows, desc="sim, aimet-onnx's rounding", progress=self.progress)
+        if rounded is not None:
             entry["sim_ppl_aimet_onnx_rounding"] = rounded.ppl
             entry["ppl_rel_diff_aimet_onnx_rounding"] = abs(ppl / rounded.ppl - 1)
         (folder / REPORT).write_text(json.dumps(entry, indent=1))

@@ -249,6 +249,15 @@ class _Comparison:
 SIM_NOISE_DRAWS = 8
 
 
+def _random_bits(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """A random bool per element of ``shape``, eight of them from each byte of 64-bit draws: the CPU's generator
+    draws one number at a time, and a draw per element of every quantizer input was most of an export's time."""
+    n = math.prod(shape)
+    words = torch.randint(-(2**63), 2**63 - 1, (-(-n // 64),), generator=generator)
+    bits = (words.view(torch.uint8).reshape(-1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.reshape(-1)[:n].reshape(shape).bool()
+
+
 @contextmanager
 def one_ulp_inputs(model: torch.nn.Module, seed: int, ulps: int = 1) -> Iterator[None]:
     """Every tensor an activation quantizer of ``model`` reads moved by one float32 ulp, up or down (a fixed
@@ -256,12 +265,15 @@ def one_ulp_inputs(model: torch.nn.Module, seed: int, ulps: int = 1) -> Iterator
     valid as the unmoved one, which differs from it only where float32 rounding decides. ``ulps``: a move of
     that many ulps, as a sum over more terms in another order may round."""
     generator = torch.Generator().manual_seed(seed)
-    step = ulps * 2.0**-24
 
     def nudge(_module, args: tuple) -> tuple:
         x = args[0]
-        sign = torch.randint(0, 2, x.shape, generator=generator).to(x.device, x.dtype) * 2 - 1
-        return (x * (1 + sign * step), *args[1:])
+        toward = torch.where(_random_bits(x.shape, generator).to(x.device), math.inf, -math.inf).to(x.dtype)
+        # to the next float itself: a product with 1 + 2**-24 rounds back to x, so an upward move by a factor
+        # never happens
+        for _ in range(ulps):
+            x = torch.nextafter(x, toward)
+        return (x, *args[1:])
 
     handles = [q.register_forward_pre_hook(nudge) for _, role, q in quantizers(model) if role != "weight"]
     try:

@@ -78,19 +78,27 @@ class ExportJob:
     def _length_words(self, prefix: int) -> str:
         return f"--seq-len {self.seq_len} + the state's {prefix} prefix tokens =" if prefix else "--seq-len"
 
-    def run(self, state: Any, kv: Any = None, prompts: Sequence[Any] = ()) -> Any:
+    def run(
+        self, state: Any, kv: Any = None, prompts: Sequence[Any] = (), loaded: tuple[Any, Any] | None = None
+    ) -> Any:
         """The model loaded, the state's sim built on it, verification windows cut, and the export written;
-        ``prompts``: :class:`~aimet_quadapter.export.device_check.Prompt` objects the device check answers."""
+        ``prompts``: :class:`~aimet_quadapter.export.device_check.Prompt` objects the device check answers;
+        ``loaded``: ``(model, tokenizer)`` of ``self.model`` already in memory, handed over (its weights become the
+        sim's), instead of a second load. ``state``'s weights go to the sim: its ``weights`` is empty afterwards."""
         from aimet_quadapter.export.exporter import check_free_disk, export_quantized, sha256_file
         from aimet_quadapter.models import load_model
         from aimet_quadapter.models.devices import resolve_device
 
         prefix = len(state.metadata.get("prefix") or [])
-        model, tokenizer = load_model(self.model, quiet=True, device=resolve_device(self.device))
+        model, tokenizer = loaded or load_model(self.model, quiet=True, device=resolve_device(self.device))
+        loaded = None  # the sim is built in place: no reference to the FP model may stay
         model.check_length(prefix + self.seq_len, self._length_words(prefix))
         check_free_disk(self.out, model)  # the weights' size is known now, before the sim is built
         # in place: the FP weights are not needed again, no copy of them
         sim = state.build_sim(model, in_place=True, merge_shared_ranges=self.merge_shared_ranges)
+        # the sim holds the weights now, the folded sites' as new tensors: the state's unfolded ones would stay
+        # beside them for the whole export
+        state.weights = {}
         del model
         formats = [kv] if kv is not None else []
         if self.device_check:

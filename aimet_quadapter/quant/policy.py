@@ -40,6 +40,7 @@ from aimet_torch.quantsim.config_utils import set_grouped_blockwise_quantization
 from torch import nn
 
 from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.memory import heap_reused
 from aimet_quadapter.models import PreparedLM, device_of, weight_sharing_copy
 from aimet_quadapter.models.attention import set_mask_fill
 from aimet_quadapter.models.device_ops import RotaryTables, install_device_ops
@@ -391,7 +392,8 @@ def calibrate(sim: QuantizationSimModel, batches: Iterable[torch.Tensor]) -> Non
     with warnings.catch_warnings():
         # AIMET's bias-overflow check copies tensors with torch.tensor(tensor); torch's advice is for AIMET
         warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning)
-        sim.compute_encodings(run_batches, list(batches))
+        with heap_reused():
+            sim.compute_encodings(run_batches, list(batches))
 
 
 def describe(sim_model: nn.Module) -> list[dict]:

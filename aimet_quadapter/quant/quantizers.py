@@ -16,7 +16,7 @@ from aimet_torch.quantization.affine import QuantizeDequantize
 from aimet_torch.utils import remove_all_quantizers, remove_param_quantizers, ste_round
 from torch import nn
 
-from aimet_quadapter.memory import LARGE_WEIGHTS_BYTES
+from aimet_quadapter.memory import LARGE_WEIGHTS_BYTES, heap_reused
 from aimet_quadapter.models import PreparedLM, device_of, shares_storage
 from aimet_quadapter.quant.aimet_private import (
     fake_quantize_replaced,
@@ -275,6 +275,7 @@ def fast_inference(sim_model: nn.Module, spill_bytes: int = SPILL_BYTES) -> Iter
                     inner.enter_context(precomputed_encodings(q))
                 inner.enter_context(elementwise_fake_quant(active))
                 inner.enter_context(plain_tensors())
+                inner.enter_context(heap_reused())
                 yield
         finally:
             for module, name, q, data in saved:

@@ -89,8 +89,11 @@ def fp_answers(recipe: Recipe, model: Any, tokenizer: Any) -> list:
     return out
 
 
-def hand_off(recipe: Recipe, out_dir: Path, results: dict, prompts: list, tokenizer: Any, progress: bool) -> dict:
-    """Choose, export and check (see the module's doc); ``prompts``: :func:`fp_answers`."""
+def hand_off(
+    recipe: Recipe, out_dir: Path, results: dict, prompts: list, tokenizer: Any, progress: bool, model: Any = None
+) -> dict:
+    """Choose, export and check (see the module's doc); ``prompts``: :func:`fp_answers`; ``model``: the run's FP
+    model, handed over for the export's sim (loaded again without it)."""
     from aimet_quadapter.export.job import ExportJob
     from aimet_quadapter.quadapter.state import QuadapterState
 
@@ -134,7 +137,9 @@ def hand_off(recipe: Recipe, out_dir: Path, results: dict, prompts: list, tokeni
         state = QuadapterState.load(state_path)
         kv = job.check(state)
         log.info("export: %s (chosen on development text) to %s", winner, out)
-        manifest = job.run(state, kv, prompts=prompts).manifest
+        manifest = job.run(
+            state, kv, prompts=prompts, loaded=(model, tokenizer) if model is not None else None
+        ).manifest
     record["verification"] = manifest["verification"]
     if "device_check" in manifest:
         check = dict(manifest["device_check"])

@@ -842,10 +842,14 @@ class RecipeRun(Fingerprints):
         """The row chosen on development text, exported and checked (running/handoff.py), into ``results``."""
         from aimet_quadapter.running.handoff import fp_answers, hand_off
 
-        prompts = fp_answers(self.recipe, self._load_model(), self.tokenizer())
-        self._model = None  # the export loads the model again into its sim: no second copy of the weights
+        model = self._load_model()
+        prompts = fp_answers(self.recipe, model, self.tokenizer())
+        self._model = None  # handed over: the export builds its sim in place on these weights
         release_freed_memory()
-        results["export"] = hand_off(self.recipe, self.out_dir, results, prompts, self.tokenizer(), self.progress)
+        results["export"] = hand_off(
+            self.recipe, self.out_dir, results, prompts, self.tokenizer(), self.progress, model
+        )
+        del model
         self._write(results)
         e = results["export"]
         check = e.get("device_check")

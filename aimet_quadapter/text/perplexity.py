@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from aimet_quadapter import distributed
 from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.memory import heap_reused
 from aimet_quadapter.models import PreparedLM
 from aimet_quadapter.models.graphs import GraphedForward
 from aimet_quadapter.quant.quantizers import fast_inference
@@ -56,11 +57,12 @@ def perplexity(
     mine = distributed.shard(windows)
     bar = tqdm(mine, desc=desc, unit="win", disable=not (progress and distributed.is_main()), leave=False)
     forward = GraphedForward(model)  # on a GPU, windows of one length replay one captured forward
-    for window in bar:
-        logits = forward(window.ids.unsqueeze(0).to(device))
-        total += window_nll(logits, window).cpu()
-        count += window.n_targets
-        bar.set_postfix(ppl=f"{_exp(total.item() / count):.2f}")
+    with heap_reused():
+        for window in bar:
+            logits = forward(window.ids.unsqueeze(0).to(device))
+            total += window_nll(logits, window).cpu()
+            count += window.n_targets
+            bar.set_postfix(ppl=f"{_exp(total.item() / count):.2f}")
     summed, count = distributed.sum_over_ranks(total.item(), count)
     nll = summed / count
     return Perplexity(_exp(nll), nll, int(count))
