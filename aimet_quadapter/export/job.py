@@ -91,7 +91,6 @@ class ExportJob:
 
         prefix = len(state.metadata.get("prefix") or [])
         model, tokenizer = loaded or load_model(self.model, quiet=True, device=resolve_device(self.device))
-        loaded = None  # the sim is built in place: no reference to the FP model may stay
         model.check_length(prefix + self.seq_len, self._length_words(prefix))
         check_free_disk(self.out, model)  # the weights' size is known now, before the sim is built
         # in place: the FP weights are not needed again, no copy of them
