@@ -199,16 +199,10 @@ def _median_run(target: str, runs: list[dict]) -> dict:
     """Each step's median time over ``runs`` (with every run's time), and the largest peak RSS."""
     out: dict = {"target": target}
     for step in STEPS:
-        times = sorted(r[step]["s"] for r in runs)
-        out[step] = {"s": statistics.median(times), "runs_s": [r[step]["s"] for r in runs]}
+        times = [r[step]["s"] for r in runs]
+        out[step] = {"s": statistics.median(times), "runs_s": times}
     out["peak_rss_gib"] = max(r["peak_rss_gib"] for r in runs)
     return out
-
-
-def _ratios(runs: dict[str, list[dict]]) -> dict:
-    """htp / paper per step, repetition by repetition: the spread the medians' ratio sits in."""
-    pairs = list(zip(runs["paper"], runs["htp"]))
-    return {step: [h[step]["s"] / p[step]["s"] for p, h in pairs] for step in STEPS}
 
 
 def table(results: dict) -> str:
@@ -226,8 +220,9 @@ def table(results: dict) -> str:
             deltas = sorted(((hb[k] - pb.get(k, 0.0), k) for k in hb), reverse=True)
             extra = "; ".join(f"{k} +{d:.1f}" for d, k in deltas[:3] if d > 0.05)
         goal = "" if step.startswith("fp_") else f"{GOAL_TIME}"
-        spread = results.get("ratios", {}).get(step)
-        ratio = f"{b / a:.2f}" + (f" ({min(spread):.2f}-{max(spread):.2f})" if spread and len(spread) > 1 else "")
+        # each repetition's ratio (the runs alternate, so the i-th of each target ran side by side)
+        spread = [h / p for p, h in zip(paper[step].get("runs_s", []), htp[step].get("runs_s", []))]
+        ratio = f"{b / a:.2f}" + (f" ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1 else "")
         lines.append(f"| {step} | {a:.2f} | {b:.2f} | {ratio} | {goal} | {extra} |")
     pm, hm = paper["peak_rss_gib"], htp["peak_rss_gib"]
     lines.append(f"| peak RSS (GiB) | {pm:.2f} | {hm:.2f} | {hm / pm:.2f} | {GOAL_MEMORY} | |")
@@ -277,7 +272,6 @@ def main() -> None:
             runs[target].append(child(target, profile=False))
     for target in TARGETS:
         results[target] = _median_run(target, runs[target])
-    results["ratios"] = _ratios(runs)
     if args.profile:
         for target in TARGETS:
             profiled = child(target, profile=True)
