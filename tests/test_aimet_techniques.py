@@ -222,6 +222,37 @@ def test_a_rotated_training_state_rebuilds_the_sim_it_trained(name, tmp_path):
         assert any(not torch.equal(w, qat[n]) for n, w in state.weights.items() if "proj" in n)
 
 
+@pytest.mark.parametrize("name", ["spinquant_quadapter", "spinquant_cle_phase2"])
+def test_the_fp_model_waits_on_disk_while_its_rotated_copy_trains(name, tmp_path, monkeypatch):
+    """A cell on the rotated model reads its copy, not the FP model: the FP model's weights are on disk while
+    phase 2 trains (the third copy of the weights at the cell's peak), and back bit for bit for the next cell."""
+    from aimet_quadapter.methods import registry
+    from aimet_quadapter.quadapter import api
+    from aimet_quadapter.quadapter.config import Phase1Parameters, Phase2Parameters, QuadapterParameters
+
+    model = toy_model("llama")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    corpus = sample_corpus(model, 4, 32, seed=1)
+    params = QuadapterParameters(phase1=Phase1Parameters(steps=2), phase2=Phase2Parameters(steps=1, batch_size=2))
+    ctx = registry.MethodContext(model, QuantPolicy(), [corpus[:2]], [corpus[2:4]], params, out_dir=tmp_path)
+    ctx.progress = False
+    held: list[int] = []
+
+    def watched(*args, **kwargs):
+        held.append(sum(p.numel() for p in model.parameters()))
+        return run_phase2(*args, **kwargs)
+
+    run_phase2 = registry.run_phase2
+    monkeypatch.setattr(registry, "run_phase2", watched)
+    monkeypatch.setattr(api, "run_phase2", watched)
+    registry.run_method(name, ctx)
+    total = sum(p.numel() for p in before.values())
+    # what the rotated copy still shares with the FP model (none of the rotated weights) is all that stays
+    assert held and all(h < total / 10 for h in held), (held, total)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not list(tmp_path.glob(".parked-fp-*"))
+
+
 def _assert_same_prefix_and_logits(sim, rebuilt, ids: torch.Tensor) -> None:
     """The run's sim and the one its state rebuilds: the same prefix cache and logits, bit for bit."""
     for (k, v), (k2, v2) in zip(sim.model.prefix_kv, rebuilt.model.prefix_kv, strict=True):

@@ -12,7 +12,13 @@ from aimet_quadapter.cli.app import build_parser
 from aimet_quadapter.running.recipes import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# every page a user or contributor reads: the front page, the manual, and the READMEs of the other rooms
+PAGES = [
+    ROOT / "README.md",
+    ROOT / "CONTRIBUTING.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted(p for p in ROOT.glob("*/README.md") if p.parent.name not in {".venv", "build"}),
+]
 
 
 def _commands(page: Path) -> list[str]:
@@ -76,7 +82,7 @@ def _slug(heading: str) -> str:
 REFERENCE = re.compile(r"\[[^\]]*\]\(([\w./-]+\.md)(?:#([\w-]+))?\)(?:, \"([^\"]+)\")?|([\w./-]+\.md), \"([^\"]+)\"")
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_each_reference_to_a_page_finds_what_it_names(page):
     """A link's page and section exist, and the words a reference quotes are on that page: a section renamed or
     moved leaves no reference to it behind."""

@@ -37,6 +37,7 @@ from aimet_quadapter.export.onnx_eval import (
     read_encodings,
 )
 from aimet_quadapter.models import prepare_model, quiet_libraries
+from aimet_quadapter.models.storage import ParkedWeights
 from aimet_quadapter.quadapter.api import QuadapterParameters, apply_quadapter
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters
 from aimet_quadapter.quadapter.phase2 import Phase2Parameters
@@ -292,6 +293,38 @@ def test_lean_export_writes_what_the_straightforward_one_writes(toy, tmp_path, m
     assert (tmp_path / "lean" / ENCODINGS).read_bytes() == (tmp_path / "plain" / ENCODINGS).read_bytes()
 
 
+def test_aimets_transposed_weights_go_to_their_files_without_a_copy_in_memory(toy, tmp_path, monkeypatch):
+    """AIMET's pass that transposes the Linear weights writes the same graph and files when its copies are made
+    without bytes; and the hook finds that pass, or the memory it saves is silently spent again."""
+    import contextlib
+
+    import aimet_torch.onnx
+
+    sim = toy["state"].build_sim(toy["model"])
+    args = (toy["verify"][0][None],)
+
+    def export(folder: Path) -> dict[str, bytes]:
+        folder.mkdir()
+        lean.export_sim_graphs(sim, args, folder, "m", ENCODING_VERSION, "the toy", dynamo=False)
+        return {p.name: _loaded(p) if p.suffix == ".onnx" else p.read_bytes() for p in folder.iterdir()}
+
+    written: list[list[str]] = []
+    hook = lean.transposed_weights_written_out
+
+    @contextlib.contextmanager
+    def watched():
+        with hook() as names:
+            yield names
+        written.append(list(names))
+
+    monkeypatch.setattr(lean, "transposed_weights_written_out", watched)
+    files = export(tmp_path / "hooked")
+    assert len(written) == 2 and all(written)  # both of AIMET's exports transpose the toy's Linear weights
+    monkeypatch.setattr(lean, "transposed_weights_written_out", contextlib.nullcontext)
+    assert export(tmp_path / "plain") == files
+    assert aimet_torch.onnx.onnx is onnx  # AIMET's module sees onnx itself again
+
+
 def test_aimet_swaps_in_its_weight_copies_one_module_at_a_time(toy, tmp_path):
     """AIMET's pass that swaps every quantized weight for its quantize-dequantized copy, run module by module
     with the originals parked after each: never all originals and all copies at once; everything back after."""
@@ -300,7 +333,7 @@ def test_aimet_swaps_in_its_weight_copies_one_module_at_a_time(toy, tmp_path):
 
     sim = toy["state"].build_sim(toy["model"])
     before = {name: p.detach().clone() for name, p in sim.model.named_parameters()}
-    parked = lean.ParkedWeights(sim.model, tmp_path / "parked")
+    parked = ParkedWeights(sim.model, tmp_path / "parked")
     modules = [m for m in sim.model.modules() if isinstance(m, BaseQuantizationMixin)]
     weights = {
         id(p) for m in modules for n, p in m.named_parameters(recurse=False) if m.param_quantizers[n] is not None

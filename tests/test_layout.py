@@ -1,4 +1,4 @@
-"""Imports flow one way between the package's rooms (docs/usage.md, "Layout"): a room uses those above it."""
+"""Imports flow one way between the package's rooms (CONTRIBUTING.md, "Layout"): a room uses those above it."""
 
 from __future__ import annotations
 

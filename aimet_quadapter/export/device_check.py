@@ -207,7 +207,7 @@ class DeviceGraphCheck:
         return {}
 
     def verify(self, sim: Any, folder: Path, windows: Sequence[Any], report: Any, export: Path) -> dict:
-        from aimet_quadapter.export.lean import weights_parked
+        from aimet_quadapter.models.storage import weights_parked
         from aimet_quadapter.text.perplexity import perplexity
 
         rounded = None

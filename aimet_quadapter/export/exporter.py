@@ -58,7 +58,7 @@ from aimet_quadapter.export.formats import (
     data_file,
     encoding_version_for,
 )
-from aimet_quadapter.export.lean import export_sim_graphs, opset_imports, weights_parked
+from aimet_quadapter.export.lean import export_sim_graphs, opset_imports
 from aimet_quadapter.export.onnx_eval import (
     Encoding,
     OnnxLM,
@@ -70,6 +70,7 @@ from aimet_quadapter.export.onnx_eval import (
 from aimet_quadapter.export.verification import Agreement, Tolerance, Verification
 from aimet_quadapter.memory import release_freed_memory
 from aimet_quadapter.models import device_of, parameter_bytes
+from aimet_quadapter.models.storage import weights_parked
 from aimet_quadapter.quant.policy import sim_policy
 from aimet_quadapter.quant.quantizers import fast_inference, quantizers, shared_activation_groups
 from aimet_quadapter.text.data import Window

@@ -86,6 +86,7 @@ class ExportJob:
         ``loaded``: ``(model, tokenizer)`` of ``self.model`` already in memory, handed over (its weights become the
         sim's), instead of a second load. ``state``'s weights go to the sim: its ``weights`` is empty afterwards."""
         from aimet_quadapter.export.exporter import check_free_disk, export_quantized, sha256_file
+        from aimet_quadapter.memory import release_freed_memory
         from aimet_quadapter.models import load_model
         from aimet_quadapter.models.devices import resolve_device
 
@@ -99,6 +100,7 @@ class ExportJob:
         # beside them for the whole export
         state.weights = {}
         del model
+        release_freed_memory()
         formats = [kv] if kv is not None else []
         if self.device_check:
             from aimet_quadapter.export.device_check import DeviceGraphCheck

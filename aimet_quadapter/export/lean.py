@@ -18,86 +18,12 @@ from typing import Any
 import torch
 
 from aimet_quadapter.memory import release_freed_memory
-from aimet_quadapter.models.storage import shares_storage
-from aimet_quadapter.quant.aimet_private import qdq_weights_module_by_module, wrapped_aimet_onnx_export
-
-# --- the sim's own weights, parked on disk while AIMET exports their quantize-dequantized copies ----------
-
-
-class ParkedWeights:
-    """Parameters of ``model`` that AIMET has swapped out for the duration of an export.
-
-    AIMET's exports trace a quantize-dequantized copy of every quantized weight and keep the original
-    Parameter aside until they return; torch then builds the graph and its protobuf beside both. The
-    originals are not read again before the export returns, so they wait in ``folder`` meanwhile and
-    :meth:`restore` reads them back, bit for bit, into the same Parameter objects.
-    """
-
-    def __init__(self, model: torch.nn.Module, folder: Path):
-        self.model, self.folder = model, folder
-        params = list({id(p): p for p in model.parameters()}.values())
-        self.own = {id(p) for p in params}
-        self.own_storage = {p.untyped_storage().data_ptr() for p in params if p.numel()}
-        storages: dict[int, int] = {}
-        for p in params:
-            key = p.untyped_storage().data_ptr()
-            storages[key] = storages.get(key, 0) + 1
-        # a storage shared by two Parameters would come back as two, and one shared with the FP model (a sim
-        # that shares its weights) would come back as a copy of it without freeing anything: both stay
-        self.params = [
-            p for p in params if p.numel() and storages[p.untyped_storage().data_ptr()] == 1 and not shares_storage(p)
-        ]
-        self.parked: list[tuple[torch.nn.Parameter, Path]] = []
-
-    def _park(self, keep: set[int], release: bool = True) -> None:
-        parked = {id(p) for p, _ in self.parked}
-        self.folder.mkdir(parents=True, exist_ok=True)
-        for i, p in enumerate(self.params):
-            if id(p) in parked or p.untyped_storage().data_ptr() in keep:
-                continue
-            path = self.folder / f"{i}.pt"
-            torch.save(p.data, path)
-            self.parked.append((p, path))
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        if release:
-            release_freed_memory()
-
-    def park_displaced(self, release: bool = True) -> None:
-        """Move to disk every parameter that the model no longer holds (AIMET's copy stands in for it).
-        ``release``: give the freed memory back to the system now (a garbage collection: not after every module)."""
-        # AIMET rewraps a parameter it does not quantize in a new Parameter over the same storage: nothing to free
-        in_use = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        self._park(in_use, release)
-
-    def park_all(self) -> None:
-        """Move every parameter of the model to disk (while nothing reads them)."""
-        self._park(set())
-
-    def drop_stand_ins(self) -> None:
-        """Empty the copies AIMET swapped in, once torch has written them: AIMET's passes after torch's export
-        read the file, and AIMET puts the sim's own Parameters back when it returns."""
-        for p in self.model.parameters():
-            if id(p) not in self.own and p.numel() and p.untyped_storage().data_ptr() not in self.own_storage:
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        release_freed_memory()
-
-    def restore(self) -> None:
-        while self.parked:
-            p, path = self.parked.pop()
-            p.data = torch.load(path, weights_only=True)
-            path.unlink()
-
-
-@contextmanager
-def weights_parked(model: torch.nn.Module, folder: Path) -> Iterator[None]:
-    """``model``'s weights wait in ``folder`` (removed afterwards) while nothing reads them."""
-    parked = ParkedWeights(model, folder)
-    try:
-        parked.park_all()
-        yield
-    finally:
-        parked.restore()
-        shutil.rmtree(folder, ignore_errors=True)
+from aimet_quadapter.models.storage import ParkedWeights
+from aimet_quadapter.quant.aimet_private import (
+    qdq_weights_module_by_module,
+    transposed_weights_written_out,
+    wrapped_aimet_onnx_export,
+)
 
 
 @contextmanager
@@ -110,7 +36,9 @@ def lean_aimet_export(model: torch.nn.Module, folder: Path) -> Iterator[None]:
       (``<name>.data``) instead of inline, one weight at a time (:func:`_torch_writes_weights_outside`):
       AIMET's passes that follow read the graph back and rewrite it several times, and they support external
       data. :func:`gather_external_data` makes one data file of them;
-    - once torch has written them, AIMET's copies are emptied too (:meth:`ParkedWeights.drop_stand_ins`).
+    - once torch has written them, AIMET's copies are emptied too (:meth:`ParkedWeights.drop_stand_ins`);
+    - the transposed weights AIMET's pass that follows makes go to their files as they are made, without a copy
+      in memory (:func:`transposed_weights_written_out`).
     """
     parked = ParkedWeights(model, folder)
 
@@ -133,6 +61,7 @@ def lean_aimet_export(model: torch.nn.Module, folder: Path) -> Iterator[None]:
         with (
             qdq_weights_module_by_module(lambda: parked.park_displaced(release=False)),
             wrapped_aimet_onnx_export(export),
+            transposed_weights_written_out(),
         ):
             yield
     finally:

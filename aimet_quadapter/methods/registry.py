@@ -16,8 +16,10 @@ import dataclasses
 import functools
 import json
 import shutil
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -31,6 +33,7 @@ from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.methods.catalog import BC, CATALOG, MethodInfo
 from aimet_quadapter.methods.plots import plot_channel_ranges, plot_phase1_curves
 from aimet_quadapter.models import PreparedLM, weight_sharing_copy
+from aimet_quadapter.models.storage import weights_parked
 from aimet_quadapter.quadapter.adapter import QuadapterSet, fold_alphas
 from aimet_quadapter.quadapter.api import (
     QuadapterResult,
@@ -347,11 +350,26 @@ def _on_transformed(ctx: MethodContext, name: str, transform) -> tuple[PreparedL
     return transformed, inner
 
 
+@contextmanager
+def _fp_model_parked(ctx: MethodContext, transformed: PreparedLM) -> Iterator[None]:
+    """The FP model's weights wait on disk while a cell works on its transformed copy, the cell's FP reference
+    and teacher: nothing reads them until the cell saves its state. What the copy still shares stays."""
+    folder = _write_dir(ctx)
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+    with (
+        tempfile.TemporaryDirectory(prefix=".parked-fp-", dir=folder) as parked,
+        weights_parked(ctx.model, Path(parked), besides=[transformed]),
+    ):
+        yield
+
+
 def _quadapter_on(ctx: MethodContext, name: str, transform) -> QuantizationSimModel:
     """Quadapter, both phases, on ``transform``'s model: the transformed model is phase 1's FP reference (the same
     function), and its weights are what the alphas fold into."""
     transformed, inner = _on_transformed(ctx, name, transform)
-    sim, result = _run_quadapter(inner, name, None)
+    with _fp_model_parked(ctx, transformed):
+        sim, result = _run_quadapter(inner, name, None)
     ctx.info[name] = inner.info.get(BC, {})
     _save(ctx, name, result.state.with_weights(transformed, ctx.model))
     return sim
@@ -360,7 +378,8 @@ def _quadapter_on(ctx: MethodContext, name: str, transform) -> QuantizationSimMo
 def _cle_phase2_on(ctx: MethodContext, name: str, transform) -> QuantizationSimModel:
     """The matched baseline of Quadapter on ``transform``'s model: ``cle_phase2`` on the same transformed model."""
     transformed, inner = _on_transformed(ctx, name, transform)
-    sim, qset = _cle_then_phase2(inner, name)
+    with _fp_model_parked(ctx, transformed):
+        sim, qset = _cle_then_phase2(inner, name)
     # the transformed weights, unfolded: the state folds its alphas into them as into any FP weights
     state = QuadapterState.from_sim(sim, qset.total_alpha()).with_weights(transformed, ctx.model)
     _save(ctx, name, state)

@@ -5,11 +5,16 @@ only the storage a model owns."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import shutil
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from aimet_quadapter.memory import release_freed_memory
 
 # On a parameter of a weight-sharing copy: the address of the storage it shares with the original model.
 _SHARED_WITH = "_aimet_quadapter_shared_storage"
@@ -61,3 +66,85 @@ def own_storage(params: Iterable[torch.Tensor]) -> None:
     for p in params:
         if shares_storage(p):
             p.data = p.detach().clone()
+
+
+class ParkedWeights:
+    """Parameters of ``model`` that wait in ``folder`` while nothing reads them: all of them
+    (:meth:`park_all`), or those AIMET has swapped out for the duration of an export (:meth:`park_displaced`:
+    its exports trace a quantize-dequantized copy of every quantized weight and keep the original aside until
+    they return). :meth:`restore` reads them back, bit for bit, into the same Parameter objects. A storage that
+    ``besides`` (other models) also holds stays: parking it would free nothing.
+    """
+
+    def __init__(self, model: torch.nn.Module, folder: Path, besides: Iterable[nn.Module] = ()):
+        self.model, self.folder = model, folder
+        params = list({id(p): p for p in model.parameters()}.values())
+        held_elsewhere = {p.untyped_storage().data_ptr() for other in besides for p in other.parameters()}
+        self.own = {id(p) for p in params}
+        self.own_storage = {p.untyped_storage().data_ptr() for p in params if p.numel()}
+        storages: dict[int, int] = {}
+        for p in params:
+            key = p.untyped_storage().data_ptr()
+            storages[key] = storages.get(key, 0) + 1
+        # a storage shared by two Parameters would come back as two, and one shared with the FP model (a sim
+        # that shares its weights) would come back as a copy of it without freeing anything: both stay
+        self.params = [
+            p
+            for p in params
+            if p.numel()
+            and storages[p.untyped_storage().data_ptr()] == 1
+            and not shares_storage(p)
+            and p.untyped_storage().data_ptr() not in held_elsewhere
+        ]
+        self.parked: list[tuple[torch.nn.Parameter, Path]] = []
+
+    def _park(self, keep: set[int], release: bool = True) -> None:
+        parked = {id(p) for p, _ in self.parked}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for i, p in enumerate(self.params):
+            if id(p) in parked or p.untyped_storage().data_ptr() in keep:
+                continue
+            path = self.folder / f"{i}.pt"
+            torch.save(p.data, path)
+            self.parked.append((p, path))
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        if release:
+            release_freed_memory()
+
+    def park_displaced(self, release: bool = True) -> None:
+        """Move to disk every parameter that the model no longer holds (AIMET's copy stands in for it).
+        ``release``: give the freed memory back to the system now (a garbage collection: not after every module)."""
+        # AIMET rewraps a parameter it does not quantize in a new Parameter over the same storage: nothing to free
+        in_use = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._park(in_use, release)
+
+    def park_all(self) -> None:
+        """Move every parameter of the model to disk (while nothing reads them)."""
+        self._park(set())
+
+    def drop_stand_ins(self) -> None:
+        """Empty the copies AIMET swapped in, once torch has written them: AIMET's passes after torch's export
+        read the file, and AIMET puts the sim's own Parameters back when it returns."""
+        for p in self.model.parameters():
+            if id(p) not in self.own and p.numel() and p.untyped_storage().data_ptr() not in self.own_storage:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        release_freed_memory()
+
+    def restore(self) -> None:
+        while self.parked:
+            p, path = self.parked.pop()
+            p.data = torch.load(path, weights_only=True)
+            path.unlink()
+
+
+@contextmanager
+def weights_parked(model: nn.Module, folder: Path, besides: Iterable[nn.Module] = ()) -> Iterator[None]:
+    """``model``'s weights wait in ``folder`` (removed afterwards) while nothing reads them; those ``besides``
+    also holds stay."""
+    parked = ParkedWeights(model, folder, besides)
+    try:
+        parked.park_all()
+        yield
+    finally:
+        parked.restore()
+        shutil.rmtree(folder, ignore_errors=True)

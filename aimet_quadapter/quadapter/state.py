@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as tensors_from_bytes
+from safetensors.torch import save_file
 
 from aimet_quadapter.atomic import write_atomic
 from aimet_quadapter.errors import QuadapterError
@@ -93,7 +94,9 @@ class QuadapterState:
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
-            tensors = load_file(str(path))
+            # read, not mapped: a mapped file stays resident as long as one of its tensors lives, and the sim
+            # keeps some (the unfolded sites' weights) while the others are replaced by folded copies
+            tensors = tensors_from_bytes(path.read_bytes())
             policy = QuantPolicy(**json.loads(meta.get("policy", "{}")))
             metadata = json.loads(meta.get("metadata", "{}"))
             alphas = {k.removeprefix("alpha/"): v for k, v in tensors.items() if k.startswith("alpha/")}

@@ -1,18 +1,20 @@
 """Every call into AIMET's private API, in one place (checked against aimet-torch 2.42).
 
 This module is the one place AIMET's private calls sit: the shims over its underscored symbols (QTensor casting,
-precomputed encodings, the minimum scale, Sequential MSE's bit-width limit, its ONNX export and QDQ passes, its
-fixed-range fake-quant call), the Hadamard orders AIMET lacks, the patches FPTQuant and OmniQuant run under, and
-the path of AIMET's HTP quantsim config inside its install (package data, not an API), and aimet-onnx's step that
-adds the quantizers an encodings file needs. Nothing else in the package
+precomputed encodings, the minimum scale, Sequential MSE's bit-width limit, its ONNX export and QDQ passes, the
+transposed weights of that export, its fixed-range fake-quant call), the Hadamard orders AIMET lacks, the patches
+FPTQuant and OmniQuant run under, the path of AIMET's HTP quantsim config inside its install (package data, not
+an API), and aimet-onnx's step that adds the quantizers an encodings file needs. Nothing else in the package
 names an underscored AIMET symbol: when AIMET changes one of these, this module is the one to fix, and its tests
-(tests/test_methods.py, tests/test_quadapter.py, tests/test_aimet_techniques.py, tests/test_device_check.py) say
-which. (Named for what it wraps, not "adapter": quadapter/adapter.py is the technique's own.)
+(tests/test_methods.py, tests/test_quadapter.py, tests/test_aimet_techniques.py, tests/test_device_check.py,
+tests/test_export.py) say which. (Named for what it wraps, not "adapter": quadapter/adapter.py is the technique's
+own.)
 """
 
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
@@ -75,6 +77,58 @@ def wrapped_aimet_onnx_export(wrapper: Callable[..., Any]) -> Iterator[None]:
         yield
     finally:
         aimet_onnx_export.export = original
+
+
+class _ModuleWith(types.ModuleType):
+    """``module`` with some of its attributes replaced, for one module that imported it to see."""
+
+    def __init__(self, module: types.ModuleType, **replaced: Any):
+        super().__init__(module.__name__)
+        self.__dict__.update(replaced)
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+@contextmanager
+def transposed_weights_written_out() -> Iterator[list[str]]:
+    """AIMET's ONNX export makes a transposed copy of each Linear weight it read from external data
+    (``transpose_2d`` in ``_fold_linear_weight_transpose``), moves its bytes to a file and clears them; protobuf's
+    upb runtime keeps a cleared field's bytes in the message's arena, and the pass keeps every such message until
+    it returns, so a copy of all Linear weights stays in memory. Inside, each of those copies is made without
+    bytes: they go to the same file AIMET would write, under the same external-data fields. Yields the names of
+    the tensors that went this way; other ``from_array`` calls are AIMET's own."""
+    import sys
+
+    import aimet_torch.onnx as aimet_onnx
+    import onnx
+    from onnx.external_data_helper import set_external_data, uses_external_data
+
+    real_onnx, written = aimet_onnx.onnx, []
+
+    def from_array(array: Any, name: str | None = None) -> Any:
+        made = onnx.numpy_helper.from_array(array, name)
+        caller = sys._getframe(1)
+        source, base_dir = caller.f_locals.get("tensor"), caller.f_locals.get("base_dir")
+        if caller.f_code.co_name != "transpose_2d" or not isinstance(base_dir, str):
+            return made
+        if not isinstance(source, onnx.TensorProto) or not uses_external_data(source):
+            return made
+        location = made.name.replace("/", "_")  # AIMET's own file for it
+        with open(os.path.join(base_dir, location), "wb") as f:
+            f.write(made.raw_data)
+        bare = onnx.TensorProto(name=made.name, data_type=made.data_type, dims=made.dims, raw_data=b"")
+        set_external_data(bare, location=location, offset=0, length=len(made.raw_data))  # asks for the field
+        bare.ClearField("raw_data")
+        written.append(made.name)
+        return bare  # ``made`` and its arena go now
+
+    aimet_onnx.onnx = _ModuleWith(real_onnx, numpy_helper=_ModuleWith(real_onnx.numpy_helper, from_array=from_array))
+    try:
+        yield written
+    finally:
+        aimet_onnx.onnx = real_onnx
 
 
 @contextmanager

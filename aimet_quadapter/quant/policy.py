@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import re
 import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -180,14 +181,14 @@ def drop_requantization(sim_model: nn.Module, seq_len: int = 8) -> list[str]:
     tensor reshaped or rotated on its way (RoPE) keeps its quantizer: on the device that op's output is
     quantized too. Returns the names of the removed quantizers.
     """
-    produced: set[int] = set()
-    keep_alive: list[torch.Tensor] = []  # an id stays unique while its tensor lives
+    produced: set[int] = set()  # ids of quantizer outputs alive now: an id is unique while its tensor lives
     doubled: list[tuple[Any, int, str]] = []
     handles = []
 
     def after(_q, _args, out):
         produced.add(id(out))
-        keep_alive.append(out)
+        # not kept alive for the whole pass: every weight's quantized copy would be, a second copy of the weights
+        weakref.finalize(out, produced.discard, id(out))
 
     def before(module, index, key):
         def hook(_q, args):
