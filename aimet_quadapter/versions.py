@@ -39,6 +39,18 @@ def source_hash() -> str:
 
 
 @functools.cache
+def cpu_name() -> str:
+    """The CPU's model name, as the kernel reports it (its vector kernels alone do not say which machine ran)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
 def source_commit() -> str | None:
     """The git commit the package was run from, ``+changes`` where its files differ from it; None outside git."""
     try:

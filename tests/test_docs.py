@@ -59,6 +59,35 @@ def test_each_command_is_one_the_cli_takes(page, line):
         _check_run_path(Path(state))
 
 
+def _words(line: str) -> list[str]:
+    """The first command of a line (`run ... && report ...` -> `run ...`)."""
+    words = shlex.split(line, comments=True)
+    return words[: words.index("&&")] if "&&" in words else words
+
+
+RUNS = [(page, line) for page, line in COMMANDS if _words(line)[1:2] == ["run"]]
+
+
+def test_the_results_page_runs_recipes():
+    assert {page.name for page, _ in RUNS} >= {"README.md", "results.md"}
+
+
+@pytest.mark.parametrize(("page", "line"), RUNS, ids=[f"{p.name}:{i}" for i, (p, _) in enumerate(RUNS)])
+def test_each_run_names_a_recipe_that_loads_with_its_overrides(page, line):
+    """`aimet-quadapter run RECIPE --set ...` in a page: the recipe file exists and loads as the CLI's `run` loads it,
+    its `--set` overrides (and `--device`) applied and validated, so a table's command runs as written."""
+    from aimet_quadapter.errors import QuadapterError
+
+    args = build_parser().parse_args(_words(line)[1:])
+    recipe = ROOT / args.recipe
+    assert recipe.is_file(), f"{page.name}: `{line}` names {args.recipe}, which does not exist"
+    overrides = [*args.overrides, *([f"device={args.device}"] if args.device else [])]  # as cli.app._cmd_run
+    try:
+        load_recipe(recipe, overrides)
+    except QuadapterError as exc:
+        pytest.fail(f"{page.name}: `{line}`: {exc}")
+
+
 def _check_run_path(path: Path) -> None:
     """``runs/<recipe>/<data>/<method>/<method>.safetensors``: what a recipe's run writes (``Cell.folder``)."""
     parts = path.parts

@@ -21,10 +21,11 @@ from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.state import QuadapterState
 from aimet_quadapter.quant.config import PLACEMENT_REVISION
 from aimet_quadapter.reporting.figures import perplexity_bars
-from aimet_quadapter.reporting.report import matched_comparisons, ordered_rows
+from aimet_quadapter.reporting.report import dev_table, matched_comparisons, ordered_rows, results_table
 from aimet_quadapter.running.recipes import load_recipe
 from aimet_quadapter.running.runner import RecipeRun
 from aimet_quadapter.running.statistics import prediction_range
+from aimet_quadapter.versions import cpu_name
 
 quiet_libraries()
 VOCAB = 512  # the tiny GPT-2 config's vocabulary
@@ -135,6 +136,21 @@ def _markdown_rows(table: str) -> list[list[str]]:
 
 def _plain(cell: str) -> str:
     return re.sub(r"</?ins>|\*\*", "", cell)
+
+
+def test_a_run_prints_as_a_results_page_section(base_run, world, capsys):
+    """`report --section`: the command that made the run as the user typed it (a page's table then stands under the
+    command that reproduces it), where and on what code it ran, and the report's own tables."""
+    results = _results(base_run)
+    command = results["recipes"]["r"]["command"]
+    assert command == f"aimet-quadapter run {world / 'r.yaml'} --out {base_run} --no-progress"
+    assert main(["report", str(base_run), "--section"]) == 0
+    section = capsys.readouterr().out
+    assert f"```bash\n{command}\naimet-quadapter report " in section
+    cell = results["cells"]["a/quadapter"]
+    row = _markdown_rows("| machine |" + section.split("| machine |")[1].split("\n\n")[0])[0]
+    assert cpu_name() in row[0] and row[1] == cell["commit"].replace("+changes", " + changes")
+    assert results_table(results) in section and dev_table(results) in section
 
 
 def test_run_then_report_end_to_end(base_run, world, capsys):

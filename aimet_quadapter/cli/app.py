@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -508,6 +509,11 @@ def _add_report_and_merge_commands(sub: SubParsers) -> None:
     """`report` and `merge`, which read run folders."""
     p = sub.add_parser("report", help="markdown tables and figures of a run folder (writes RUN_DIR/report.md)")
     p.add_argument("run_dir", help="a folder written by `run`")
+    p.add_argument(
+        "--section",
+        action="store_true",
+        help="print the run as a section of a results page (its command, machine, commit, seeds and tables) instead",
+    )
     p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser(
@@ -541,7 +547,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from aimet_quadapter.reporting.report import results_table
     from aimet_quadapter.running.runner import run_recipe
 
-    folder, results = run_recipe(recipe, args.out, progress=not args.no_progress)
+    command = getattr(args, "command_line", None)
+    folder, results = run_recipe(recipe, args.out, progress=not args.no_progress, command=command)
     print(results_table(results))
     print(f"results: {folder / 'results.json'}; `aimet-quadapter report {folder}` writes the full report")
     return _stopped_cells(results)
@@ -557,8 +564,11 @@ def _stopped_cells(results: dict) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from aimet_quadapter.reporting.report import write_report
+    from aimet_quadapter.reporting.report import results_section, write_report
 
+    if args.section:
+        print(results_section(args.run_dir))
+        return 0
     path, text = write_report(args.run_dir)
     print(text)
     print(f"written to {path}")
@@ -588,6 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["TQDM_DISABLE"] = "1"
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.command_line = shlex.join(["aimet-quadapter", *argv])  # recorded with a run's results
     if args.quiet and hasattr(args, "no_progress"):
         args.no_progress = True
     logs.configure(-1 if args.quiet else 1 if args.verbose else 0)

@@ -74,7 +74,12 @@ def device_sim(export: Path) -> tuple[Any, Coverage]:
     encodings = json.loads(encodings_file.read_text())
     model = onnx.load(str(export / FP_ONNX))  # external data is read from beside the graph
     sim = QuantizationSimModel(
-        model, config_file=htp_config_file(package="aimet_onnx"), providers=["CPUExecutionProvider"]
+        model,
+        config_file=htp_config_file(package="aimet_onnx"),
+        providers=["CPUExecutionProvider"],
+        # no memory arena: each run dequantizes every weight, and an arena would keep all of them beside the
+        # weights themselves after the run (the same results: allocation only)
+        session_options_kwargs={"enable_cpu_mem_arena": False, "enable_mem_pattern": False},
     )
     # the embedding table is a Gather input aimet-onnx quantizes as an activation; the export names it a param
     ours = {e.name for e in read_encodings(encodings)}

@@ -244,9 +244,8 @@ class _Comparison:
         )
 
 
-# Draws of the sim's own float32 noise (see Tolerance), the largest taken: one draw can be small by chance.
-# On the SmolLM2 demo's state two draws both moved the perplexity by 3e-3 and refused a correct export whose
-# onnxruntime run differed by 2.2e-2; of eight draws, one moved the sim itself by 2.6e-2 (docs/export.md).
+# Draws of the sim's own float32 noise (see Tolerance), the largest taken: one draw can be small by chance, and
+# a floor taken too low refuses a correct export (docs/export.md).
 SIM_NOISE_DRAWS = 8
 
 

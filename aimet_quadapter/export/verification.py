@@ -30,7 +30,7 @@ class Tolerance:
     ``logit_rtol`` of the largest one). A wrong, missing or requantized encoding is far outside both (a
     tensor quantized twice moves logits by more than their range); and the encodings themselves are
     checked exactly, by value, before any of this. A real W8A8 model can have a floor of whole percents
-    in perplexity (docs/export.md gives SmolLM2-135M's): the bounds widen with it, and the CLI says so.
+    in perplexity (docs/export.md): the bounds widen with it, and the CLI says so.
     """
 
     ppl_rtol: float = 1e-3

@@ -407,12 +407,13 @@ class FakeQuantLearnedRange(torch.autograd.Function):
             if not grad.is_contiguous():  # the eager products would be laid out, and summed, in grad's order
                 mask, scale_factor, _ = _eager_terms(x, s, zero_point, qmin, qmax, ctx.needs_input_grad[1])
             else:
-                terms = _compiled_terms()(grad.reshape(-1), x.reshape(-1), s, zero_point, qmin, qmax)
-                grad_x, by_scale, by_offset = (t.view(x.shape) for t in terms)
+                # one product at a time, each summed before the next is made, and none that is not asked for
+                flat = (grad.reshape(-1), x.reshape(-1), s, zero_point, qmin, qmax)
+                needs = ctx.needs_input_grad
                 return (
-                    grad_x if ctx.needs_input_grad[0] else None,
-                    by_scale.sum().reshape(scale_shape) if ctx.needs_input_grad[1] else None,
-                    by_offset.sum().mul(s).reshape(offset_shape) if ctx.needs_input_grad[2] else None,
+                    _compiled_term(0)(*flat).view(x.shape) if needs[0] else None,
+                    _compiled_term(1)(*flat).sum().reshape(scale_shape) if needs[1] else None,
+                    _compiled_term(2)(*flat).sum().mul(s).reshape(offset_shape) if needs[2] else None,
                     None,
                     None,
                 )
@@ -458,8 +459,10 @@ def _learned_terms(
 
 
 @functools.cache
-def _compiled_terms() -> Any:
-    return torch.compile(_learned_terms, dynamic=True)
+def _compiled_term(which: int) -> Any:
+    """One of :func:`_learned_terms`' products as a kernel of its own, the same values element by element: the
+    three at once are three copies of the input (of lm_head's weights, of the logits) at a phase-2 step's peak."""
+    return torch.compile(lambda *args: _learned_terms(*args)[which], dynamic=True)
 
 
 def _learned_forward(x: torch.Tensor, s: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:

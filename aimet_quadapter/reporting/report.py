@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 
 from aimet_quadapter.atomic import write_text_atomic
+from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.methods.catalog import CATALOG
 from aimet_quadapter.running.results_file import load_results
 from aimet_quadapter.running.statistics import merge_seeds
@@ -520,6 +521,52 @@ def _figure_sections(run_dir: Path, results: dict) -> list[str]:
     if curves:
         parts += ["## Phase-1 learning curves, first and last site (Fig. 5)", "", *curves, ""]
     return parts
+
+
+def results_section(run_dir: str | Path) -> str:
+    """The run as a section of a results page (docs/results.md): the command that made it, a row of where, on
+    which code and seeds it ran, then the report's tables of the test text, the development text and the export."""
+    run_dir = Path(run_dir)
+    results = load_results(run_dir)
+    recipes = results.get("recipes", {})
+    if len(recipes) != 1:
+        raise QuadapterError(f"{run_dir}: a results section shows one recipe's run; this folder has {len(recipes)}")
+    ((name, recipe),) = recipes.items()
+    # runs before the command was recorded ran the recipe as written, into its own folder
+    command = recipe.get("command") or f"aimet-quadapter run recipes/{Path(recipe.get('path') or name).stem}.yaml"
+    out = recipe["settings"].get("out") if recipe.get("command") else None
+    cells = [c for c in results["cells"].values() if not c.get("error")]
+    seeds = results.get("seeds") or sorted({c["seed"] for c in cells if c.get("seed") is not None}) or [0]
+    machines = sorted({f"{c.get('cpu', 'CPU not recorded')}, {c['threads']} threads" for c in cells})
+    commits = sorted({(c.get("commit") or "?").replace("+changes", " + changes") for c in cells})
+    wall = sum(c["wall_time_s"] for c in cells)
+    peak = max((c.get("peak_rss_kib") or 0 for c in cells), default=0)
+    parts = [
+        f"## `{name}`",
+        "",
+        "```bash",
+        command,
+        f"aimet-quadapter report {out or f'runs/{name}'}",
+        "```",
+        "",
+        "| machine | commit | seeds | cells' wall time | cells' peak RSS |",
+        "| --- | --- | --- | ---: | ---: |",
+        f"| {'; '.join(machines)} | {', '.join(commits)} | {', '.join(map(str, seeds))} | {wall / 60:.0f} min "
+        f"| {peak / 2**20:.2f} GiB |",
+        "",
+        "Test text (lower is better; **bold**: the best quantized row of its group):",
+        "",
+        results_table(results),
+        "",
+    ]
+    dev = dev_table(results)
+    if dev:
+        parts += ["Development text, on which the recipe chooses:", "", dev, ""]
+    # the export's path as the page's command writes it, not this machine's folder
+    here, there = str(run_dir.resolve()), out or f"runs/{name}"
+    for line in export_section(results):
+        parts.append(line.replace("## ", "### ", 1) if line.startswith("## ") else line.replace(here, there))
+    return "\n".join(parts)
 
 
 def write_report(run_dir: str | Path) -> tuple[Path, str]:

@@ -87,7 +87,7 @@ MethodName = Annotated[str, AfterValidator(_known_method)]
 
 class QuadapterSection(AdapterParameters):
     # crops of the calibration length drawn from the calibration set's train split with another seed: phase 1
-    # keeps its result only if the LM loss there (static ranges) is no worse than its start's; 0: no check.
+    # keeps the best of its start, its check points and its end by the LM loss there (static ranges); 0: no check.
     # Too few crops make the check a coin toss on a real model (docs/method.md, phase 1).
     holdout: int = Field(8, ge=0)
 

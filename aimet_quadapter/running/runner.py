@@ -49,7 +49,7 @@ from aimet_quadapter.running.fingerprints import Fingerprints, _fingerprint
 from aimet_quadapter.running.lock import RunLock
 from aimet_quadapter.running.recipes import Recipe
 from aimet_quadapter.running.results_file import FORMAT, RESULTS, load_results, write_results
-from aimet_quadapter.versions import library_versions, source_commit
+from aimet_quadapter.versions import cpu_name, library_versions, source_commit
 
 # the file of a phase-2 loss curve a method writes into its cell's folder: ``[<method>_]phase2_losses.json``
 PHASE2_CURVE = "phase2_losses.json"
@@ -96,6 +96,7 @@ class RecipeRun(Fingerprints):
         progress: bool = True,
         seed: int | None = None,
         parent: Recipe | None = None,
+        command: str | None = None,
     ):
         from aimet_quadapter.models.loading import check_model_source
 
@@ -110,6 +111,7 @@ class RecipeRun(Fingerprints):
         self.recipe = recipe
         self.seed = seed
         self.parent = parent or recipe  # what results.json records as the recipe
+        self.command = command
         self.out_dir = Path(out_dir)
         self.progress = progress
         self.catalog = CATALOG
@@ -248,6 +250,7 @@ class RecipeRun(Fingerprints):
         recipes[self.parent.display_name] = {
             "path": str(self.parent.path) if self.parent.path else None,
             "settings": self.parent.model_dump(mode="json"),
+            **({"command": self.command} if self.command else {}),  # as the user typed it, for results pages
         }
         if self.parent.seeds:
             results["seeds"] = sorted({*results.get("seeds", []), *self.parent.seeds})
@@ -795,6 +798,7 @@ class RecipeRun(Fingerprints):
             # training ends at; the report says where the seeds of one row ran under more than one
             "threads": torch.get_num_threads(),
             "kernels": torch.backends.cpu.get_cpu_capability(),
+            "cpu": cpu_name(),
             "device": device_label(self.device),
             "fingerprint": self.fingerprint(cell),
             "row_fingerprint": self.row_fingerprint(cell),
@@ -831,7 +835,7 @@ class RecipeRun(Fingerprints):
 
     def _run_seed(self, seed: int) -> dict:
         """One seed's cells, by a run of its own that goes when they are done (its data with it)."""
-        child = RecipeRun(self.recipe.for_seed(seed), self.out_dir, self.progress, seed, self.recipe)
+        child = RecipeRun(self.recipe.for_seed(seed), self.out_dir, self.progress, seed, self.recipe, self.command)
         # one model and one tokenization of each text for every seed
         child._model, child._tokenizer, child._token_cache = self._model, self._tokenizer, self._token_cache
         results = child._run()
@@ -911,7 +915,10 @@ def score_state(recipe: Recipe, state: QuadapterState, progress: bool = True) ->
     return RecipeRun(recipe, Path(".unused"), progress).score(state)
 
 
-def run_recipe(recipe: Recipe, out_dir: Path | str | None = None, progress: bool = True) -> tuple[Path, dict]:
-    """Run every cell of ``recipe`` not yet in ``out_dir``; returns the folder and its results."""
+def run_recipe(
+    recipe: Recipe, out_dir: Path | str | None = None, progress: bool = True, command: str | None = None
+) -> tuple[Path, dict]:
+    """Run every cell of ``recipe`` not yet in ``out_dir``; returns the folder and its results. ``command``: the
+    command line that asked for it, recorded beside the recipe."""
     folder = Path(out_dir or recipe.out or Path("runs") / recipe.display_name)
-    return folder, RecipeRun(recipe, folder, progress).run()
+    return folder, RecipeRun(recipe, folder, progress, command=command).run()
