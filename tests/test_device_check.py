@@ -243,8 +243,8 @@ def test_aimet_onnx_rounding_leaves_the_weights_as_the_exported_graph_holds_them
     """The export writes every weight already rounded onto its grid by the sim; aimet-onnx's kernel gives such a weight
     back unchanged, though on a raw weight at a half step of its grid it rounds half up where the sim rounds half to
     even (weights expanded from a 4-bit file sit there often). So under ``aimet_onnx_rounding`` a sim's weight
-    quantizer keeps the sim's arithmetic, as the device graph's weights do (docs/results.md says what rounding them
-    half up cost)."""
+    quantizer keeps the sim's arithmetic, as the device graph's weights do (rounding SmolLM2's half up would move
+    some of layer 0's residual-sum codes off the sim's)."""
     import torch
     from aimet_onnx.quantsim import QuantizationSimModel, load_encodings_to_sim
     from aimet_torch.quantization.affine import QuantizeDequantize

@@ -1,7 +1,7 @@
 """Text the FP model samples itself: calibration and fine-tuning data that belongs to no domain.
 
 A recipe names it as the dataset ``generated``. Fine-tuning on a corpus fits that corpus (phase 2 on PTB
-trades Austen for PTB: docs/results.md, the demo); the model's own samples stand for everything it has
+trades other text for PTB); the model's own samples stand for everything it has
 learned, the idea of data-free quantization-aware training (LLM-QAT, Liu et al. 2023), and they need no data at all.
 
 Every sample starts after the model's BOS token and is exactly ``length`` tokens long: the end-of-text

@@ -407,16 +407,8 @@ class FakeQuantLearnedRange(torch.autograd.Function):
             if not grad.is_contiguous():  # the eager products would be laid out, and summed, in grad's order
                 mask, scale_factor, _ = _eager_terms(x, s, zero_point, qmin, qmax, ctx.needs_input_grad[1])
             else:
-                # one product at a time, each summed before the next is made, and none that is not asked for
                 flat = (grad.reshape(-1), x.reshape(-1), s, zero_point, qmin, qmax)
-                needs = ctx.needs_input_grad
-                return (
-                    _compiled_term(0)(*flat).view(x.shape) if needs[0] else None,
-                    _compiled_term(1)(*flat).sum().reshape(scale_shape) if needs[1] else None,
-                    _compiled_term(2)(*flat).sum().mul(s).reshape(offset_shape) if needs[2] else None,
-                    None,
-                    None,
-                )
+                return (*_compiled_gradients(ctx.needs_input_grad, ctx.shapes, x.shape, flat), None, None)
         else:
             mask, scale_factor, s = ctx.saved_tensors
         grad_x = grad * mask if ctx.needs_input_grad[0] else None
@@ -459,10 +451,31 @@ def _learned_terms(
 
 
 @functools.cache
-def _compiled_term(which: int) -> Any:
-    """One of :func:`_learned_terms`' products as a kernel of its own, the same values element by element: the
-    three at once are three copies of the input (of lm_head's weights, of the logits) at a phase-2 step's peak."""
-    return torch.compile(lambda *args: _learned_terms(*args)[which], dynamic=True)
+def _compiled_terms(which: tuple[int, ...]) -> Any:
+    """The products of :func:`_learned_terms` that ``which`` names, as one kernel: the same values element by
+    element."""
+    return torch.compile(lambda *args: tuple(_learned_terms(*args)[i] for i in which), dynamic=True)
+
+
+def _compiled_gradients(needs: tuple[bool, ...], shapes: tuple, shape: torch.Size, flat: tuple) -> tuple:
+    """The input's, scale's and offset's gradients (those ``needs`` asks for) from flat ``(grad, x, s, zero_point,
+    qmin, qmax)``. Two input-sized tensors at a time, not three (each over 100 MB on the logits and lm_head's weights
+    at a phase-2 step's peak): the scale's products are summed before the offset's are made, as the gradient less
+    the input's gradient, the same values as ``grad * ~inside`` but for the sign of a zero, which no sum keeps."""
+    scale_shape, offset_shape = shapes
+    grad_x = grad_scale = grad_offset = None
+    if needs[0] or needs[2]:
+        if needs[1]:
+            grad_x, by_scale = _compiled_terms((0, 1))(*flat)
+            grad_scale = by_scale.sum().reshape(scale_shape)
+            del by_scale
+        else:
+            (grad_x,) = _compiled_terms((0,))(*flat)
+    elif needs[1]:
+        grad_scale = _compiled_terms((1,))(*flat)[0].sum().reshape(scale_shape)
+    if needs[2]:
+        grad_offset = flat[0].sub(grad_x).sum().mul(flat[2]).reshape(offset_shape)
+    return (grad_x.view(shape) if needs[0] and grad_x is not None else None), grad_scale, grad_offset
 
 
 def _learned_forward(x: torch.Tensor, s: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
