@@ -222,7 +222,7 @@ def test_a_rotated_training_state_rebuilds_the_sim_it_trained(name, tmp_path):
         assert any(not torch.equal(w, qat[n]) for n, w in state.weights.items() if "proj" in n)
 
 
-@pytest.mark.parametrize("name", ["spinquant_quadapter", "spinquant_cle_phase2"])
+@pytest.mark.parametrize("name", ["spinquant_quadapter", pytest.param("spinquant_cle_phase2", marks=pytest.mark.slow)])
 def test_the_fp_model_waits_on_disk_while_its_rotated_copy_trains(name, tmp_path, monkeypatch):
     """A cell on the rotated model reads its copy, not the FP model: the FP model's weights are on disk while
     phase 2 trains (the third copy of the weights at the cell's peak), and back bit for bit for the next cell."""

@@ -15,6 +15,7 @@ Only results.json and the files next to it are read: the report needs neither th
 from __future__ import annotations
 
 import math
+import shlex
 from pathlib import Path
 
 from aimet_quadapter.atomic import write_text_atomic
@@ -532,9 +533,9 @@ def results_section(run_dir: str | Path) -> str:
     if len(recipes) != 1:
         raise QuadapterError(f"{run_dir}: a results section shows one recipe's run; this folder has {len(recipes)}")
     ((name, recipe),) = recipes.items()
-    # runs before the command was recorded ran the recipe as written, into its own folder
+    # runs before the command was recorded ran the recipe as written
     command = recipe.get("command") or f"aimet-quadapter run recipes/{Path(recipe.get('path') or name).stem}.yaml"
-    out = recipe["settings"].get("out") if recipe.get("command") else None
+    command, out = _without_out(command), f"runs/{name}"  # where the run went changes no number
     cells = [c for c in results["cells"].values() if not c.get("error")]
     seeds = results.get("seeds") or sorted({c["seed"] for c in cells if c.get("seed") is not None}) or [0]
     machines = sorted({f"{c.get('cpu', 'CPU not recorded')}, {c['threads']} threads" for c in cells})
@@ -546,7 +547,7 @@ def results_section(run_dir: str | Path) -> str:
         "",
         "```bash",
         command,
-        f"aimet-quadapter report {out or f'runs/{name}'}",
+        f"aimet-quadapter report {out}",
         "```",
         "",
         "| machine | commit | seeds | cells' wall time | cells' peak RSS |",
@@ -563,10 +564,24 @@ def results_section(run_dir: str | Path) -> str:
     if dev:
         parts += ["Development text, on which the recipe chooses:", "", dev, ""]
     # the export's path as the page's command writes it, not this machine's folder
-    here, there = str(run_dir.resolve()), out or f"runs/{name}"
+    here, there = str(run_dir.resolve()), out
     for line in export_section(results):
         parts.append(line.replace("## ", "### ", 1) if line.startswith("## ") else line.replace(here, there))
     return "\n".join(parts)
+
+
+def _without_out(command: str) -> str:
+    """``command`` without the run folder it named (``--out DIR``, ``--set out=DIR``)."""
+    words, kept = shlex.split(command), []
+    skip = False
+    for word, after in zip(words, [*words[1:], ""]):
+        if skip:
+            skip = False
+        elif word == "--out" or (word == "--set" and after.startswith("out=")):
+            skip = True
+        elif not word.startswith(("--out=", "--set=out=")):
+            kept.append(word)
+    return shlex.join(kept)
 
 
 def write_report(run_dir: str | Path) -> tuple[Path, str]:
