@@ -19,12 +19,12 @@ import aimet_quadapter.methods.registry as methods
 from aimet_quadapter.cli import main
 from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.state import QuadapterState
-from aimet_quadapter.quant.config import PLACEMENT_REVISION
+from aimet_quadapter.quant.config import PLACEMENT_REVISION, QuantPolicy
 from aimet_quadapter.reporting.figures import perplexity_bars
 from aimet_quadapter.reporting.report import dev_table, matched_comparisons, ordered_rows, results_table
 from aimet_quadapter.running.recipes import load_recipe
 from aimet_quadapter.running.runner import RecipeRun
-from aimet_quadapter.running.statistics import prediction_range
+from aimet_quadapter.running.statistics import machine_label, prediction_range
 from aimet_quadapter.versions import cpu_name
 
 quiet_libraries()
@@ -149,8 +149,11 @@ def test_a_run_prints_as_a_results_page_section(base_run, world, capsys):
     # where the run went is no part of what it computed: the page names the recipe's own folder
     assert f"```bash\naimet-quadapter run {world / 'r.yaml'} --no-progress\naimet-quadapter report runs/r\n" in section
     cell = results["cells"]["a/quadapter"]
-    row = _markdown_rows("| machine |" + section.split("| machine |")[1].split("\n\n")[0])[0]
-    assert cpu_name() in row[0] and row[1] == cell["commit"].replace("+changes", " + changes")
+    row = _markdown_rows("| graph |" + section.split("| graph |")[1].split("\n\n")[0])[0]
+    assert row[0] == QuantPolicy.model_validate(results["recipes"]["r"]["settings"]["policy"]).label()  # the graph
+    assert row[1] == f"{cpu_name()}, {machine_label(cell)}" and row[2] == cell["commit"].replace(
+        "+changes", " + changes"
+    )
     assert results_table(results) in section and dev_table(results) in section
 
 

@@ -547,8 +547,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from aimet_quadapter.reporting.report import results_table
     from aimet_quadapter.running.runner import run_recipe
 
-    command = getattr(args, "command_line", None)
-    folder, results = run_recipe(recipe, args.out, progress=not args.no_progress, command=command)
+    folder, results = run_recipe(recipe, args.out, progress=not args.no_progress, command=args.command_line)
     print(results_table(results))
     print(f"results: {folder / 'results.json'}; `aimet-quadapter report {folder}` writes the full report")
     return _stopped_cells(results)

@@ -357,10 +357,8 @@ def _fp_model_parked(ctx: MethodContext, transformed: PreparedLM) -> Iterator[No
     folder = _write_dir(ctx)
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
-    with (
-        tempfile.TemporaryDirectory(prefix=".parked-fp-", dir=folder) as parked,
-        weights_parked(ctx.model, Path(parked), besides=[transformed]),
-    ):
+    # a folder of its own (processes under torchrun park side by side); weights_parked removes it
+    with weights_parked(ctx.model, Path(tempfile.mkdtemp(prefix=".parked-fp-", dir=folder)), besides=[transformed]):
         yield
 
 

@@ -22,7 +22,7 @@ from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.methods.catalog import CATALOG
 from aimet_quadapter.running.results_file import load_results
-from aimet_quadapter.running.statistics import merge_seeds
+from aimet_quadapter.running.statistics import machine_label, merge_seeds
 
 
 def _fmt(value) -> str:
@@ -538,7 +538,7 @@ def results_section(run_dir: str | Path) -> str:
     command, out = _without_out(command), f"runs/{name}"  # where the run went changes no number
     cells = [c for c in results["cells"].values() if not c.get("error")]
     seeds = results.get("seeds") or sorted({c["seed"] for c in cells if c.get("seed") is not None}) or [0]
-    machines = sorted({f"{c.get('cpu', 'CPU not recorded')}, {c['threads']} threads" for c in cells})
+    machines = sorted({f"{c.get('cpu', 'CPU not recorded')}, {machine_label(c)}" for c in cells})
     commits = sorted({(c.get("commit") or "?").replace("+changes", " + changes") for c in cells})
     wall = sum(c["wall_time_s"] for c in cells)
     peak = max((c.get("peak_rss_kib") or 0 for c in cells), default=0)
@@ -550,10 +550,10 @@ def results_section(run_dir: str | Path) -> str:
         f"aimet-quadapter report {out}",
         "```",
         "",
-        "| machine | commit | seeds | cells' wall time | cells' peak RSS |",
-        "| --- | --- | --- | ---: | ---: |",
-        f"| {'; '.join(machines)} | {', '.join(commits)} | {', '.join(map(str, seeds))} | {wall / 60:.0f} min "
-        f"| {peak / 2**20:.2f} GiB |",
+        "| graph | machine | commit | seeds | cells' wall time | cells' peak RSS |",
+        "| --- | --- | --- | --- | ---: | ---: |",
+        f"| {_policy_label(recipe['settings']['policy'])} | {'; '.join(machines)} | {', '.join(commits)} "
+        f"| {', '.join(map(str, seeds))} | {wall / 60:.0f} min | {peak / 2**20:.2f} GiB |",
         "",
         "Test text (lower is better; **bold**: the best quantized row of its group):",
         "",
