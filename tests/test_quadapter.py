@@ -7,7 +7,9 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from aimet_torch.quantization.affine import QuantizeDequantize
+from torch import nn
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import quiet_libraries
@@ -429,6 +431,37 @@ def test_phase2_distillation_brings_the_sim_toward_the_fp_model(setup):
     with torch.no_grad():
         after = sum(kd(sim.model, b).item() for b in train)
     assert after < 0.9 * before
+
+
+def test_the_distillation_loss_is_native_kl_div_with_its_gradient_to_the_bit():
+    """The KD loss sums the KL divergence a block of rows at a time (for memory): its value is F.kl_div's up to
+    the summation order, and the gradient reaching the student's logits is F.kl_div's, bit for bit."""
+    torch.manual_seed(0)
+    student, teacher = torch.randn(2, 150, 97) * 4, torch.randn(2, 150, 97) * 4  # 300 rows: 4 blocks and a part
+    target = F.log_softmax(teacher, dim=-1).flatten(0, -2)
+
+    def native(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        log_probs = F.log_softmax(model(batch), dim=-1).flatten(0, -2)
+        return F.kl_div(log_probs, target, log_target=True, reduction="batchmean")
+
+    class Fixed(nn.Module):  # ids -> the given logits, as a trainable tensor
+        def __init__(self, logits: torch.Tensor) -> None:
+            super().__init__()
+            self.logits = nn.Parameter(logits.clone())
+
+        def forward(self, batch: torch.Tensor) -> torch.Tensor:
+            return self.logits * 1.0
+
+    grads, values = [], []
+    for loss_fn in (native, distillation_loss(Fixed(teacher))):
+        model = Fixed(student)
+        value = loss_fn(model, torch.zeros(2, 150, dtype=torch.long)) * 0.5  # a slice's weight, as _accumulate's
+        value.backward()
+        grads.append(model.logits.grad)
+        values.append(value.item())
+    assert values[0] > 0.1
+    assert values[1] == pytest.approx(values[0], rel=1e-6)
+    assert torch.equal(grads[0], grads[1])
 
 
 def test_phase2_micro_batches_give_the_whole_batch_gradient(setup):

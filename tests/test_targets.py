@@ -4,6 +4,7 @@ method (and the export) running under it."""
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 
 import pytest
@@ -116,8 +117,16 @@ def test_htp_quantizes_the_rotation_its_tables_and_silus_sigmoid_as_the_graph_co
     # the paper's placement: the model as transformers writes it
     assert not any(s in str(describe(build_sim(model).model)) for s in (".rotary.", ".sigmoid.", ".rotary_emb."))
     ids = sample_corpus(model, 1, SEQ, seed=2)
+    # transformers' rotary function is replaced only while a htp attention module runs
+    modelling = sys.modules[type(model.lm).__module__]
+    own, seen = getattr(modelling, "apply_rotary_pos_emb", None), []
+    for m in sim.model.modules():
+        if type(m).__name__ == "Rotation":
+            m.register_forward_hook(lambda *_: seen.append(modelling.apply_rotary_pos_emb is not own))
     with torch.no_grad(), remove_all_quantizers(sim.model):
         copy, reference = sim.model(ids), model(ids)
+    assert getattr(modelling, "apply_rotary_pos_emb", None) is own
+    assert seen and all(seen) if rotary else not seen
     if silu:
         assert torch.allclose(copy, reference, rtol=0, atol=1e-4)
     else:

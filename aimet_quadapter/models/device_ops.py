@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,25 +87,31 @@ class SplitSiLU(nn.Module):
         return self.mul(x, self.sigmoid(x))
 
 
-def _through_modules(original):
+def _through_modules(original: Callable) -> Callable:
     def apply_rotary_pos_emb(q, k, cos, sin, *args: Any, **kwargs: Any):
-        rotary = getattr(_ACTIVE[-1], "rotary", None) if _ACTIVE else None
-        if rotary is None:  # a model not made for a htp sim (the FP model beside it): transformers' own function
-            return original(q, k, cos, sin, *args, **kwargs)
         unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        rotary = _ACTIVE[-1].rotary
         return rotary[0](q, cos, sin), rotary[1](k, cos, sin)
 
-    apply_rotary_pos_emb.through_modules = True  # type: ignore[attr-defined]  # marks the function patched once
+    apply_rotary_pos_emb.__wrapped__ = original  # type: ignore[attr-defined]
     return apply_rotary_pos_emb
 
 
 def _enter(module: nn.Module, _args: Any) -> None:
+    """The modelling module's rotary function is ours while one of its htp attention modules runs, and
+    transformers' own again when the outermost returns: other models in the process never see it."""
     _ACTIVE.append(module)
+    modelling = sys.modules[type(module).__module__]
+    if sum(type(m).__module__ == modelling.__name__ for m in _ACTIVE) == 1:
+        modelling.apply_rotary_pos_emb = _through_modules(modelling.apply_rotary_pos_emb)  # type: ignore[attr-defined]
 
 
 def _leave(module: nn.Module, _args: Any, _out: Any) -> None:
     _ACTIVE.pop()
+    modelling = sys.modules[type(module).__module__]
+    if not any(type(m).__module__ == modelling.__name__ for m in _ACTIVE):
+        modelling.apply_rotary_pos_emb = modelling.apply_rotary_pos_emb.__wrapped__  # type: ignore[attr-defined]
 
 
 def _silu_types() -> tuple[type, ...]:
@@ -151,10 +158,6 @@ def install_device_ops(model: nn.Module) -> list[str]:
             if kind is not None:
                 installed.append(f"{prefix}{name}")
         if _rotates(module) and not hasattr(module, "rotary"):
-            modelling = sys.modules[type(module).__module__]
-            original = modelling.apply_rotary_pos_emb
-            if not getattr(original, "through_modules", False):
-                modelling.apply_rotary_pos_emb = _through_modules(original)  # type: ignore[attr-defined]
             partial = float(getattr(module.config, "partial_rotary_factor", None) or 1.0) < 1.0
             module.rotary = nn.ModuleList([Rotation(partial), Rotation(partial)])  # q's, k's
             module.register_forward_pre_hook(_enter)

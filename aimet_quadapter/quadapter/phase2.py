@@ -65,9 +65,36 @@ def distillation_loss(teacher: nn.Module) -> LossFn:
         with torch.no_grad():
             target = F.log_softmax(teacher(batch).float(), dim=-1).flatten(0, -2)
         log_probs = F.log_softmax(model(batch).float(), dim=-1).flatten(0, -2)
-        return F.kl_div(log_probs, target, log_target=True, reduction="batchmean")
+        return _KlDivergenceSum.apply(log_probs, target) / log_probs.shape[0]
 
     return loss
+
+
+class _KlDivergenceSum(torch.autograd.Function):
+    """``F.kl_div(log_probs, target, log_target=True, reduction="sum")`` a block of rows at a time.
+
+    The native composite holds exp(target), the difference and their product at once, each the size of the
+    logits (a vocabulary per token); this holds a block's. Its gradient is the composite's, element for element
+    (``-(grad * exp(target))``); only the loss's summation order differs.
+    """
+
+    ROWS = 64
+
+    @staticmethod
+    def forward(ctx: Any, log_probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(target)
+        total = log_probs.new_zeros(())
+        for lp, t in zip(log_probs.split(_KlDivergenceSum.ROWS), target.split(_KlDivergenceSum.ROWS)):
+            total += (t.exp() * (t - lp)).sum()
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (target,) = ctx.saved_tensors
+        out = torch.empty_like(target)
+        for o, t in zip(out.split(_KlDivergenceSum.ROWS), target.split(_KlDivergenceSum.ROWS)):
+            torch.mul(grad, t.exp(), out=o).neg_()
+        return out, None
 
 
 def phase2_loss(params: Phase2Parameters, fp_model: nn.Module) -> LossFn:
