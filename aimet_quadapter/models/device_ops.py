@@ -91,7 +91,7 @@ def _through_modules(original: Callable) -> Callable:
     def apply_rotary_pos_emb(q, k, cos, sin, *args: Any, **kwargs: Any):
         unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-        rotary = _ACTIVE[-1].rotary
+        rotary: nn.ModuleList = _ACTIVE[-1].rotary  # type: ignore[assignment]
         return rotary[0](q, cos, sin), rotary[1](k, cos, sin)
 
     apply_rotary_pos_emb.__wrapped__ = original  # type: ignore[attr-defined]
