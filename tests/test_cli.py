@@ -315,3 +315,54 @@ def test_an_auto_prefix_of_a_tokenizer_without_bos_or_eos_is_none_and_the_log_sa
     assert ppl["auto"] == ppl["none"]
     log = (tmp_path / "auto" / "run.log").read_text()
     assert log.count("neither a BOS nor an EOS token: no prefix") == 1
+
+
+def test_ptq_state_saves_an_htp_state_that_noise_scores_as_eval_does(
+    tiny_gpt2_dir, corpus_dir, tmp_path, capsys, monkeypatch
+):
+    """`ptq-state`: a PTQ state under target htp, calibrated on PTB train (here the local corpus's) after the prefix.
+    `noise` scores it as saved, as `eval --state` does, then once per draw, each within float32 rounding of it."""
+    from aimet_quadapter.quadapter.state import QuadapterState
+    from aimet_quadapter.text import data
+
+    real = data.load_text
+    monkeypatch.setattr(
+        data, "load_text", lambda name, split="test": real(str(corpus_dir) if name == "ptb" else name, split)
+    )
+    state = tmp_path / "ptq.safetensors"
+    argv = ["ptq-state", "--model", str(tiny_gpt2_dir), "--out", str(state), "--samples", "2", "--length", "64"]
+    assert main([*argv, "--prefix", "the market", "--activation-bits", "16"]) == 0
+    assert f"saved {state}" in capsys.readouterr().out
+    saved = QuadapterState.load(state)
+    assert saved.policy.target == "htp" and saved.policy.activation_bits == 16
+    assert saved.metadata["method"] == "ptq" and saved.metadata["prefix"]
+
+    window = ["--model", str(tiny_gpt2_dir), "--dataset", str(corpus_dir), "--seq-len", "64", "--max-tokens", "128"]
+    scored = tmp_path / "scored.json"
+    assert main(["eval", *window, "--state", str(state), "--json", str(scored), "--no-progress"]) == 0
+    want = json.loads(scored.read_text())["ppl"][corpus_dir.stem]
+    capsys.readouterr()
+    assert main(["noise", str(state), *window, "--draws", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "share of activation codes one draw changes, first 256 tokens:" in out
+    assert re.search(r"^  layer \S+: mean \S+, largest \S+$", out, re.M)
+    name = re.escape(str(corpus_dir))
+    ppl = re.findall(rf"^(as saved|draw \d): {name} test perplexity ([0-9.]+)$", out, re.M)
+    assert [p[0] for p in ppl] == ["as saved", "draw 1", "draw 2"] and ppl[0][1] == f"{want:.3f}"
+    values = [float(p[1]) for p in ppl]
+    assert values[1:] == pytest.approx(values[:1] * 2, rel=1e-2)
+    low, high = re.search(r"^range ([0-9.]+)-([0-9.]+): [0-9.]+ % of the lowest$", out, re.M).groups()
+    assert (float(low), float(high)) == (min(values), max(values))
+    assert main(["noise", str(state), *window, "--draws", "1", "--orders", "--rounding", "aimet-onnx"]) == 0
+    out = capsys.readouterr().out
+    assert "share of output activation codes one draw changes" in out and "draw 1: " in out
+
+
+def test_ptq_state_refuses_a_bad_policy_before_the_model_loads(tiny_gpt2_dir, tmp_path, capsys, monkeypatch):
+    _never_load(monkeypatch)
+    out = tmp_path / "s.safetensors"
+    assert main(["ptq-state", "--model", str(tiny_gpt2_dir), "--out", str(out), "--activation-bits", "1"]) == 2
+    assert "activation_bits" in _error_line(capsys) and not out.exists()
+    with pytest.raises(SystemExit) as info:
+        main(["noise", "s.safetensors", "--model", "m", "--draws", "-1"])
+    assert info.value.code == 2 and "expected an integer >= 0" in capsys.readouterr().err

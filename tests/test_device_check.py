@@ -5,22 +5,21 @@ from __future__ import annotations
 
 import json
 import re
-import runpy
 import shutil
-from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 import torch
 
 pytest.importorskip("aimet_onnx", reason="aimet-onnx is the optional extra device-check")
 
+from aimet_quadapter.errors import QuadapterError  # noqa: E402
 from aimet_quadapter.export.device_check import DeviceGraphCheck, device_sim  # noqa: E402
 from aimet_quadapter.export.exporter import export_quantized  # noqa: E402
-from aimet_quadapter.export.formats import ENCODINGS, FP_ONNX  # noqa: E402
+from aimet_quadapter.export.formats import ENCODINGS  # noqa: E402
 from aimet_quadapter.quant.config import QuantPolicy  # noqa: E402
 from aimet_quadapter.quant.policy import build_sim, calibrate  # noqa: E402
+from aimet_quadapter.running.device_texts import Text, cell_record, device_perplexities, texts_of  # noqa: E402
 from aimet_quadapter.testing import sample_corpus, toy_model  # noqa: E402
 from aimet_quadapter.text.perplexity import perplexity  # noqa: E402
 
@@ -84,69 +83,14 @@ def test_every_tensor_it_counts_as_covered_runs_quantized(checked):
     assert not set(coverage.constants) & set(coverage.covered)
 
 
-def test_device_divergence_names_the_first_tensor_the_device_graph_holds_otherwise(checked, monkeypatch, capsys):
-    """``scripts/device_divergence.py --tensors``: with the quantizer of the first tensor the graph computes (the first
-    norm's, or GPT-2's sum of embeddings) off in the device graph, that tensor is the first it names, not before."""
-    _, corpus, out, _ = checked
-    scripts = Path(__file__).parents[1] / "scripts"
-    monkeypatch.syspath_prepend(str(scripts))  # it imports rounding_noise from beside it
-    tensor_divergence = runpy.run_path(str(scripts / "device_divergence.py"))["tensor_divergence"]
-    ids = corpus[8][None].numpy().astype(np.int64)
-    real = tensor_divergence.__globals__["device_sim"]
-    covered = set(real(out)[1].covered)
-    graph = onnx.load(str(out / FP_ONNX)).graph  # a Gather of quantized rows is on their grid already: the next op's
-    start = next(o for node in graph.node if node.op_type != "Gather" for o in node.output if o in covered)
-
-    def first_named() -> str:
-        tensor_divergence(out, ids)
-        lines = capsys.readouterr().out.splitlines()
-        return lines[1].split(" | ")[0] if len(lines) > 2 else ""
-
-    assert first_named() != start
-
-    def first_off(export):
-        sim, coverage = real(export)
-        sim.qc_quantize_op_dict[start].enabled = False
-        return sim, coverage
-
-    monkeypatch.setitem(tensor_divergence.__globals__, "device_sim", first_off)
-    assert first_named() == start
-
-
-def test_device_divergence_by_window_scores_the_device_graph_as_the_check_does(checked, monkeypatch, capsys):
-    """``scripts/device_divergence.py --windows``: its device-graph column is the check's perplexity, window by window
-    (a model without quantizers in the sim's columns: their plumbing, not their values, is what differs here)."""
-    model, corpus, out, report = checked
+def test_the_device_graph_scores_a_text_as_the_check_does(checked):
+    """The device-text scoring (``device-texts``): the device graph's perplexity on the check's windows is the
+    check's own."""
+    _, corpus, out, report = checked
     if report["without_encoding"]:
-        pytest.skip("GPT-2's tensors without an encoding: the check calibrates them on text the script does not read")
-    scripts = Path(__file__).parents[1] / "scripts"
-    monkeypatch.syspath_prepend(str(scripts))
-    window_divergence = runpy.run_path(str(scripts / "device_divergence.py"))["window_divergence"]
-    window_divergence(model, out, _windows(corpus[8:10]), draws=2)
-    printed = capsys.readouterr().out
-    device = float(re.search(r"device graph: perplexity ([0-9.]+)", printed).group(1))
+        pytest.skip("GPT-2's tensors without an encoding: the check calibrates them on text the scoring does not read")
+    (device,) = device_perplexities(out, [Text("test", "t", _windows(corpus[8:10]), report["sim_ppl"])])
     assert device == pytest.approx(report["ppl"], rel=1e-3)
-    assert re.search(r"device graph - sim, aimet-onnx's rounding: mean [-+][0-9.]+, sd [0-9.]+", printed)
-    # a draw re-orders each product's sums, nothing more: on the FP model it moves the perplexity by float32 rounding
-    sim = float(re.search(r"^sim: perplexity ([0-9.]+)", printed, re.M).group(1))
-    drawn = [float(x) for x in re.findall(r"rounding, draw \d: perplexity ([0-9.]+)", printed)]
-    assert len(drawn) == 2 and drawn == pytest.approx([sim, sim], rel=1e-4)
-    band = re.search(r"draws under aimet-onnx's rounding: ([0-9.]+)-([0-9.]+); the device graph ([0-9.]+)", printed)
-    assert band and float(band.group(1)) == min(drawn) and float(band.group(3)) == device
-    centred = re.search(r"float-noise band .*: ([0-9.]+)-([0-9.]+); the device graph ([0-9.]+)", printed)
-    assert centred and float(centred.group(3)) == device
-    assert float(centred.group(1)) <= sim <= float(centred.group(2))
-
-
-def test_the_noise_band_is_centred_on_the_sim_and_reaches_its_farthest_variant(monkeypatch):
-    """A device graph as far from the sim as a draw is inside, though outside the draws' own range when the sim
-    lies beside them; one farther than every variant is not."""
-    scripts = Path(__file__).parents[1] / "scripts"
-    monkeypatch.syspath_prepend(str(scripts))
-    noise_band = runpy.run_path(str(scripts / "device_divergence.py"))["noise_band"]
-    low, high = noise_band(77.4, [75.9, 76.9, 77.0])
-    assert (low, high) == pytest.approx((75.9, 78.9))
-    assert low <= 77.45 <= high and not low <= 79.0 <= high
 
 
 def test_the_device_graph_scores_near_the_sim(checked):
@@ -296,10 +240,10 @@ def test_aimet_onnx_rounding_leaves_the_weights_as_the_exported_graph_holds_them
         assert torch.equal(q(weight).as_subclass(torch.Tensor), exported)
 
 
-def test_device_texts_scores_a_runs_cell_on_the_runs_own_windows(tiny_gpt2_dir, corpus_dir, tmp_path, monkeypatch):
-    """``scripts/device_texts.py``: the run's cell exported, its graph in AIMET's ONNX simulation on the windows the
-    run scored, beside the sim's recorded number for each text, a test text and a development text of one name apart;
-    the run folder itself is refused."""
+def test_device_texts_scores_a_runs_cell_on_the_runs_own_windows(tiny_gpt2_dir, corpus_dir, tmp_path, capsys):
+    """``device-texts``: the run's cell exported, its graph in AIMET's ONNX simulation on the windows the run scored,
+    beside the sim's recorded number for each text, a test text and a development text of one name apart; the run
+    folder itself is refused."""
     from aimet_quadapter.cli.app import main
 
     run, export = tmp_path / "run", tmp_path / "export"
@@ -317,18 +261,26 @@ def test_device_texts_scores_a_runs_cell_on_the_runs_own_windows(tiny_gpt2_dir, 
     exported = ["export", str(cell), "--model", str(tiny_gpt2_dir), "--out", str(export), "--seq-len", str(SEQ)]
     assert main([*exported, *verify, "--device-check", "--no-progress"]) == 0
 
-    scripts = Path(__file__).parents[1] / "scripts"
-    monkeypatch.syspath_prepend(str(scripts))
-    script = runpy.run_path(str(scripts / "device_texts.py"))
-    texts = script["texts_of"](*script["cell_record"](cell))
+    texts = texts_of(*cell_record(cell))
     assert [(t.role, t.label, len(t.windows)) for t in texts] == [("test", "corpus", 4), ("dev", "corpus", 2)]
     assert [t.sim for t in texts] == [record["ppl"]["corpus"], record["dev_ppl"]["corpus"]]
-    test, dev = script["device_perplexities"](export, texts)
+    capsys.readouterr()
+    assert main(["device-texts", str(cell), str(export), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert f"ptq ({cell}), seed {record.get('seed')}: text | sim (results.json) | device graph" in printed
+    rows = re.findall(r"^corpus \((test|dev)\) \| ([0-9.]+) \| ([0-9.]+) \([-+][0-9.]+ %\)$", printed, re.M)
+    assert [(role, sim) for role, sim, _ in rows] == [
+        ("test", f"{record['ppl']['corpus']:.3f}"),
+        ("dev", f"{record['dev_ppl']['corpus']:.3f}"),
+    ]
+    test, dev = (float(device) for _, _, device in rows)
     # the same state and windows: the device graph within the band the fixture's check holds it to
     assert test == pytest.approx(record["ppl"]["corpus"], rel=2 * DEVICE)
     assert dev != pytest.approx(test, rel=1e-3)  # the valid split's own windows
-    with pytest.raises(Exception, match="give a cell folder of a run"):
-        script["cell_record"](run)
+    with pytest.raises(QuadapterError, match="give a cell folder of a run"):
+        cell_record(run)
+    assert main(["device-texts", str(run), str(export)]) == 2
+    assert "give a cell folder of a run" in capsys.readouterr().err
 
 
 def test_the_prompts_answers_are_plain_greedy_decodings_with_fewer_forwards():

@@ -29,6 +29,7 @@ from aimet_quadapter.export.exporter import (
 from aimet_quadapter.export.formats import ENCODING_VERSION, ENCODINGS, QDQ_ONNX
 from aimet_quadapter.export.hf import HFCheckpoint, load_hf_export
 from aimet_quadapter.export.lean import gather_external_data, opset_imports
+from aimet_quadapter.export.noise import noise_band, shuffled_sums
 from aimet_quadapter.export.onnx_eval import (
     OnnxLM,
     graph_tensor_names,
@@ -800,15 +801,11 @@ def test_an_optimized_session_does_not_saturate_integer_products():
 
 
 def test_a_summation_order_draw_sums_the_same_terms():
-    """``scripts/rounding_noise.py --orders``: each matrix product of a draw sums its terms in another order, so the
-    FP model's logits move by float32 rounding only, a tied embedding table stays as it is, and the model after the
-    draw is the model before it. A product whose input were permuted without its weights would move them by the
-    logits' own size."""
-    import runpy
-
+    """``noise --orders``: each matrix product of a draw sums its terms in another order, so the FP model's logits
+    move by float32 rounding only, a tied embedding table stays as it is, and the model after the draw is the model
+    before it. A product whose input were permuted without its weights would move them by the logits' own size."""
     from aimet_quadapter.testing import toy_model
 
-    shuffled_sums = runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "rounding_noise.py"))["shuffled_sums"]
     model = toy_model("llama")
     model.lm.lm_head.weight = model.lm.model.embed_tokens.weight  # tied, as SmolLM2's
     table = model.lm.model.embed_tokens.weight.detach().clone()
@@ -826,6 +823,14 @@ def test_a_summation_order_draw_sums_the_same_terms():
     assert (drawn - before).abs().max() <= 256 * torch.finfo(torch.float32).eps * before.abs().max()
     assert torch.equal(after, before) and torch.equal(sim_after, sim_before)
     assert torch.equal(model.lm.model.embed_tokens.weight, table)
+
+
+def test_the_noise_band_is_centred_on_the_sim_and_reaches_its_farthest_variant():
+    """A device graph as far from the sim as a draw is inside, though outside the draws' own range when the sim
+    lies beside them; one farther than every variant is not."""
+    low, high = noise_band(77.4, [75.9, 76.9, 77.0])
+    assert (low, high) == pytest.approx((75.9, 78.9))
+    assert low <= 77.45 <= high and not low <= 79.0 <= high
 
 
 def test_the_noise_floor_moves_every_quantizer_input_by_whole_ulps_up_and_down():

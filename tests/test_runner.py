@@ -427,8 +427,8 @@ def test_plan_of_a_matrix_without_loading_anything(tmp_path, monkeypatch):
     # phase 2's loss is a phase-2 change too; at its default it leaves every fingerprint as it was before it existed
     kd = RecipeRun(load_recipe(recipe_file, ["phase2.loss=kd"]), tmp_path / "out", progress=False)
     assert {c.key for c in per_fid.cells if per_fid.fingerprint(c) == kd.fingerprint(c)} == same
-    assert "loss" not in per_fid._sections(("phase2",))["phase2"]
-    assert kd._sections(("phase2",))["phase2"]["loss"] == "kd"
+    assert "loss" not in per_fid.prints._sections(("phase2",))["phase2"]
+    assert kd.prints._sections(("phase2",))["phase2"]["loss"] == "kd"
     policy = RecipeRun(load_recipe(recipe_file, ["policy.weight_bits=4"]), tmp_path / "out", progress=False)
     assert {c.key for c in per_fid.cells if per_fid.fingerprint(c) == policy.fingerprint(c)} == {"fp"}
     # a target's placement revised in the code computes its cells again; the other target's stay
@@ -499,7 +499,7 @@ def test_cells_fingerprinted_by_every_section_stay_done_and_take_what_they_read(
     run = _copy(base_run, tmp_path)
     planned = RecipeRun(load_recipe(world / "r.yaml"), run, progress=False)
     results = _results(run)
-    wide = {c.key: _fingerprint(planned._payload(c, wide=True)) for c in planned.cells}
+    wide = {c.key: _fingerprint(planned.prints._payload(c, wide=True)) for c in planned.cells}
     assert {k for k, f in wide.items() if f != results["cells"][k]["fingerprint"]} == {"calib:a/cle", "a/quadapter"}
     for key, fingerprint in wide.items():
         results["cells"][key]["fingerprint"] = fingerprint
@@ -969,14 +969,9 @@ def test_a_seed_of_inf_or_nan_perplexity_is_named_and_neither_averaged_nor_count
     assert summary({"cells": only})["g/ptq"]["ppl"] == {}
 
 
-def test_rows_of_other_fine_tuning_sizes_are_neither_compared_nor_checked_against_each_other(
-    tmp_path, capsys, monkeypatch
-):
-    """A sweep's 2-sequence Quadapter is compared with no 40-sequence QAT, and check_ranges holds a cell to the
+def test_rows_of_other_fine_tuning_sizes_are_neither_compared_nor_checked_against_each_other(tmp_path, capsys):
+    """A sweep's 2-sequence Quadapter is compared with no 40-sequence QAT, and ``ranges`` holds a cell to the
     range of its own size; a reference row of one seed is skipped, not a crash."""
-    import runpy
-    import sys
-
     cells = {
         f"g/{m}{f'@{n}' if n else ''}#seed{s}": _cell(m, "g", s, {"t": v + s}, size=n)
         for m, n, v in (("quadapter", 2, 50.0), ("quadapter", None, 20.0), ("qat", None, 30.0))
@@ -993,12 +988,13 @@ def test_rows_of_other_fine_tuning_sizes_are_neither_compared_nor_checked_agains
             "g/ptq#seed5": {**_cell("ptq", "g", 5, {"t": 40.0}), "threads": 1},
         },
     )
-    script = Path(__file__).parents[1] / "scripts" / "check_ranges.py"
-    monkeypatch.setattr(sys, "argv", [str(script), str(reference), str(other)])
-    runpy.run_path(str(script), run_name="__main__")
+    capsys.readouterr()
+    assert main(["ranges", str(reference), str(other)]) == 0
     out = capsys.readouterr().out
     assert "| 50.500 |" in out and "| 50.000-51.000 | yes |" in out and "in the min-max of the seeds: 1 of 1" in out
     assert "no row of two seeds or more in the reference: 1" in out
+    assert main(["ranges", str(reference), str(other), str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().out == ""  # refused before any row
 
 
 def test_seeds_run_under_other_settings_into_one_folder_are_rows_of_their_own(world, tmp_path, capsys):
@@ -1108,13 +1104,13 @@ def test_a_composition_continues_only_a_state_stamped_with_its_rows_fingerprint(
     (its fingerprint stamp), as phase 1's shared state is read only under its stamp."""
     recipe = load_recipe(world / "r.yaml", ["methods=[quadapter,quadapter_seq_mse]"])
     run = RecipeRun(recipe, tmp_path / "run", progress=False)
-    before, after = (run._finetune_cell(m, "a", None) for m in ("quadapter", "quadapter_seq_mse"))
+    before, after = (run.plan.finetune_cell(m, "a", None) for m in ("quadapter", "quadapter_seq_mse"))
     record = {"fingerprint": run.fingerprint(before), "ppl": {"a": 2.0, "b": 2.0}, "dev_ppl": {"a": 2.0}}
     results = {"cells": {before.key: record}}
     path = tmp_path / "run" / before.folder / "quadapter.safetensors"
     for stamp in (None, "0" * 16, record["fingerprint"]):
         QuadapterState({}, {}, metadata={} if stamp is None else {"fingerprint": stamp}).save(path)
-        origin = run._start_of(after, results)
+        origin = run.executor._start_of(after, results)
         assert (origin is not None) == (stamp == record["fingerprint"]), stamp
 
 

@@ -64,7 +64,7 @@ def test_the_smollm2_keep_start_holds_on_gpt2_which_has_no_values_site(tiny_gpt2
     with pytest.raises(QuadapterError, match="'model.norm->lm_head' matches no Quadapter site"):
         kept_at_start(sites, SMOLLM2_GLOBS)
     recipe = load_recipe(SMOLLM2.parent / "smollm2-best.yaml", [f"model={tiny_gpt2_dir}"])
-    RecipeRun(recipe, Path(".unused"), progress=False)._check_sites(model)
+    RecipeRun(recipe, Path(".unused"), progress=False).checks.check_sites(model)
 
 
 def test_a_bare_word_that_is_no_role_is_refused_naming_the_field_and_the_roles():

@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel
 
 from aimet_quadapter import logs
+from aimet_quadapter.cli.checks import add_check_commands
 from aimet_quadapter.cli.export import add_export_command
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.settings import default_of
@@ -408,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_command(sub)
     _add_report_and_merge_commands(sub)
     add_export_command(sub)
+    add_check_commands(sub)
     _add_talk_options(sub)
     return parser
 

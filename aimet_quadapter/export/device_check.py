@@ -225,11 +225,9 @@ class DeviceGraphCheck:
             device, coverage = device_lm(export, self.calibration)
             ppl = perplexity(device, windows, desc="device graph (aimet-onnx)", progress=self.progress).ppl
             answers = _answers(device, self.prompts, int(self.calibration[0].numel())) if self.prompts else []
-            device.sim.export(str(folder), "device")  # every tensor's encoding, the calibrated ones too
+            # every tensor's encoding, the calibrated ones too; the graph is the export's own model.onnx
+            device.sim.export(str(folder), "device", export_model=False)
             del device
-        for written in folder.iterdir():
-            if written.name != "device.encodings":
-                written.unlink()  # the graph is the export's own model.onnx; only the encodings are new
         entry = {
             "simulator": "aimet-onnx QuantizationSimModel, HTP config " + HTP_VERSION,
             "activation_tensors": len(coverage.covered) + len(coverage.missing),

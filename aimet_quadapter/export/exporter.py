@@ -309,20 +309,11 @@ def verify_export(
        optimizations) and of ``model.onnx`` with ``model.encodings`` applied (see
        :func:`~aimet_quadapter.export.onnx_eval.apply_encodings`) agree with the sim's within ``tolerance``.
     """
-    from tqdm.auto import tqdm
-
     start = time.time()
     folder = Path(folder)
     windows = _as_windows(windows)
     entries, n_quantizers = _check_encodings_exactly(sim, folder)
-    # The sim first, then one onnxruntime session at a time: a 1024-token window of a 50k-vocabulary model
-    # has 200 MB of logits, and each session holds a copy of the weights and its own activation arena.
-    scored = [slice(w.first_target - 1, len(w.ids) - 1) for w in windows]  # logits that predict a scored token
-    runs = len(windows) * (1 + SIM_NOISE_DRAWS + len(FORMS))
-    bar = tqdm(total=runs, desc="verify export", unit="run", disable=not progress)
-    sim_run = _run_sim(sim, windows, scored, bar.update)
-    forms, floor, encodings_vs_qdq, applied = _run_forms(sim, folder, entries, windows, scored, sim_run, bar.update)
-    bar.close()
+    sim_run, (forms, floor, encodings_vs_qdq, applied) = _run_sim_and_forms(sim, folder, entries, windows, progress)
 
     def ppl(nll: torch.Tensor) -> float:
         return math.exp(nll.item() / sim_run.tokens)
@@ -357,6 +348,21 @@ def verify_export(
     )
     _refuse_disagreement(report)
     return report
+
+
+def _run_sim_and_forms(
+    sim: QuantizationSimModel, folder: Path, entries: list[Encoding], windows: list[Window], progress: bool
+) -> tuple[_SimRun, tuple[dict[str, _Comparison], _Comparison, _Comparison, int]]:
+    """:func:`_run_sim`, then :func:`_run_forms`, on the logits that predict a scored token."""
+    from tqdm.auto import tqdm
+
+    # The sim first, then one onnxruntime session at a time: a 1024-token window of a 50k-vocabulary model
+    # has 200 MB of logits, and each session holds a copy of the weights and its own activation arena.
+    scored = [slice(w.first_target - 1, len(w.ids) - 1) for w in windows]
+    runs = len(windows) * (1 + SIM_NOISE_DRAWS + len(FORMS))
+    with tqdm(total=runs, desc="verify export", unit="run", disable=not progress) as bar:
+        sim_run = _run_sim(sim, windows, scored, bar.update)
+        return sim_run, _run_forms(sim, folder, entries, windows, scored, sim_run, bar.update)
 
 
 def _check_encodings_exactly(sim: QuantizationSimModel, folder: Path) -> tuple[list[Encoding], int]:
@@ -650,6 +656,38 @@ def _put_in_place(tmp: Path, out_dir: Path) -> None:
         tmp.rename(out_dir)
 
 
+def _blockwise(sim: QuantizationSimModel) -> str | None:
+    """The first quantizer of ``sim`` with a block-wise grid, by name, else None."""
+    return next((f"{path}.{role}" for path, role, q in quantizers(sim.model) if q.block_size is not None), None)
+
+
+def _extra_forms(
+    sim: QuantizationSimModel,
+    tmp: Path,
+    formats: Sequence[ExtraFormat],
+    encoding_version: str,
+    windows: Sequence[Window],
+    report: Verification,
+) -> dict:
+    """Each of ``formats`` written into its subfolder of ``tmp`` and verified on ``windows``: its manifest entry."""
+    extras = {}
+    for extra in formats:
+        entry = extra.write(sim, tmp / extra.key, encoding_version)
+        entry.update(extra.verify(sim, tmp / extra.key, windows, report, tmp))
+        entry["files"] = _file_table(tmp / extra.key)
+        extras[extra.key] = entry
+        release_freed_memory()
+    return extras
+
+
+def _provenance(start: float) -> dict:
+    return {
+        "tools": library_versions(),
+        "export_time_s": round(time.time() - start, 3),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
 def export_quantized(
     sim: QuantizationSimModel,
     out_dir: str | Path,
@@ -670,45 +708,28 @@ def export_quantized(
 ) -> ExportResult:
     """Export ``sim`` (a calibrated or trained sim of a PreparedLM) to ``out_dir``, verified; see the module doc.
 
-    ``seq_len`` fixes the graph's input length (on-device graphs are static); ``dynamic_length`` makes it
-    a dynamic axis instead (batch stays 1). ``opset`` is the FP graph's (default: torch's); the QDQ graph
-    is opset 21. ``verify_windows`` are held-out token windows (at most ``seq_len`` tokens each; shorter
-    ones are padded at the end for a fixed-length graph) on which the export must match the sim.
-    ``encoding_version``: AIMET's encodings format (default 1.0.0, 2.0.0 for a sim with block-wise weights:
-    :func:`~aimet_quadapter.export.formats.encoding_version_for`). ``model_name`` is what ``eval`` loads the
-    tokenizer from. ``merge_shared_ranges``: see
-    :func:`reconcile_shared_ranges` (changes ``sim``). ``formats``: further forms of the model, each in its
-    subfolder and verified on the same windows (e.g. ``KVGraphs()``: prefill and decode graphs with a KV cache;
-    ``HFCheckpoint()``: a Hugging Face checkpoint with AIMET's torch encodings).
+    ``seq_len`` fixes the graph's input length (on-device graphs are static); ``dynamic_length`` makes it a
+    dynamic axis instead (batch stays 1). ``opset`` is the FP graph's (default: torch's); the QDQ graph is opset
+    21. ``verify_windows``: held-out token windows (at most ``seq_len`` tokens each; shorter ones are padded at
+    the end for a fixed-length graph) on which the export must match the sim. ``encoding_version``: AIMET's
+    encodings format (:func:`~aimet_quadapter.export.formats.encoding_version_for`). ``model_name``: what
+    ``eval`` loads the tokenizer from. ``merge_shared_ranges``: see :func:`reconcile_shared_ranges` (changes
+    ``sim``). ``formats``: further forms of the model, each in its subfolder and verified on the same windows
+    (``KVGraphs()``: prefill and decode graphs with a KV cache; ``HFCheckpoint()``: a Hugging Face checkpoint).
     """
     start = time.time()
     check_free_disk(out_dir, sim.model)
-    blockwise = next((f"{path}.{role}" for path, role, q in quantizers(sim.model) if q.block_size is not None), None)
-    encoding_version = encoding_version_for(blockwise, encoding_version)
+    encoding_version = encoding_version_for(_blockwise(sim), encoding_version)
     windows, prefix = _checked_windows(sim, seq_len, encoding_version, verify_windows, dynamic_length, formats)
     out_dir = Path(out_dir).expanduser().absolute()
     check_new_folder(out_dir, overwrite)
     n_quantizers = _check_calibrated(sim)
-    # a state of separate shared ranges was merged as it was loaded (QuadapterState.build_sim); a sim built
-    # elsewhere, with AIMET's own one quantizer per reader, is checked and merged here
-    merged = [*getattr(sim, "quadapter_merged_ranges", []), *reconcile_shared_ranges(sim, merge=merge_shared_ranges)]
-    tmp = _partial_folder(out_dir)
-    # Traced and verified on the CPU, where onnxruntime runs: on CUDA, TorchScript's constant folding met
-    # CPU constants beside CUDA weights (Llama's rotary embedding), and the verification would measure
-    # CUDA-vs-CPU rounding on top of the export's own. The sim goes back to its device afterwards.
-    device = device_of(sim.model)
-    sim.model.to("cpu")
-    try:
+    merged = _merged_ranges(sim, merge_shared_ranges)
+    with _partial_on_cpu(sim, out_dir) as tmp:
         _export_graphs(sim, tmp, seq_len, encoding_version, dynamic_length, opset)
         propagated = propagate_through_data_movement(tmp)
         report = verify_export(sim, tmp, windows, tolerance, progress=progress)
-        extras = {}
-        for extra in formats:
-            entry = extra.write(sim, tmp / extra.key, encoding_version)
-            entry.update(extra.verify(sim, tmp / extra.key, windows, report, tmp))
-            entry["files"] = _file_table(tmp / extra.key)
-            extras[extra.key] = entry
-            release_freed_memory()
+        extras = _extra_forms(sim, tmp, formats, encoding_version, windows, report)
         manifest = {
             "format": "aimet-quadapter export 1",
             "model": model_name,
@@ -721,20 +742,38 @@ def export_quantized(
             "encodings_propagated": propagated,
             "verification": report.to_dict(),
             **extras,
-            "tools": library_versions(),
-            "export_time_s": round(time.time() - start, 3),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **_provenance(start),
             **(extra_manifest or {}),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         _put_in_place(tmp, out_dir)
+    return ExportResult(out_dir, manifest, report, {n: out_dir / n for n in (FP_ONNX, ENCODINGS, QDQ_ONNX, MANIFEST)})
+
+
+def _merged_ranges(sim: QuantizationSimModel, merge: bool) -> list[dict]:
+    """The shared ranges merged into one: a state's were merged as it was loaded (QuadapterState.build_sim); a
+    sim built elsewhere, with AIMET's own one quantizer per reader, is checked and merged here."""
+    return [*getattr(sim, "quadapter_merged_ranges", []), *reconcile_shared_ranges(sim, merge=merge)]
+
+
+@contextmanager
+def _partial_on_cpu(sim: QuantizationSimModel, out_dir: Path) -> Iterator[Path]:
+    """A new folder beside ``out_dir`` for the export, removed where it fails; ``sim`` on the CPU meanwhile.
+
+    Traced and verified on the CPU, where onnxruntime runs: on CUDA, TorchScript's constant folding met CPU
+    constants beside CUDA weights (Llama's rotary embedding), and the verification would measure CUDA-vs-CPU
+    rounding on top of the export's own. The sim goes back to its device afterwards.
+    """
+    tmp = _partial_folder(out_dir)
+    device = device_of(sim.model)
+    sim.model.to("cpu")
+    try:
+        yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         sim.model.to(device)
-    paths = {name: out_dir / name for name in (FP_ONNX, ENCODINGS, QDQ_ONNX, MANIFEST)}
-    return ExportResult(out_dir, manifest, report, paths)
 
 
 __all__ = [

@@ -25,7 +25,7 @@ import json
 import math
 import types
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -350,6 +350,24 @@ def sim_greedy(model: PreparedLM, prompt: torch.Tensor, steps: int) -> list[int]
     return out
 
 
+@dataclass
+class _GreedyTally:
+    """Greedy decodes of the graphs (``got``) and of the sim with one-ulp inputs (``noisy``) against the sim's."""
+
+    same: int = 0
+    floor_same: int = 0
+    total: int = 0
+    prefixes: list[int] = field(default_factory=list)
+    floor_prefixes: list[int] = field(default_factory=list)
+
+    def add(self, want: list[int], got: list[int], noisy: list[int], steps: int) -> None:
+        self.same += sum(a == b for a, b in zip(want, got))
+        self.floor_same += sum(a == b for a, b in zip(want, noisy))
+        self.total += steps
+        self.prefixes.append(_common_prefix(want, got))
+        self.floor_prefixes.append(_common_prefix(want, noisy))
+
+
 def verify_kv_graphs(
     sim: QuantizationSimModel,
     folder: Path,
@@ -367,40 +385,31 @@ def verify_kv_graphs(
     windows by the graphs and by the sim.
     Raises where the graphs differ from the sim by more than the bounds (the full-sequence export's, set by
     the float32 floor it measured) or from the full-sequence graph by more than float rounding."""
-    model = sim.model
-    prefix = model.prefix_length
+    model, prefix = sim.model, sim.model.prefix_length
     check_windows_fit(graphs, windows, prefix)
     # the full-sequence graph's logits first, its session closed before the KV graphs' two open: one copy of
     # the weights fewer in memory at once
     full_logits = _full_graph_logits(full_graph, windows)
     runner = KVGraphRunner(folder, graphs, model.kv_shape())
     sim_nll, graphs_nll = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    tokens, max_diff, full_diff, same, greedy_same, greedy_total, floor_same = 0, 0.0, 0.0, 0, 0, 0, 0
-    prefixes: list[int] = []
-    floor_prefixes: list[int] = []
+    tokens, max_diff, full_diff, same, greedy = 0, 0.0, 0.0, 0, _GreedyTally()
     with torch.no_grad(), fast_inference(model):
         for index, window in enumerate(windows):
             ids = window.ids
             prefill = max(1, len(ids) // 2)
             reference = model(ids[None].to(device_of(model))).float().cpu()
             ours = torch.from_numpy(runner.logits(ids.tolist(), prefill))[None]
-            graph = full_logits[index]
             sim_nll += window_nll(reference, window)
             graphs_nll += window_nll(ours, window)
             scored = slice(window.first_target - 1, len(ids) - 1)
             max_diff = max(max_diff, float((reference[0, scored] - ours[0, scored]).abs().max()))
-            full_diff = max(full_diff, float((graph[0, scored] - ours[0, scored]).abs().max()))
+            full_diff = max(full_diff, float((full_logits[index][0, scored] - ours[0, scored]).abs().max()))
             same += int((reference[0, scored].argmax(-1) == ours[0, scored].argmax(-1)).sum())
             tokens += window.n_targets
             if index >= greedy_prompts:
                 continue
             steps = min(greedy_steps, graphs.context - 1 - prefix - prefill)
-            want, got, noisy = _greedy_runs(model, runner, ids[:prefill], steps, index)
-            greedy_same += sum(a == b for a, b in zip(want, got))
-            floor_same += sum(a == b for a, b in zip(want, noisy))
-            greedy_total += steps
-            prefixes.append(_common_prefix(want, got))
-            floor_prefixes.append(_common_prefix(want, noisy))
+            greedy.add(*_greedy_runs(model, runner, ids[:prefill], steps, index), steps)
     sim_ppl, graphs_ppl = math.exp(sim_nll.item() / tokens), math.exp(graphs_nll.item() / tokens)
     agreement = KVAgreement(
         windows=len(windows),
@@ -411,11 +420,11 @@ def verify_kv_graphs(
         max_abs_logit_diff=max_diff,
         top1_agreement=same / max(tokens, 1),
         vs_full_graph_max_abs_logit_diff=full_diff,
-        greedy_tokens=greedy_total,
-        greedy_agreement=greedy_same / max(greedy_total, 1),
-        greedy_common_prefix=sum(prefixes) / max(len(prefixes), 1),
-        greedy_floor_agreement=floor_same / max(greedy_total, 1),
-        greedy_floor_common_prefix=sum(floor_prefixes) / max(len(floor_prefixes), 1),
+        greedy_tokens=greedy.total,
+        greedy_agreement=greedy.same / max(greedy.total, 1),
+        greedy_common_prefix=sum(greedy.prefixes) / max(len(greedy.prefixes), 1),
+        greedy_floor_agreement=greedy.floor_same / max(greedy.total, 1),
+        greedy_floor_common_prefix=sum(greedy.floor_prefixes) / max(len(greedy.floor_prefixes), 1),
     )
     _check_agreement(agreement, ppl_bound, logit_bound)
     return agreement

@@ -12,6 +12,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -103,35 +104,8 @@ def _torch_writes_weights_outside(path: str, kwargs: dict) -> Iterator[bool]:
         weights.update(params)
         return params
 
-    def add_functions_then_weights(model_bytes: bytes, custom_opsets) -> bytes:
-        import onnx
-        from onnx import numpy_helper
-        from onnx.external_data_helper import set_external_data
-
-        model = onnx.load_model_from_string(model_bytes)
-        functions: list = []
-        find(model.graph, set(), custom_opsets, functions)
-        if functions:
-            model.functions.extend(functions)
-        location = f"{os.path.basename(path)}.data"
-        inputs = [i for i in model.graph.input if i.name not in weights]
-        order = [i.name for i in model.graph.input if i.name in weights]  # torch's encoder's order
-        if len(order) != len(weights):
-            raise RuntimeError(f"torch's graph has no input for the weights {sorted(set(weights) - set(order))[:3]}")
-        with open(os.path.join(os.path.dirname(path) or ".", location), "wb") as data:
-            for name in order:
-                tensor = numpy_helper.from_array(weights.pop(name).detach().cpu().numpy(), name)
-                if len(tensor.raw_data) >= 1024:  # onnx.save's size_threshold
-                    set_external_data(tensor, location, data.tell(), len(tensor.raw_data))
-                    data.write(tensor.raw_data)
-                    tensor.ClearField("raw_data")
-                model.graph.initializer.append(tensor)
-        del model.graph.input[:]
-        model.graph.input.extend(inputs)
-        return model.SerializeToString()
-
     kwargs["export_params"] = False
-    onnx_proto_utils._add_onnxscript_fn = add_functions_then_weights
+    onnx_proto_utils._add_onnxscript_fn = partial(_add_functions_then_weights, find=find, path=path, weights=weights)
     _C._jit_pass_onnx_deduplicate_initializers = deduplicate_and_keep
     try:
         yield True
@@ -139,6 +113,38 @@ def _torch_writes_weights_outside(path: str, kwargs: dict) -> Iterator[bool]:
         onnx_proto_utils._add_onnxscript_fn = add_functions
         _C._jit_pass_onnx_deduplicate_initializers = deduplicate
         weights.clear()
+
+
+def _add_functions_then_weights(
+    model_bytes: bytes, custom_opsets: Any, *, find: Any, path: str, weights: dict[str, torch.Tensor]
+) -> bytes:
+    """torch's ``_add_onnxscript_fn`` (``find``), then ``weights`` added as initializers in torch's encoder's
+    order, each one's data written into ``<path>.data`` as it is made."""
+    import onnx
+    from onnx import numpy_helper
+    from onnx.external_data_helper import set_external_data
+
+    model = onnx.load_model_from_string(model_bytes)
+    functions: list = []
+    find(model.graph, set(), custom_opsets, functions)
+    if functions:
+        model.functions.extend(functions)
+    location = f"{os.path.basename(path)}.data"
+    inputs = [i for i in model.graph.input if i.name not in weights]
+    order = [i.name for i in model.graph.input if i.name in weights]  # torch's encoder's order
+    if len(order) != len(weights):
+        raise RuntimeError(f"torch's graph has no input for the weights {sorted(set(weights) - set(order))[:3]}")
+    with open(os.path.join(os.path.dirname(path) or ".", location), "wb") as data:
+        for name in order:
+            tensor = numpy_helper.from_array(weights.pop(name).detach().cpu().numpy(), name)
+            if len(tensor.raw_data) >= 1024:  # onnx.save's size_threshold
+                set_external_data(tensor, location, data.tell(), len(tensor.raw_data))
+                data.write(tensor.raw_data)
+                tensor.ClearField("raw_data")
+            model.graph.initializer.append(tensor)
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    return model.SerializeToString()
 
 
 def export_sim_graphs(

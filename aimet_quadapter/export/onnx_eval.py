@@ -309,7 +309,6 @@ def apply_encodings(model, encodings: Iterable[Encoding], copy: bool = True):
     last one for MatMul, the first one for Gather). Returns ``(model, number of entries applied)``.
     """
     import onnx
-    from onnx import TensorProto, helper, numpy_helper
 
     if copy:
         out = onnx.ModelProto()
@@ -340,30 +339,9 @@ def apply_encodings(model, encodings: Iterable[Encoding], copy: bool = True):
             shape = None
         else:
             raise QuadapterError(f"encoding {enc.name!r} names no initializer or node output of the graph")
-        np_type = helper.tensor_dtype_to_np_dtype(getattr(TensorProto, _ONNX_TYPES[enc.dtype]))
-        needs_opset21 |= enc.dtype in ("uint16", "int16", "uint4", "int4")
-        attrs: dict[str, Any] = {}  # node attributes: make_node takes them as keyword arguments
-        if enc.block_size is not None:
-            attrs.update(axis=enc.axis, block_size=enc.block_size)
-            scale, zero_point = enc.scale, enc.zero_point.astype(np_type)
-            needs_opset21 = True
-        elif enc.scale.size > 1:
-            attrs["axis"] = _channel_axis(enc, shape, consumers.get(enc.name, []))
-            scale, zero_point = enc.scale, enc.zero_point.astype(np_type)
-        else:
-            scale, zero_point = enc.scale.reshape(()), enc.zero_point.reshape(()).astype(np_type)
-        s_name, z_name = f"{enc.name}__scale_{n}", f"{enc.name}__zero_point_{n}"
-        graph.initializer.append(numpy_helper.from_array(scale, s_name))
-        graph.initializer.append(numpy_helper.from_array(zero_point, z_name))
-        q_name = f"{enc.name}__quantized"
-        inserted.setdefault(position, []).extend(
-            [
-                helper.make_node("QuantizeLinear", [raw, s_name, z_name], [q_name], name=f"{q_name}_q", **attrs),
-                helper.make_node(
-                    "DequantizeLinear", [q_name, s_name, z_name], [enc.name], name=f"{q_name}_dq", **attrs
-                ),
-            ]
-        )
+        pair, wide = _qdq_pair(graph, enc, n, raw, shape, consumers.get(enc.name, []))
+        needs_opset21 |= wide
+        inserted.setdefault(position, []).extend(pair)
         applied += 1
     nodes = list(inserted.get(-1, []))
     for i, node in enumerate(graph.node):
@@ -377,6 +355,33 @@ def apply_encodings(model, encodings: Iterable[Encoding], copy: bool = True):
 
         out = version_converter.convert_version(out, 21)
     return out, applied
+
+
+def _qdq_pair(graph, enc: Encoding, n: int, raw: str, shape: list[int] | None, uses: list) -> tuple[list, bool]:
+    """The QuantizeLinear/DequantizeLinear nodes from tensor ``raw`` to ``enc.name``, their scale and zero point
+    added to ``graph``'s initializers (named by ``n``, the entry's index); and whether they need opset 21."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    np_type = helper.tensor_dtype_to_np_dtype(getattr(TensorProto, _ONNX_TYPES[enc.dtype]))
+    needs_opset21 = enc.dtype in ("uint16", "int16", "uint4", "int4")
+    attrs: dict[str, Any] = {}  # node attributes: make_node takes them as keyword arguments
+    if enc.block_size is not None:
+        attrs.update(axis=enc.axis, block_size=enc.block_size)
+        scale, zero_point = enc.scale, enc.zero_point.astype(np_type)
+        needs_opset21 = True
+    elif enc.scale.size > 1:
+        attrs["axis"] = _channel_axis(enc, shape, uses)
+        scale, zero_point = enc.scale, enc.zero_point.astype(np_type)
+    else:
+        scale, zero_point = enc.scale.reshape(()), enc.zero_point.reshape(()).astype(np_type)
+    s_name, z_name = f"{enc.name}__scale_{n}", f"{enc.name}__zero_point_{n}"
+    graph.initializer.append(numpy_helper.from_array(scale, s_name))
+    graph.initializer.append(numpy_helper.from_array(zero_point, z_name))
+    q_name = f"{enc.name}__quantized"
+    return [
+        helper.make_node("QuantizeLinear", [raw, s_name, z_name], [q_name], name=f"{q_name}_q", **attrs),
+        helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [enc.name], name=f"{q_name}_dq", **attrs),
+    ], needs_opset21
 
 
 def _channel_axis(enc: Encoding, shape: list[int] | None, uses: list[tuple[str, int]]) -> int:

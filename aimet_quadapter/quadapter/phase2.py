@@ -135,58 +135,73 @@ def run_phase2(
         raise QuadapterError("phase 2 needs at least one fine-tuning batch")
     sim_model.eval()  # dropout off: the model is frozen, only its quantization is being trained
     groups = _trained_groups(sim_model, qset, params)
-    optimizer = GroupedAdam(groups)
-    total = max(params.steps, 1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1.0 - step / total))
-
+    optimizer, schedule = _optimizer(groups, params)
     result = Phase2Result()
     ckpt = Path(params.checkpoint_dir) / "phase2.pt" if params.checkpoint_dir else None
     key = _checkpoint_key(params, sim_model, qset, batches) if ckpt is not None else ""
     start = _resume(ckpt, key, sim_model, qset, optimizer, schedule, result)
-
     trainable = [p for group in groups for p in group["params"]]
     # named before gathered_embedding_quantization takes the embedding's quantizer out of the module tree
     named = list(sim_model.named_parameters())
     fake_quantized = quantizers_in([sim_model])
     # where each small op is a kernel launch, the ranges' encodings are made once per pass for all quantizers
     batched = fake_quantized if params.fused_fake_quant else []
-    progress = progress and distributed.is_main()
-    bar = tqdm(range(start, params.steps), desc=desc, initial=start, total=params.steps, disable=not progress)
-    try:
-        with (
-            gathered_embedding_quantization(sim_model),
-            elementwise_fake_quant(fake_quantized, fused=bool(params.fused_fake_quant)),
-            plain_tensors(),
-            _recomputed_blocks(sim_model, params),
-        ):
-            for step in bar:
-                optimizer.zero_grad(set_to_none=True)
-                # under torchrun each process takes its share of the global batch; gradients are averaged
-                part = distributed.local_part(batches[step % len(batches)])
-                held = qset if qset is not None and params.fused_fake_quant else None
-                loss = _accumulate(sim_model, part, loss_fn, params, batched, held)
-                # the mean over the processes: a loss that is not finite on one of them stops every one of them
-                # here, with the same line, instead of leaving the others waiting in the gradients' all-reduce
-                value = distributed.mean_over_ranks(loss)
-                if not math.isfinite(value):  # before the step: the parameters and checkpoint stay the last good ones
-                    where = f"; the last checkpoint ({ckpt}) holds step {_saved_step(ckpt)}" if ckpt else ""
-                    raise TrainingDiverged(f"{desc}: the loss is {value} at step {step + 1} of {params.steps}{where}")
-                distributed.average_gradients(trainable)
-                optimizer.step()
-                schedule.step()
-                # the prefix's cache follows the weights and alphas (no gradient reaches it through the prefix)
-                refresh_prefix(sim_model)
-                result.losses.append(value)
-                bar.set_postfix(loss=f"{value:.4f}")
-                due = (step + 1) % params.checkpoint_every == 0 or step + 1 == params.steps
-                if ckpt is not None and due and distributed.is_main():
-                    saved = {"key": key, "step": step + 1, "losses": result.losses}
-                    saved |= {"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}
-                    _write_checkpoint(ckpt, saved | _trainable_state(named, qset))
-    finally:
-        for p in sim_model.parameters():
-            p.requires_grad_(False)
+    shown = progress and distributed.is_main()
+    bar = tqdm(range(start, params.steps), desc=desc, initial=start, total=params.steps, disable=not shown)
+    with (
+        _frozen_on_exit(sim_model),
+        gathered_embedding_quantization(sim_model),
+        elementwise_fake_quant(fake_quantized, fused=bool(params.fused_fake_quant)),
+        plain_tensors(),
+        _recomputed_blocks(sim_model, params),
+    ):
+        for step in bar:
+            optimizer.zero_grad(set_to_none=True)
+            # under torchrun each process takes its share of the global batch; gradients are averaged
+            part = distributed.local_part(batches[step % len(batches)])
+            held = qset if qset is not None and params.fused_fake_quant else None
+            loss = _accumulate(sim_model, part, loss_fn, params, batched, held)
+            value = _finite_mean(loss, step, params, desc, ckpt)
+            distributed.average_gradients(trainable)
+            optimizer.step()
+            schedule.step()
+            # the prefix's cache follows the weights and alphas (no gradient reaches it through the prefix)
+            refresh_prefix(sim_model)
+            result.losses.append(value)
+            bar.set_postfix(loss=f"{value:.4f}")
+            due = (step + 1) % params.checkpoint_every == 0 or step + 1 == params.steps
+            if ckpt is not None and due and distributed.is_main():
+                saved = {"key": key, "step": step + 1, "losses": result.losses}
+                _write_checkpoint(ckpt, saved, optimizer, schedule, _trainable_state(named, qset))
     return result
+
+
+@contextmanager
+def _frozen_on_exit(model: nn.Module) -> Iterator[None]:
+    """Every parameter of ``model`` frozen again when training ends, by an error too."""
+    try:
+        yield
+    finally:
+        for p in model.parameters():
+            p.requires_grad_(False)
+
+
+def _optimizer(groups: list[dict[str, Any]], params: Phase2Parameters) -> tuple[GroupedAdam, Any]:
+    """Adam over ``groups``, its rates decaying linearly to 0 over ``params.steps``."""
+    optimizer = GroupedAdam(groups)
+    total = max(params.steps, 1)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1.0 - step / total))
+
+
+def _finite_mean(loss: float, step: int, params: Phase2Parameters, desc: str, ckpt: Path | None) -> float:
+    """The loss's mean over the processes, or :class:`TrainingDiverged` before the step is taken (the
+    parameters and checkpoint stay the last good ones). A loss that is not finite on one process stops every
+    one of them here, with the same line, instead of leaving the others waiting in the gradients' all-reduce."""
+    value = distributed.mean_over_ranks(loss)
+    if not math.isfinite(value):
+        where = f"; the last checkpoint ({ckpt}) holds step {_saved_step(ckpt)}" if ckpt else ""
+        raise TrainingDiverged(f"{desc}: the loss is {value} at step {step + 1} of {params.steps}{where}")
+    return value
 
 
 def _loss_or_lm(params: Phase2Parameters, loss_fn: LossFn | None) -> LossFn:
@@ -250,7 +265,8 @@ def _trained_groups(sim_model: nn.Module, qset: QuadapterSet | None, params: Pha
     return groups
 
 
-def _write_checkpoint(ckpt: Path, state: dict) -> None:
+def _write_checkpoint(ckpt: Path, state: dict, optimizer: GroupedAdam, schedule: Any, trained: dict) -> None:
+    state = state | {"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()} | trained
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(ckpt, partial(_save, state))
 

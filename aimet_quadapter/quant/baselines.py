@@ -80,47 +80,12 @@ def apply_adaround(
     ``set_and_freeze_param_encodings``, and the other encodings (activations, embedding, norms) come from
     the usual calibration. Returns what AdaRound did (frozen encodings, weights rounded away from nearest).
     """
-    from aimet_torch.adaround.adaround_weight import Adaround, AdaroundParameters
-
     policy = sim_policy(sim)
     batches = list(calibration)
     with tempfile.TemporaryDirectory() as tmp:
         # AIMET writes the encodings file; each process (torchrun) writes its own, the first one keeps a copy.
         folder = Path(tmp)
-        if policy.target == "htp":  # AdaRound's sim places its weight quantizers as the target's sim does
-            config = Path(htp_config_file())
-        else:
-            config = folder / "quantsim_config.json"
-            config.write_text(json.dumps(aimet_config(policy)))
-        ada_params = AdaroundParameters(
-            data_loader=batches,
-            num_batches=min(params.adaround_batches or len(batches), len(batches)),
-            default_num_iterations=params.adaround_iterations,
-            default_reg_param=params.adaround_reg_param,
-            forward_fn=aimet_forward,
-        )
-        dummy = torch.zeros((1, 16), dtype=torch.long, device=device_of(fp_model))
-        if policy.target == "htp":  # AIMET quantizes the softmax input of its own sim of the FP model too
-            set_mask_fill(fp_model, HTP_MASK_FILL)
-        try:
-            with warnings.catch_warnings():
-                # AIMET traces the FP model (torch and transformers warn about the tracer) and reads its losses
-                # with float() of a tensor that requires grad: nothing the user can act on
-                warnings.simplefilter("ignore", FutureWarning)
-                warnings.simplefilter("ignore", torch.jit.TracerWarning)
-                warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad=True to a scalar")
-                rounded = Adaround.apply_adaround(
-                    fp_model,
-                    dummy,
-                    ada_params,
-                    path=str(folder),
-                    filename_prefix="adaround",
-                    default_param_bw=policy.weight_bits,
-                    default_quant_scheme=aimet_quant_scheme(policy),
-                    default_config_file=str(config),
-                )
-        finally:
-            set_mask_fill(fp_model, None)
+        rounded, num_batches = _aimet_adaround(fp_model, batches, params, policy, folder)
         encodings = folder / "adaround.encodings"
         frozen = len(json.loads(encodings.read_text())["param_encodings"])
         if out_dir is not None and distributed.is_main():
@@ -136,10 +101,54 @@ def apply_adaround(
         calibrate(sim, batches)
     return {
         "adaround_iterations": params.adaround_iterations,
-        "adaround_batches": ada_params.num_batches,
+        "adaround_batches": num_batches,
         "adaround_frozen_encodings": frozen,
         "adaround_flipped_fraction": _flipped_fraction(fp_model, sim),
     }
+
+
+def _aimet_adaround(
+    fp_model: PreparedLM, batches: list[torch.Tensor], params: BaselineParameters, policy: QuantPolicy, folder: Path
+) -> tuple[torch.nn.Module, int]:
+    """AIMET's ``Adaround.apply_adaround`` of ``fp_model``, its encodings written into ``folder``: the rounded
+    copy and the number of batches it read."""
+    from aimet_torch.adaround.adaround_weight import Adaround, AdaroundParameters
+
+    if policy.target == "htp":  # AdaRound's sim places its weight quantizers as the target's sim does
+        config = Path(htp_config_file())
+    else:
+        config = folder / "quantsim_config.json"
+        config.write_text(json.dumps(aimet_config(policy)))
+    ada_params = AdaroundParameters(
+        data_loader=batches,
+        num_batches=min(params.adaround_batches or len(batches), len(batches)),
+        default_num_iterations=params.adaround_iterations,
+        default_reg_param=params.adaround_reg_param,
+        forward_fn=aimet_forward,
+    )
+    dummy = torch.zeros((1, 16), dtype=torch.long, device=device_of(fp_model))
+    if policy.target == "htp":  # AIMET quantizes the softmax input of its own sim of the FP model too
+        set_mask_fill(fp_model, HTP_MASK_FILL)
+    try:
+        with warnings.catch_warnings():
+            # AIMET traces the FP model (torch and transformers warn about the tracer) and reads its losses
+            # with float() of a tensor that requires grad: nothing the user can act on
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad=True to a scalar")
+            rounded = Adaround.apply_adaround(
+                fp_model,
+                dummy,
+                ada_params,
+                path=str(folder),
+                filename_prefix="adaround",
+                default_param_bw=policy.weight_bits,
+                default_quant_scheme=aimet_quant_scheme(policy),
+                default_config_file=str(config),
+            )
+    finally:
+        set_mask_fill(fp_model, None)
+    return rounded, ada_params.num_batches
 
 
 @torch.no_grad()

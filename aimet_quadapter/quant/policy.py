@@ -349,15 +349,7 @@ def build_sim(
             config_file=htp_config_file() if policy.target == "htp" else None,
         )
     if policy.target == "htp":
-        set_mask_fill(sim.model, HTP_MASK_FILL)
-        if policy.quant_scheme == "percentile":
-            sim.set_percentile_value(policy.percentile)
-        quantize_stream_input(sim.model, model, policy)
-        if model.prefix_ids is not None:
-            quantize_cached_inputs(sim.model, policy)
-        unquantize_angles(sim.model)
-        drop_requantization(sim.model)
-        apply_lpbq(sim, model, policy)  # after the dynamic-range pass above, which takes no block-wise grid
+        _as_the_device_holds_it(sim, model, policy)
     else:
         logits = sim.model.get_submodule(f"lm.{model.arch.lm_head}")
         apply_policy(sim.model, policy, logits_module=logits)
@@ -373,6 +365,19 @@ def build_sim(
     # (htp's device ops, AIMET's wrappers), and a sim rebuilt from a state would not score as the one it saved.
     refresh_prefix(sim.model)
     return sim
+
+
+def _as_the_device_holds_it(sim: QuantizationSimModel, model: PreparedLM, policy: QuantPolicy) -> None:
+    """The htp sim's quantizers where AIMET's HTP config leaves them otherwise than the device graph has them."""
+    set_mask_fill(sim.model, HTP_MASK_FILL)
+    if policy.quant_scheme == "percentile":
+        sim.set_percentile_value(policy.percentile)
+    quantize_stream_input(sim.model, model, policy)
+    if model.prefix_ids is not None:
+        quantize_cached_inputs(sim.model, policy)
+    unquantize_angles(sim.model)
+    drop_requantization(sim.model)
+    apply_lpbq(sim, model, policy)  # after the dynamic-range pass above, which takes no block-wise grid
 
 
 def sim_policy(sim: QuantizationSimModel) -> QuantPolicy:

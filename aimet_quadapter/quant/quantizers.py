@@ -321,7 +321,7 @@ def aimet_onnx_rounding(sim_model: nn.Module) -> Iterator[None]:
     rounded it, and aimet-onnx's kernel gives an on-grid value back unchanged, so the device graph never rounds a
     raw weight (one rounded half up here would: weights expanded from a 4-bit file sit on half steps of their 8-bit
     grid). Scoring the sim both ways tells that bias from a defect of the exported graph (``export
-    --device-check``, ``scripts/rounding_noise.py --rounding aimet-onnx``)."""
+    --device-check``, ``aimet-quadapter noise --rounding aimet-onnx``)."""
     global _onnx_rounding
     weights = [q for _, role, q in quantizers(sim_model) if not role.startswith(("input", "output"))]
     inside = [0]  # > 0 while a weight quantizer runs: AIMET's own arithmetic

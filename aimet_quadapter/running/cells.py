@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from aimet_quadapter.errors import QuadapterError
 
@@ -20,6 +21,11 @@ class DatasetRef:
         from aimet_quadapter.text.data import text_identity
 
         return text_identity(self.source)
+
+
+def named(ref: DatasetRef) -> str:
+    """A dataset as an error message names it: its label, and its file or folder when it is local."""
+    return ref.label if ref.source == ref.spec and not Path(ref.source).exists() else f"{ref.label} ({ref.source})"
 
 
 @dataclass(frozen=True)

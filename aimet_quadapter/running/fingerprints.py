@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.methods.catalog import BC
+from aimet_quadapter.methods.catalog import BC, CATALOG
 from aimet_quadapter.quant.config import PLACEMENT_REVISION
 from aimet_quadapter.running.recipes import result_section
 
 if TYPE_CHECKING:
-    from aimet_quadapter.methods.catalog import MethodInfo
     from aimet_quadapter.running.cells import Cell, DatasetRef, EvalSpec
     from aimet_quadapter.running.recipes import Recipe
 
@@ -70,23 +71,25 @@ def _seedless(value: Any) -> Any:
     return value
 
 
+def sections(recipe: Recipe, names: tuple[str, ...]) -> dict:
+    """The recipe's sections ``names`` less what changes no result (:func:`result_section`)."""
+    return {n: result_section(n, getattr(recipe, n).model_dump(mode="json")) for n in names}
+
+
+@dataclass(frozen=True)
 class Fingerprints:
-    """The fingerprints of a :class:`~aimet_quadapter.running.runner.RecipeRun`'s cells (a mixin: the run holds the
-    recipe, its texts and its catalog)."""
+    """The fingerprints of the cells of a run of ``recipe``, from the texts and datasets its plan names."""
 
     recipe: Recipe
     model_name: str
     evals: list[EvalSpec]
     calibration_sets: dict[str, list[DatasetRef]]
     fids: dict[str, list[DatasetRef]]
-    catalog: dict[str, MethodInfo]
-
-    def prefix_text(self) -> str | None:
-        """The recipe's prefix as text (the run resolves ``auto`` with its tokenizer)."""
-        raise NotImplementedError
+    # the prefix as text, asked for only once a fingerprint is: ``auto`` loads the tokenizer
+    prefix_text: Callable[[], str | None]
 
     def _sections(self, names: tuple[str, ...]) -> dict:
-        return {n: result_section(n, getattr(self.recipe, n).model_dump(mode="json")) for n in names}
+        return sections(self.recipe, names)
 
     def _base_payload(self, by_path: bool = False) -> dict:
         # a start of 0 (every run folder's before the field existed) stays out of the fingerprint
@@ -139,7 +142,7 @@ class Fingerprints:
     def _reads(self, method: str) -> dict:
         """What ``method`` reads of the recipe sections (catalog ``reads``), less what changes no result: a
         section read whole is in the payload as before fields were declared, so its cells keep their fingerprint."""
-        info = self.catalog[method]
+        info = CATALOG[method]
         payload = {}
         for section, fields in info.read_fields().items():
             known = type(getattr(self.recipe, section)).model_fields
@@ -179,7 +182,7 @@ class Fingerprints:
         )
 
     def _payload(self, cell: Cell, by_path: bool = False, wide: bool = False) -> dict:
-        info = self.catalog[cell.method]
+        info = CATALOG[cell.method]
         payload = {"method": cell.method, **self._base_payload(by_path)}
         if not info.calibrates:
             return payload

@@ -1,20 +1,12 @@
 """A run's cell on the device graph: every text its run scored, the same windows, in AIMET's ONNX simulation.
 
-For a cell folder of a run (``RUN/seed-N/GROUP/METHOD``) and the export of its state (``aimet-quadapter export CELL
---model M --out E --seq-len L --device-check``, L the run's evaluation length), the perplexity of the export's graph
-in AIMET's ONNX simulation (``--device-check``'s graph, its encodings loaded) on each test and development text of
-the run's recipe, beside the sim's number that the run recorded for the cell. One pass of the device graph per
-window and nothing else: where ``device_divergence.py --windows`` scores the sim's float variants beside it, this
-reads the sim's number from ``results.json``.
-
-    python scripts/device_texts.py runs/R/seed-0/calib-ptb/spinquant runs/E
-    python scripts/device_texts.py runs/R/seed-0/calib-ptb/spinquant runs/E --only test
+For a cell folder of a run and the export of its state (``export --device-check``'s graph, its encodings loaded),
+the device graph's perplexity on each test and development text of the run's recipe, beside the sim's number
+that the run recorded for the cell (``aimet-quadapter device-texts``). Needs aimet-onnx.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +64,7 @@ def texts_of(record: dict, recipe: Recipe, roles: tuple[str, ...] = ROLES) -> li
 
 def scoring_lm(export: Path, first: Window) -> Callable[[torch.Tensor], torch.Tensor]:
     """``export``'s graph in AIMET's ONNX simulation, ``ids -> logits``; a tensor without an encoding is calibrated
-    on ``first`` (the check calibrates such tensors on its own tuning text, which a scoring script does not read)."""
+    on ``first`` (the check calibrates such tensors on its own tuning text, which scoring here does not read)."""
     device, coverage = device_lm(export, [first.ids])
     if coverage.missing:
         print(f"{len(coverage.missing)} tensors without an encoding, calibrated here on the first window")
@@ -83,26 +75,3 @@ def device_perplexities(export: Path, texts: list[Text], progress: bool = False)
     """The device graph's perplexity on each text's windows (one simulation for them all)."""
     device = scoring_lm(export, texts[0].windows[0])
     return [perplexity(device, t.windows, desc=f"{t.label} ({t.role})", progress=progress).ppl for t in texts]
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("cell", type=Path, help="a cell folder of a run (its state inside)")
-    p.add_argument("export", type=Path, help="the export of that state (model.onnx and its encodings)")
-    p.add_argument("--only", choices=ROLES, help="only the run's test texts, or only its development texts")
-    p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args()
-    record, recipe = cell_record(args.cell)
-    texts = texts_of(record, recipe, (args.only,) if args.only else ROLES)
-    seq_len = int(json.loads((args.export / "manifest.json").read_text())["seq_len"])
-    other = [f"{t.label} ({t.role})" for t in texts if any(len(w.ids) != seq_len for w in t.windows)]
-    if other:  # the graph's input has a fixed length
-        raise SystemExit(f"{args.export}: a graph of {seq_len} tokens; {', '.join(other)}: windows of another length")
-    device = device_perplexities(args.export, texts, progress=not args.no_progress)
-    print(f"{record['method']} ({args.cell}), seed {record.get('seed')}: text | sim (results.json) | device graph")
-    for t, value in zip(texts, device):
-        print(f"{t.label} ({t.role}) | {t.sim:.3f} | {value:.3f} ({100 * (value / t.sim - 1):+.1f} %)")
-
-
-if __name__ == "__main__":
-    main()

@@ -5,7 +5,7 @@ columns. The test columns are printed for the record only; they never enter the 
 Each candidate runs in a copy of a finished run folder, so the cells the setting does not touch (FP32, CLE, a
 shared phase 1) are reused rather than recomputed:
 
-    python scripts/choose_on_dev.py recipes/demo.yaml --base runs/demo --key phase2.lr_alpha \\
+    python research/choose_on_dev.py recipes/demo.yaml --base runs/demo --key phase2.lr_alpha \\
         --values 0.03 0.1 0.3 --method quadapter --out runs/choose-lr_alpha
 """
 

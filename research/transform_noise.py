@@ -6,7 +6,7 @@ tensor, min-max, as `htp` quantizes them) and of each consumer's weights (8-bit 
 weights), with the alpha and without it, each as noise power over the unscaled tensor's signal power, summed over
 the layers. A local measure: it says which quantizers a transform loads, not what the perplexity does.
 
-    python scripts/transform_noise.py runs/t2-a16-more/seed-0/calib-ptb/cle --model smollm2-135m
+    python research/transform_noise.py runs/t2-a16-more/seed-0/calib-ptb/cle --model smollm2-135m
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Generates ``--steps`` tokens greedily from the first half of each of the first `
 (optimized, and as written) and with the KV graphs, and prints each pair's agreement: whether the KV graphs'
 disagreement with the sim is more than two onnxruntime runs of one graph disagree by.
 
-    python scripts/kv_greedy_floor.py STATE --model smollm2-135m --export runs/demo-export
+    python research/kv_greedy_floor.py STATE --model smollm2-135m --export runs/demo-export
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 For every residual sum (the tensors only target ``htp`` quantizes), the share of its integer codes that differ
 from the sim's: in the sim with every quantizer input moved by one float32 ulp (``one_ulp_inputs``), in the sim
-with every matrix product summed in another order (``rounding_noise.shuffled_sums``), and in the export's graph
+with every matrix product summed in another order (``shuffled_sums``), and in the export's graph
 in AIMET's ONNX simulation (``--device-check``'s graph, its encodings loaded). A defect of placement or encodings
 shows in the first layers; float32 rounding starts at a handful of codes and grows with depth.
 
@@ -17,16 +17,16 @@ for each of the last three against the sim and for the device graph against the 
 mean difference over the windows, its spread and its t: whether the device graph's perplexity is off by more than
 its windows' differences make likely, and how those compare with a draw's. ``--skip K`` starts after the first K
 windows (text no earlier comparison read); ``--draws D`` adds D summation-order draws of the sim rounding as
-aimet-onnx does, each over all the windows as ``rounding_noise.py --orders --rounding aimet-onnx`` draws them, and
-says where the device graph lies against their range and against the sim's float-noise band (:func:`noise_band`):
+aimet-onnx does, each over all the windows as ``aimet-quadapter noise --orders --rounding aimet-onnx`` draws them, and
+says where the device graph lies against their range and against the sim's float-noise band (``noise_band``):
 the band and the device graph from one pass over the text.
 
-    python scripts/device_divergence.py S E --model smollm2-135m
+    python research/device_divergence.py S E --model smollm2-135m
         (S: a state; E: its `aimet-quadapter export S --model smollm2-135m --out E --device-check --verify-split valid`)
-    python scripts/device_divergence.py S E --model smollm2-135m --tensors
-    python scripts/device_divergence.py S E --model smollm2-135m --windows 16
-    python scripts/device_divergence.py S E --model smollm2-135m --windows 16 --skip 16 --draws 10
-    python scripts/device_divergence.py S E --model smollm2-135m --windows 2 --dataset data/austen --start 524288
+    python research/device_divergence.py S E --model smollm2-135m --tensors
+    python research/device_divergence.py S E --model smollm2-135m --windows 16
+    python research/device_divergence.py S E --model smollm2-135m --windows 16 --skip 16 --draws 10
+    python research/device_divergence.py S E --model smollm2-135m --windows 2 --dataset data/austen --start 524288
         (E exported with --seq-len 1024: the run tables' own development windows)
 """
 
@@ -43,16 +43,16 @@ from pathlib import Path
 import numpy as np
 import torch
 from aimet_onnx.utils import OrtInferenceSession
-from device_texts import scoring_lm
 from onnx import TensorProto, helper
-from rounding_noise import activation_codes, shuffled_sums  # beside this script
 
 from aimet_quadapter.export.device_check import device_sim
 from aimet_quadapter.export.formats import ENCODINGS, FP_ONNX, INPUT_NAME
+from aimet_quadapter.export.noise import activation_codes, noise_band, shuffled_sums
 from aimet_quadapter.export.onnx_eval import apply_encodings, ort_session, read_encodings
 from aimet_quadapter.models import load_model
 from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
 from aimet_quadapter.quant.quantizers import aimet_onnx_rounding
+from aimet_quadapter.running.device_texts import scoring_lm
 from aimet_quadapter.text.data import Window, eval_windows, load_text, tokenize
 from aimet_quadapter.text.perplexity import window_nll
 
@@ -98,7 +98,8 @@ def tensor_divergence(export: Path, ids: np.ndarray, shown: int = 30) -> None:
 def window_divergence(sim_model: torch.nn.Module, export: Path, windows: list[Window], draws: int = 0) -> None:
     """Print each window's loss in the sim's variants and the device graph (see the module's doc); with ``draws``,
     that many summation-order draws of the sim rounding as aimet-onnx does, each over all the windows as
-    ``rounding_noise.py --orders --rounding aimet-onnx`` draws them, and where the device graph lies against them."""
+    ``aimet-quadapter noise --orders --rounding aimet-onnx`` draws them, and where the device graph lies against
+    them."""
     device = scoring_lm(export, windows[0])
     columns = ["sim", "sim, a summation-order draw", "sim, aimet-onnx's rounding", "device graph"]
     columns += [f"aimet-onnx's rounding, draw {k}" for k in range(1, draws + 1)]
@@ -112,7 +113,7 @@ def window_divergence(sim_model: torch.nn.Module, export: Path, windows: list[Wi
             aimet_onnx_rounding(sim_model) if rounding else nullcontext(),
             shuffled_sums(sim_model, draw) if draw else nullcontext(),
         ):
-            return [nll(sim_model, w) for w in windows]  # one draw over all the windows, as rounding_noise.py's
+            return [nll(sim_model, w) for w in windows]  # one draw over all the windows, as `noise`'s
 
     by_column = [column(), column(1), column(rounding=True), [nll(device, w) for w in windows]]
     by_column += [column(k, rounding=True) for k in range(1, draws + 1)]
@@ -143,15 +144,6 @@ def window_divergence(sim_model: torch.nn.Module, export: Path, windows: list[Wi
             f"the sim's float-noise band (the sim +- the farthest of aimet-onnx's rounding and the draws): "
             f"{low:.3f}-{high:.3f}; the device graph {device_ppl:.3f}, {_where(device_ppl, low, high)}"
         )
-
-
-def noise_band(sim: float, variants: list[float]) -> tuple[float, float]:
-    """The sim's perplexity +- the farthest any of its float variants lies from it: how far float32 rounding moves
-    the sim's own number. Centred on the sim, since the question is whether the device graph lies as far from the
-    sim as rounding puts it: the variants' own range need not hold the sim, and a draw exchangeable with ten
-    others still falls outside their range two times in eleven."""
-    radius = max(abs(v - sim) for v in variants)
-    return sim - radius, sim + radius
 
 
 def _where(value: float, low: float, high: float) -> str:
