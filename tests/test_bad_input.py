@@ -287,20 +287,6 @@ def test_a_state_of_another_named_model_is_one_line_before_the_hub(
     assert f"--model {model}" in line
 
 
-def test_a_state_saved_before_it_named_its_model_is_named_by_its_run(smollm2_state, tmp_path, capsys, no_hub):
-    """A state of an earlier version names no model: the results.json of the run folder it lies in does."""
-    import dataclasses
-
-    from aimet_quadapter.quadapter.state import QuadapterState
-
-    state = QuadapterState.load(smollm2_state)
-    cell = tmp_path / "run" / "seed-0" / "calib-generated" / "ptq"
-    dataclasses.replace(state, metadata={"method": "ptq"}).save(cell / "ptq.safetensors")
-    (tmp_path / "run" / "results.json").write_text(json.dumps({"model": "smollm2-135m", "cells": {}}))
-    assert main(["export", str(cell), "--model", "some-org/a-model-in-no-cache", "--out", str(tmp_path / "e")]) == 2
-    assert "computed for another model (smollm2-135m, a llama model)" in _error_line(capsys)
-
-
 def test_a_run_saves_states_that_name_their_model(tmp_path, tiny_gpt2_dir):
     """What the refusals above read: each state a run saves names the model it was loaded by, and its family;
     and a state is not refused for the model it names, by that name or its folder's."""

@@ -147,14 +147,33 @@ def _check_exported_equals_sim(sim, out: Path, ids: torch.Tensor, most_flips: in
         flips.append(min(tried, key=lambda c: tried[c]))
 
 
+def _patched_internals() -> dict:
+    """What of torch and AIMET the export replaces while it runs (aimet_private, export/lean.py), by identity."""
+    import aimet_torch.onnx as aimet_onnx
+    from aimet_torch.experimental import onnx as aimet_onnx_export
+    from aimet_torch.quantsim import QuantizationSimModel
+    from torch import _C
+    from torch.onnx._internal.torchscript_exporter import onnx_proto_utils
+
+    return {
+        "torch's _add_onnxscript_fn": onnx_proto_utils._add_onnxscript_fn,
+        "torch's deduplication pass": _C._jit_pass_onnx_deduplicate_initializers,
+        "AIMET's export": aimet_onnx_export.export,
+        "AIMET's onnx module": aimet_onnx.onnx,
+        "AIMET's weight QDQ": QuantizationSimModel.__dict__["_apply_qdq_to_model_parameters"],
+    }
+
+
 @pytest.mark.parametrize("version", ["1.0.0", "2.0.0"])
 def test_export_after_ptq_matches_the_sim(toy, version, tmp_path):
     sim = toy["state"].build_sim(toy["model"])
     before = {name: p.detach().clone() for name, p in sim.model.named_parameters()}
+    internals = _patched_internals()
     out = tmp_path / "export"
     result = export_quantized(
         sim, out, SEQ, version, verify_windows=toy["verify"], model_name="toy", method=toy["state"].metadata["method"]
     )
+    assert _patched_internals() == internals  # every patch undone: the process is as it was
     _check_ptq_export(sim, before, out, result, version, toy["verify"], toy["held_out"])
     assert not list(tmp_path.glob(".export.*"))
 
@@ -164,6 +183,7 @@ def test_the_gpt2_export_matches_the_sim(gpt2_export_run):
     run = gpt2_export_run
     _check_ptq_export(run.sim, run.before, run.out, run.result, ENCODING_VERSION, run.windows, run.held_out)
     assert not list(run.out.parent.glob(".export.*"))
+    assert run.internals[0] == run.internals[1]  # every patch of torch's and AIMET's undone
 
 
 def _check_ptq_export(
@@ -458,6 +478,7 @@ class _ExportRun(NamedTuple):
     before: dict[str, torch.Tensor]  # the sim's weights before the export
     result: Any
     held_out: torch.Tensor
+    internals: tuple[dict, dict]  # _patched_internals() before and after the export
 
 
 @pytest.fixture(scope="module")
@@ -469,8 +490,9 @@ def gpt2_export_run(tmp_path_factory) -> _ExportRun:
     calibrate(sim, [corpus[:2]])
     before = {name: p.detach().clone() for name, p in sim.model.named_parameters()}
     out = tmp_path_factory.mktemp("exports") / "gpt2"
+    internals = _patched_internals()
     result = export_quantized(sim, out, SEQ, verify_windows=list(corpus[2:4]), model_name="toy", method="ptq")
-    return _ExportRun(sim, out, list(corpus[2:4]), before, result, corpus[6:7])
+    return _ExportRun(sim, out, list(corpus[2:4]), before, result, corpus[6:7], (internals, _patched_internals()))
 
 
 @pytest.fixture(scope="module")

@@ -490,31 +490,6 @@ def test_a_baselines_field_computes_again_only_the_methods_that_read_it(tmp_path
         assert {m for m in base if changed[m] != base[m]} == readers, override
 
 
-def test_cells_fingerprinted_by_every_section_stay_done_and_take_what_they_read(base_run, world, tmp_path, monkeypatch):
-    """Run folders from before reads were declared by field fingerprinted a method by whole sections (Quadapter by
-    all four): their cells stay done, are stamped with what they read, and a field they do not read leaves them
-    done thereafter."""
-    from aimet_quadapter.running.fingerprints import _fingerprint
-
-    run = _copy(base_run, tmp_path)
-    planned = RecipeRun(load_recipe(world / "r.yaml"), run, progress=False)
-    results = _results(run)
-    wide = {c.key: _fingerprint(planned.prints._payload(c, wide=True)) for c in planned.cells}
-    assert {k for k, f in wide.items() if f != results["cells"][k]["fingerprint"]} == {"calib:a/cle", "a/quadapter"}
-    for key, fingerprint in wide.items():
-        results["cells"][key]["fingerprint"] = fingerprint
-    (run / "results.json").write_text(json.dumps(results))
-    calls = _count_calls(monkeypatch)
-    args = ["run", str(world / "r.yaml"), "--out", str(run), "--no-progress"]
-    assert main(args) == 0
-    assert calls == {}
-    restamped = _results(run)["cells"]
-    assert {k: c["fingerprint"] for k, c in restamped.items()} == {c.key: planned.fingerprint(c) for c in planned.cells}
-    assert all(c["row_fingerprint"] == planned.row_fingerprint(p) for p in planned.cells for c in [restamped[p.key]])
-    assert main([*args, "--set", "baselines.adaround_iterations=7", "--set", "baselines.spinquant_r2=true"]) == 0
-    assert calls == {}, "no method of the recipe reads these"
-
-
 def test_the_report_shows_the_phase1_check_to_the_decimal_that_decides_it():
     from aimet_quadapter.reporting.report import info_text
 
@@ -768,24 +743,6 @@ def test_runs_of_two_checkouts_merge_their_texts_by_content(world, tmp_path, cap
     assert "other datasets than the destination's" in capsys.readouterr().err
 
 
-def test_cells_fingerprinted_by_a_texts_path_stay_done(base_run, world, tmp_path, monkeypatch):
-    """Run folders from before content hashes name a local text by its path: their cells are not computed again."""
-    from aimet_quadapter.running.recipes import load_recipe
-    from aimet_quadapter.running.runner import RecipeRun
-
-    run = _copy(base_run, tmp_path)
-    planned = RecipeRun(load_recipe(world / "r.yaml"), run, progress=False)
-    results = _results(run)
-    for cell in planned.cells:
-        legacy = planned.fingerprint(cell, by_path=True)
-        assert legacy != planned.fingerprint(cell) or cell.method == "fp"
-        results["cells"][cell.key]["fingerprint"] = legacy
-    (run / "results.json").write_text(json.dumps(results))
-    calls = _count_calls(monkeypatch)
-    assert main(["run", str(world / "r.yaml"), "--out", str(run), "--no-progress"]) == 0
-    assert calls == {}
-
-
 def test_the_seeds_of_a_row_that_ran_under_other_thread_counts_or_kernels_are_marked(capsys):
     from aimet_quadapter.reporting.report import results_table
 
@@ -793,11 +750,10 @@ def test_the_seeds_of_a_row_that_ran_under_other_thread_counts_or_kernels_are_ma
         f"calib:a/ptq#seed{s}": {"method": "ptq", "label": "PTQ", "group": "calib:a", "seed": s, "ppl": {"a": 10.0 + s}}
         for s in (0, 1, 2)
     }
-    # seed 0 was recorded before the kernels were
-    for s, threads, kernels in ((0, 1, None), (1, 2, "AVX512"), (2, 2, "AVX2")):
-        cells[f"calib:a/ptq#seed{s}"].update(threads=threads, kernels=kernels)
+    for s, threads, kernels in ((0, 1, "AVX2"), (1, 2, "AVX512"), (2, 2, "AVX2")):
+        cells[f"calib:a/ptq#seed{s}"].update(threads=threads, kernels=kernels, device="cpu")
     table = results_table({"cells": cells, "datasets": [{"label": "a"}], "seeds": [0, 1, 2]})
-    assert "seeds ran under 1 thread, 2 threads on AVX2, 2 threads on AVX512" in table
+    assert "seeds ran under 1 thread on AVX2, 2 threads on AVX2, 2 threads on AVX512" in table
     cells["calib:a/ptq#seed2"]["kernels"] = "AVX512"
     del cells["calib:a/ptq#seed0"]
     assert "seeds ran under" not in results_table({"cells": cells, "datasets": [{"label": "a"}], "seeds": [1, 2]})
@@ -813,19 +769,17 @@ def test_a_cell_records_the_thread_count_kernels_and_device_it_ran_under(base_ru
 def test_the_seeds_of_a_row_computed_on_a_gpu_and_on_the_cpu_are_marked():
     from aimet_quadapter.reporting.report import results_table
 
-    def table(devices: dict[int, str | None]) -> str:
+    def table(devices: dict[int, str]) -> str:
         cells = {
-            f"calib:a/ptq#seed{s}": {
-                **_cell("ptq", "calib:a", s, {"a": 10.0 + s}, threads=2, kernels="AVX2"),
-                **({"device": device} if device else {}),  # None: a cell written before devices were recorded
-            }
+            f"calib:a/ptq#seed{s}": _cell(
+                "ptq", "calib:a", s, {"a": 10.0 + s}, threads=2, kernels="AVX2", device=device
+            )
             for s, device in devices.items()
         }
         return results_table({"cells": cells, "datasets": [{"label": "a"}], "seeds": list(devices)})
 
     mixed = table({0: "cpu", 1: "cuda (NVIDIA H200)", 2: "cpu"})
     assert "seeds ran under 2 threads on AVX2, 2 threads on AVX2 with cuda (NVIDIA H200)" in mixed
-    assert "seeds ran under" not in table({0: None, 1: "cpu"})  # unknown is not another machine
     assert "seeds ran under" not in table({0: "cuda (NVIDIA H200)", 1: "cuda (NVIDIA H200)"})
 
 
@@ -979,13 +933,15 @@ def test_rows_of_other_fine_tuning_sizes_are_neither_compared_nor_checked_agains
     }
     lines = matched_comparisons({"cells": cells, "fids": {}})
     assert len(lines) == 1 and "QUADAPTER 20.50 vs QAT 30.50" in lines[0]
-    cells["g/ptq#seed0"] = _cell("ptq", "g", 0, {"t": 40.0})  # one seed: no range to check against (was a KeyError)
+    cells["g/ptq#seed0"] = _cell("ptq", "g", 0, {"t": 40.0})  # one seed: no range to check against
     reference = _folder(tmp_path / "ref", cells)
     other = _folder(
         tmp_path / "other",
         {
-            "g/quadapter@2#seed5": _cell("quadapter", "g", 5, {"t": 50.5}, size=2, threads=1),
-            "g/ptq#seed5": {**_cell("ptq", "g", 5, {"t": 40.0}), "threads": 1},
+            "g/quadapter@2#seed5": _cell(
+                "quadapter", "g", 5, {"t": 50.5}, size=2, threads=1, kernels="AVX2", device="cpu"
+            ),
+            "g/ptq#seed5": {**_cell("ptq", "g", 5, {"t": 40.0}), "threads": 1, "kernels": "AVX2", "device": "cpu"},
         },
     )
     capsys.readouterr()
@@ -1020,7 +976,7 @@ def test_seeds_run_under_other_settings_into_one_folder_are_rows_of_their_own(wo
     assert row["seeds"] == [0, 1] and "settings" not in row
 
 
-def test_a_row_is_the_mean_of_the_seeds_of_one_set_of_settings_and_cells_from_before_stay_one_row():
+def test_a_row_is_the_mean_of_the_seeds_of_one_set_of_settings():
     from aimet_quadapter.running.statistics import merge_seeds
 
     cells = {
@@ -1036,9 +992,6 @@ def test_a_row_is_the_mean_of_the_seeds_of_one_set_of_settings_and_cells_from_be
     assert [line.split(": ")[1].split(" (")[0] for line in lines] == ["QUADAPTER 9.50 vs QAT", "QUADAPTER 11.00 vs QAT"]
     assert "vs QAT (settings aaaaaaaa) 11.00 (-13.6 %) (on seeds 0, 1, which both ran)" in lines[0]
     assert "vs QAT (settings bbbbbbbb) 30.00 (-63.3 %) (on seed 2, which both ran)" in lines[1]
-    # cells recorded before row fingerprints: one row, as they were reported then
-    old = {k: {f: v for f, v in c.items() if f != "row_fingerprint"} for k, c in cells.items()}
-    assert merge_seeds(old)["g/qat"]["seeds"] == [0, 1, 2]
 
 
 def test_a_row_fingerprint_leaves_out_the_seeds_and_nothing_else(tmp_path):

@@ -244,7 +244,7 @@ def _where(cell: dict) -> str:
 
 def _row_of(cell: dict) -> tuple:
     # what defines a row: the 2-sequence point of a sweep is not the 40-sequence row of the same method, and
-    # seeds of other settings are not the row's (cells recorded before row fingerprints: None, matched alike)
+    # seeds of other settings are not the row's
     return cell["method"], cell["group"], cell.get("size"), cell.get("row_fingerprint")
 
 

@@ -309,7 +309,7 @@ def timing_table(results: dict) -> str:
         if r.get("error"):  # a stopped cell has no times: its training diverged, or its perplexity is not finite
             lines.append(f"| {key} | – | – | – | – | stopped: {r['error']} |")
             continue
-        rss = f"{r['peak_rss_kib'] / 2**20:.2f}" if r.get("peak_rss_kib") else "–"  # cells run before it was kept
+        rss = f"{r['peak_rss_kib'] / 2**20:.2f}"
         lines.append(
             f"| {key} | {r['method_time_s']:.1f} | {r['eval_time_s']:.1f} | {r['wall_time_s']:.1f} | {rss} "
             f"| {info_text(r.get('info', {}))} |"
@@ -533,15 +533,15 @@ def results_section(run_dir: str | Path) -> str:
     if len(recipes) != 1:
         raise QuadapterError(f"{run_dir}: a results section shows one recipe's run; this folder has {len(recipes)}")
     ((name, recipe),) = recipes.items()
-    # runs before the command was recorded ran the recipe as written
+    # a run started from Python records no command: it ran the recipe as written
     command = recipe.get("command") or f"aimet-quadapter run recipes/{Path(recipe.get('path') or name).stem}.yaml"
     command, out = _without_out(command), f"runs/{name}"  # where the run went changes no number
     cells = [c for c in results["cells"].values() if not c.get("error")]
     seeds = results.get("seeds") or sorted({c["seed"] for c in cells if c.get("seed") is not None}) or [0]
-    machines = sorted({f"{c.get('cpu', 'CPU not recorded')}, {machine_label(c)}" for c in cells})
+    machines = sorted({f"{c['cpu']}, {machine_label(c)}" for c in cells})
     commits = sorted({(c.get("commit") or "?").replace("+changes", " + changes") for c in cells})
     wall = sum(c["wall_time_s"] for c in cells)
-    peak = max((c.get("peak_rss_kib") or 0 for c in cells), default=0)
+    peak = max((c["peak_rss_kib"] for c in cells), default=0)
     parts = [
         f"## `{name}`",
         "",

@@ -99,7 +99,7 @@ class Executor:
         checkpoints = cell_dir / "checkpoints"
         stamp = checkpoints / "fingerprint.txt"
         if self.output.main:
-            if checkpoints.exists() and not (stamp.is_file() and stamp.read_text() in self.prints.fingerprints(cell)):
+            if checkpoints.exists() and not (stamp.is_file() and stamp.read_text() == fingerprint):
                 shutil.rmtree(checkpoints)
             checkpoints.mkdir(parents=True, exist_ok=True)
             write_text_atomic(stamp, fingerprint)
@@ -122,8 +122,8 @@ class Executor:
         if not (self.recorder.is_done(results, before) and state_file.is_file()):
             return None
         state = QuadapterState.load(state_file)
-        # the row's own state only: a file left by another run (other settings, or saved before states carried
-        # their cell's fingerprint) would give this cell another start than its fingerprint says
+        # the row's own state only: a file left by another run (other settings) would give this cell another start
+        # than its fingerprint says
         if state.metadata.get("fingerprint") != results["cells"][before.key]["fingerprint"]:
             self.output.say(f"{cell.key}: {state_file} is not the state of row {before.key}; computing it again")
             return None
@@ -167,8 +167,7 @@ class Executor:
         folder = self._bc_dir(cal)
         stamp = folder / "bc_fingerprint.txt"
         state_file = folder / "quadapter_bc.safetensors"
-        stamps = (self.prints.bc_fingerprint(cal), self.prints.bc_fingerprint(cal, by_path=True))
-        if state_file.is_file() and stamp.is_file() and stamp.read_text().strip() in stamps:
+        if state_file.is_file() and stamp.is_file() and stamp.read_text().strip() == self.prints.bc_fingerprint(cal):
             self._bc[cal] = QuadapterState.load(state_file)
             return self._bc[cal]
         self.output.say(f"phase 1 (Quadapter BC) on calibration set {cal}, shared by the methods that continue from it")

@@ -1,6 +1,6 @@
 """What a run folder's cell is computed from, as a fingerprint: the recipe's fields each method reads (its catalog
 ``reads``), the data, the policy and the placement its code makes; the seeds aside for a row. A record whose
-fingerprint is not one of :meth:`Fingerprints.fingerprints` is computed again."""
+fingerprint is not :meth:`Fingerprints.fingerprint` is computed again."""
 
 from __future__ import annotations
 
@@ -18,43 +18,6 @@ from aimet_quadapter.running.recipes import result_section
 if TYPE_CHECKING:
     from aimet_quadapter.running.cells import Cell, DatasetRef, EvalSpec
     from aimet_quadapter.running.recipes import Recipe
-
-
-def _text(ref: DatasetRef, by_path: bool) -> str:
-    return ref.source if by_path else ref.identity
-
-
-# What each method's fingerprint read of the recipe sections before catalog ``reads`` declared fields (reads,
-# unused): wider than what it reads now, so a cell recorded under it was computed
-# under today's value of every field it reads, and stays done. Methods whose payload did not change are absent.
-_WIDE: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    **dict.fromkeys(("adaround", "seq_mse", "spinquant", "fptquant", "adascale", "omniquant"), (("baselines",), ())),
-    "cle": (("quadapter",), ()),
-    **dict.fromkeys(
-        ("qat", "qat_fixed_ranges"),
-        (
-            ("phase1", "phase2", "quadapter", "baselines"),
-            ("phase1", "quadapter", "phase2.lr_alpha", "phase2.learn_ranges"),
-        ),
-    ),
-    **dict.fromkeys(
-        ("cle_phase2", "spinquant_cle_phase2"),
-        (("phase1", "phase2", "quadapter", "baselines"), ("phase1", "phase2.lr_alpha", "phase2.learn_ranges")),
-    ),
-    **dict.fromkeys(
-        (
-            "fp_finetuned",
-            "quadapter_bc_qat",
-            "quadapter_bc_qat_fixed_ranges",
-            "quadapter",
-            "quadapter_fixed_ranges",
-            "spinquant_quadapter",
-            "quadapter_seq_mse",
-            "quadapter_adaround",
-        ),
-        (("phase1", "phase2", "quadapter", "baselines"), ()),
-    ),
-}
 
 
 def _fingerprint(payload: dict) -> str:
@@ -91,11 +54,11 @@ class Fingerprints:
     def _sections(self, names: tuple[str, ...]) -> dict:
         return sections(self.recipe, names)
 
-    def _base_payload(self, by_path: bool = False) -> dict:
-        # a start of 0 (every run folder's before the field existed) stays out of the fingerprint
+    def _base_payload(self) -> dict:
+        # a start of 0, the default, stays out of the fingerprint: only a start that skips tokens is in it
         evals = [
             (
-                _text(s.ref, by_path),
+                s.ref.identity,
                 s.ref.label,
                 s.split,
                 s.seq_len,
@@ -108,18 +71,18 @@ class Fingerprints:
         payload: dict = {"model": self.model_name, "eval": evals}
         # the text, not `auto`: a recipe that names its model's own prefix either way computes the same cells
         prefix = self.prefix_text()
-        if prefix is not None:  # absent otherwise: the cells of run folders before the field stay
+        if prefix is not None:  # no prefix, no key: a recipe without one adds nothing to the payload
             payload["prefix"] = prefix
         return payload
 
-    def _sources(self, refs: list[DatasetRef], by_path: bool = False) -> list:
+    def _sources(self, refs: list[DatasetRef]) -> list:
         """What a dataset group contributes to a fingerprint: its sources, and how generated text is sampled."""
         from aimet_quadapter.methods.generated import GENERATED
 
-        return [self._sections(("generated",)) if r.source == GENERATED else _text(r, by_path) for r in refs]
+        return [self._sections(("generated",)) if r.source == GENERATED else r.identity for r in refs]
 
-    def _calibration_payload(self, cal: str, by_path: bool = False) -> dict:
-        sources = self._sources(self.calibration_sets[cal], by_path)
+    def _calibration_payload(self, cal: str) -> dict:
+        sources = self._sources(self.calibration_sets[cal])
         payload = {"policy": self._sections(("policy",))["policy"], "calibration": [sources, self._cal_settings()]}
         if revision := PLACEMENT_REVISION.get(self.recipe.policy.target):
             payload["placement"] = revision
@@ -129,19 +92,18 @@ class Fingerprints:
         c = self.recipe.calibration
         return {"samples": c.samples, "length": c.length, "seed": c.seed}
 
-    def fingerprint(self, cell: Cell, by_path: bool = False) -> str:
-        """What ``cell`` is computed from; ``by_path``: as run folders before content hashes named a local text (by
-        its path), under which their cells stay done."""
-        return _fingerprint(self._payload(cell, by_path))
+    def fingerprint(self, cell: Cell) -> str:
+        """What ``cell`` is computed from: a record of it under another fingerprint is computed again."""
+        return _fingerprint(self._payload(cell))
 
     def row_fingerprint(self, cell: Cell) -> str:
         """:meth:`fingerprint` less the seeds: the same for every seed of ``cell`` under one set of settings, so
-        that a row averages only those (a folder can hold seeds run under other settings before)."""
+        that a row averages only those (a folder can hold seeds run under other settings)."""
         return _fingerprint(_seedless(self._payload(cell)))
 
     def _reads(self, method: str) -> dict:
-        """What ``method`` reads of the recipe sections (catalog ``reads``), less what changes no result: a
-        section read whole is in the payload as before fields were declared, so its cells keep their fingerprint."""
+        """What ``method`` reads of the recipe sections (catalog ``reads``), less what changes no result: every
+        field of a section it reads whole, but those catalog ``unused`` names."""
         info = CATALOG[method]
         payload = {}
         for section, fields in info.read_fields().items():
@@ -157,43 +119,19 @@ class Fingerprints:
             }
         return payload
 
-    def _wide_reads(self, method: str) -> dict:
-        """What ``method``'s fingerprint read before its reads were declared by field (:data:`_WIDE`)."""
-        if method not in _WIDE:
-            return self._reads(method)
-        reads, unused = _WIDE[method]
-        payload = self._sections(reads)
-        for name in unused:
-            section, _, field = name.partition(".")
-            if field:
-                payload[section].pop(field, None)
-            else:
-                payload.pop(section, None)
-        return payload
-
-    def fingerprints(self, cell: Cell) -> tuple[str, ...]:
-        """Every fingerprint under which a record of ``cell`` holds its result under these settings: the
-        fingerprint, and those of run folders written before texts were hashed (``by_path``) or before reads
-        were declared by field (``wide``: every field read now was the same then)."""
-        return tuple(
-            dict.fromkeys(
-                _fingerprint(self._payload(cell, by_path, wide)) for wide in (False, True) for by_path in (False, True)
-            )
-        )
-
-    def _payload(self, cell: Cell, by_path: bool = False, wide: bool = False) -> dict:
+    def _payload(self, cell: Cell) -> dict:
         info = CATALOG[cell.method]
-        payload = {"method": cell.method, **self._base_payload(by_path)}
+        payload = {"method": cell.method, **self._base_payload()}
         if not info.calibrates:
             return payload
-        payload.update(self._calibration_payload(cell.calibration_set, by_path))
-        payload.update(self._wide_reads(cell.method) if wide else self._reads(cell.method))
+        payload.update(self._calibration_payload(cell.calibration_set))
+        payload.update(self._reads(cell.method))
         if info.finetunes:
-            payload["fid"] = self._sources(self.fids[cell.fid_name], by_path)
+            payload["fid"] = self._sources(self.fids[cell.fid_name])
             payload["size"] = cell.size
         return payload
 
-    def bc_fingerprint(self, cal: str, by_path: bool = False) -> str:
-        payload = {"model": self.model_name, **self._calibration_payload(cal, by_path)}
+    def bc_fingerprint(self, cal: str) -> str:
+        payload = {"model": self.model_name, **self._calibration_payload(cal)}
         payload.update(self._reads(BC))
         return _fingerprint(payload)

@@ -76,20 +76,14 @@ def _check_same_recipe(dest: dict, src: dict, src_dir: Path) -> None:
 
 
 def _located(column: dict) -> dict:
-    # a text with its content hash is that text wherever it lies (folders written before the hash: its path)
-    return {k: v for k, v in column.items() if k != "source"} if column.get("identity") else column
-
-
-def _paths_as_texts(results: dict) -> dict[str, str]:
-    """Every local path the run's datasets name, mapped to that text's content hash."""
-    columns = [*results.get("datasets", []), *results.get("dev_datasets", [])]
-    return {**{c["source"]: c["identity"] for c in columns if c.get("identity")}, **results.get("texts", {})}
+    # a text is its content hash wherever it lies: the column without its path
+    return {k: v for k, v in column.items() if k != "source"}
 
 
 def _result_settings(settings: dict, results: dict) -> dict:
     # memory and checkpoint fields leave every result as it is: two runs that differ only there still merge; a
     # dataset named by a path is named by its text
-    texts = _paths_as_texts(results)
+    texts = results.get("texts", {})  # every local path of the run's texts, mapped to that text's content hash
 
     def text(value):
         if isinstance(value, list):

@@ -17,13 +17,13 @@ def check_model(state: QuadapterState, model: str) -> None:
     """Refuse, before any model loads (or the hub is asked), a state computed for another model than ``model``
     (a name ``--model`` takes): by the families where both are known without the hub, else by the names.
 
-    A state names its model in its metadata (written by a run), or through the ``results.json`` of the run
-    folder it lies in; its family is recorded where it was made. Weights of one family and other widths
-    are refused by :meth:`QuadapterState.check_fits`, once the model is there.
+    A state names its model in its metadata (written by a run); its family is recorded where it was made.
+    Weights of one family and other widths are refused by :meth:`QuadapterState.check_fits`, once the model is
+    there.
     """
     from aimet_quadapter.models.loading import family_of
 
-    recorded = state.metadata.get("model") or _run_model(state)
+    recorded = state.metadata.get("model")
     if recorded is not None and _same_model(recorded, model):
         return
     family = state.metadata.get("family") or (family_of(recorded) if recorded else None)
@@ -73,7 +73,7 @@ def check_row(state: QuadapterState) -> None:
     if expected is None:
         why = f": no row of {results_file} was computed with it (an earlier run's, or a step of another method)"
     elif stamp is None:
-        why = f" carries no fingerprint (saved before states recorded theirs): nothing says it is the state of {what}"
+        why = f" carries no fingerprint: nothing says it is the state of {what}"
     else:
         why = (
             f" is not the state of {what}: it was computed under other settings (fingerprint {stamp}, "
@@ -103,16 +103,6 @@ def results_above(folder: Path) -> tuple[Path, dict] | None:
         if isinstance(results, dict) and isinstance(results.get("cells"), dict):
             return candidate, results
     return None
-
-
-def _run_model(state: QuadapterState) -> str | None:
-    """The model the run folder holding this state names in its results.json (a state saved before states
-    recorded it)."""
-    found = run_folder(state)
-    if found is None:
-        return None
-    model = found[1].get("model")
-    return model if isinstance(model, str) else None
 
 
 def _same_model(a: str, b: str) -> bool:

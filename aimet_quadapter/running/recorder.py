@@ -86,7 +86,7 @@ class Recorder:
 
     def is_done(self, results: dict, cell: Cell) -> bool:
         record = results["cells"].get(cell.key)
-        if not record or record.get("fingerprint") not in self.prints.fingerprints(cell):
+        if not record or record.get("fingerprint") != self.prints.fingerprint(cell):
             return False
         return all(s.ref.label in record.get("ppl", {}) for s in self.plan.evals) and all(
             s.ref.label in record.get("dev_ppl", {}) for s in self.plan.devs

@@ -126,8 +126,8 @@ class RecipeRun:
     def devs(self) -> list[EvalSpec]:
         return self.plan.devs
 
-    def fingerprint(self, cell: Cell, by_path: bool = False) -> str:
-        return self.prints.fingerprint(cell, by_path)
+    def fingerprint(self, cell: Cell) -> str:
+        return self.prints.fingerprint(cell)
 
     def row_fingerprint(self, cell: Cell) -> str:
         return self.prints.row_fingerprint(cell)
@@ -210,25 +210,10 @@ class RecipeRun:
                 f"{check['activation_tensors']} activation tensors with this package's encoding"
             )
 
-    def _restamp(self, results: dict, pending: list[Cell]) -> None:
-        """The records of the cells done under these settings, stamped with the fingerprints they have now."""
-        for cell in self.cells:
-            if cell in pending:
-                continue
-            record = results["cells"][cell.key]
-            if record["fingerprint"] not in (self.fingerprint(cell), self.fingerprint(cell, by_path=True)):
-                # done under the fingerprint of every section it was said to read: stamped with what it reads, so
-                # that a later change of a field it does not read leaves it done, and its seeds one row
-                record["fingerprint"] = self.fingerprint(cell)
-                record["row_fingerprint"] = self.row_fingerprint(cell)
-            # a cell recorded before rows kept settings apart, done under these settings: it is of their row
-            record.setdefault("row_fingerprint", self.row_fingerprint(cell))
-
     def _run(self) -> dict:
         say, recorder = self.output.say, self.recorder
         results = recorder.load_or_new()
         pending = [c for c in self.cells if not recorder.is_done(results, c)]
-        self._restamp(results, pending)
         recorder.write(results)
         p2 = self.recipe.phase2
         seen = max(p2.steps, 1) * p2.batch_size

@@ -21,8 +21,7 @@ def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
     inf or NaN perplexity (in no mean and not in ``seeds``), and ``machines`` the thread counts, CPU kernels and
     devices where the seeds ran under more than one. A row is the seeds of one ``row_fingerprint`` (the cell's
     settings less its seed): where a key's seeds ran under more than one, each set is a row of its own, its key
-    and ``settings`` naming that fingerprint (seeds recorded before it: "not recorded", one row). Cells without a
-    seed are returned as they are."""
+    and ``settings`` naming that fingerprint. Cells without a seed are returned as they are."""
     groups: dict[tuple[str, bool, str | None], list[dict]] = {}
     for key, c in cells.items():
         if c.get("seed") is None:
@@ -64,7 +63,7 @@ def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
                 if len(values) > 1:
                     row["predict"][field][col] = list(prediction_range(values))
         if rows_of_key[key] > 1:
-            row["settings"] = settings[:8] if settings else "not recorded"
+            row["settings"] = str(settings)[:8]
             key = f"{key} (settings {row['settings']})"
         rows[key] = row
     return rows
@@ -87,10 +86,10 @@ def prediction_range(values: list[float], level: float = 0.95) -> tuple[float, f
 
 def machine_label(cell: dict) -> str:
     """What a cell ran under that orders its sums: "2 threads on AVX2", "... with cuda (NVIDIA H200)" where a GPU
-    computed it (no kernels, or no device, in cells written before they were recorded: unknown, so not said)."""
+    computed it."""
     threads = f"{cell['threads']} thread{'s' if cell['threads'] != 1 else ''}"
-    label = f"{threads} on {cell['kernels']}" if cell.get("kernels") else threads
-    return f"{label} with {cell['device']}" if cell.get("device") not in (None, "cpu") else label
+    label = f"{threads} on {cell['kernels']}"
+    return f"{label} with {cell['device']}" if cell["device"] != "cpu" else label
 
 
 def summary(results: dict) -> dict[str, dict]:
