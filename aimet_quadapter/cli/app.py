@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from aimet_quadapter import logs
 from aimet_quadapter.cli.checks import add_check_commands
 from aimet_quadapter.cli.export import add_export_command
+from aimet_quadapter.cli.options import NO_PREFIX, prefix_ids
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.settings import default_of
 from aimet_quadapter.text import EVAL_SEQ_LEN
@@ -37,7 +38,6 @@ if TYPE_CHECKING:  # for the annotations only
     SubParsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
 _PREFIX = "section:"
-_NO_PREFIX = "none"  # --prefix none: no prefix, where the default would be the model's own
 
 
 def _sections() -> list[tuple[str, type[BaseModel], tuple[str, ...]]]:
@@ -105,22 +105,6 @@ def _add_prefix_option(p: argparse.ArgumentParser, default: str = "none") -> Non
         "PrefixQuant); auto: the model's own (its BOS token, else EOS, and a new line: '<|im_start|>\\n' for "
         f"SmolLM2); none: no prefix (default: {default})",
     )
-
-
-def _prefix_ids(tokenizer, prefix: str | None) -> list[int] | None:
-    """The tokens of ``--prefix`` (None without one); a prefix of no token is refused by name."""
-    from aimet_quadapter.models.prefix import AUTO_PREFIX, model_prefix
-
-    if prefix == AUTO_PREFIX:
-        prefix = model_prefix(tokenizer)
-        if prefix is None:
-            logs.log.info("--prefix auto: the tokenizer has neither a BOS nor an EOS token: no prefix")
-    if prefix is None or prefix == _NO_PREFIX:
-        return None
-    ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
-    if not ids:
-        raise QuadapterError(f"--prefix {prefix!r} gives no token")
-    return list(ids)
 
 
 def _calibration_values(args: argparse.Namespace, *extra: tuple[str, Any]) -> tuple[int, int, int]:
@@ -195,7 +179,7 @@ def _eval_prefix(args: argparse.Namespace) -> str | None:
         # a saved state holds the prefix it was trained with
         htp = _section_overrides(args).get("policy.target") == "htp"
         return AUTO_PREFIX if htp and not args.state else None
-    return None if args.prefix == _NO_PREFIX else args.prefix
+    return None if args.prefix == NO_PREFIX else args.prefix
 
 
 def _check_json_path(path: str | None) -> None:
@@ -333,7 +317,7 @@ def _cmd_describe(args: argparse.Namespace) -> int:
         check_crop_count(samples, length, "--calib-samples")
         load_text(args.calib_dataset, "train")  # a bad dataset is refused before the model loads
     model, tokenizer = load_model(args.model, quiet=True, device=args.device)
-    ids = _prefix_ids(tokenizer, args.prefix)
+    ids = prefix_ids(tokenizer, args.prefix)
     if args.calib_dataset:
         model.check_length(length + len(ids or []), "--calib-len (after the prefix)" if ids else "--calib-len")
     if ids is not None:
@@ -371,7 +355,7 @@ def _cmd_sensitivity(args: argparse.Namespace) -> int:
     check_crop_count(args.held_out, length, "--held-out")
     text = load_text(args.calib_dataset, "train")  # a bad dataset is refused before the model loads
     model, tokenizer = load_model(args.model, quiet=True, device=args.device)
-    prefix = _prefix_ids(tokenizer, args.prefix)
+    prefix = prefix_ids(tokenizer, args.prefix)
     # a hub model's limit is known only now
     model.check_length(length + len(prefix or []), "--calib-len (after the prefix)" if prefix else "--calib-len")
     if prefix is not None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from aimet_quadapter.cli.export import positive_int
+from aimet_quadapter.cli.options import prefix_ids
 from aimet_quadapter.errors import QuadapterError
 
 _MODEL_HELP = "the FP model the state was trained on: hub id, local folder, or smollm2-135m (offline)"
@@ -210,8 +211,7 @@ def _cmd_ptq_state(args: argparse.Namespace) -> int:
     from aimet_quadapter.text.data import load_text, random_crops, tokenize
 
     model, tokenizer = load_model(args.model, quiet=True)
-    if args.prefix and args.prefix != "none":
-        model.set_prefix(tokenizer(args.prefix, add_special_tokens=False)["input_ids"])
+    model.set_prefix(prefix_ids(tokenizer, args.prefix or None))  # '' as none
     train = tokenize(tokenizer, load_text("ptb", "train"))
     sim = build_sim(model, policy)
     calibrate(sim, random_crops(train, args.samples, args.length).split(1))
