@@ -146,6 +146,6 @@ def test_its_windows_are_as_long_as_the_model_takes_after_the_prefix(tmp_path, t
         hf_tiny("gpt2", positions=positions).save_pretrained(folder)
         tiny_tokenizer.save_pretrained(folder)
         run = RecipeRun(load_recipe(RECIPE, [f"model={folder}"]), tmp_path / "unused", progress=False)
-        prefix = len(run.prefix_ids())
-        lengths[positions] = {s.seq_len for s in (*run.evals, *run.devs)}
+        prefix = len(run.texts.prefix_ids())
+        lengths[positions] = {s.seq_len for s in (*run.plan.evals, *run.plan.devs)}
     assert prefix >= 1 and lengths == {1024: {1024 - prefix}, 2048: {1024}}

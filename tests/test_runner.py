@@ -519,7 +519,7 @@ def test_generated_text_is_sampled_once_kept_and_part_of_the_fingerprint(world, 
     assert set(_results(out)["cells"]) == {"fp", "calib:generated/cle", "generated/quadapter"}
 
     run = RecipeRun(load_recipe(world / "r.yaml", sets), out, progress=False)
-    for batch in run.finetune_batches("generated", None):  # phase 2 trains on the kept samples
+    for batch in run.data.finetune_batches("generated", None):  # phase 2 trains on the kept samples
         for row in batch:
             assert any(torch.equal(row, s) for s in samples)
 
@@ -864,8 +864,8 @@ def test_a_finished_run_and_its_data_are_freed(world, tmp_path):
     from aimet_quadapter.running.runner import RecipeRun
 
     run = RecipeRun(load_recipe(world / "r.yaml"), tmp_path / "out", progress=False)
-    windows = run.eval_windows()
-    assert run.eval_windows() is windows  # computed once per run
+    windows = run.data.eval_windows()
+    assert run.data.eval_windows() is windows  # computed once per run
     gone = weakref.ref(run)
     del run, windows
     gc.collect()
@@ -1007,10 +1007,10 @@ def test_a_row_fingerprint_leaves_out_the_seeds_and_nothing_else(tmp_path):
 
     base, cells = planned()
     other, other_cells = planned(seed=1)
-    assert [base.row_fingerprint(c) for c in cells] == [other.row_fingerprint(c) for c in other_cells]
+    assert [base.prints.row_fingerprint(c) for c in cells] == [other.prints.row_fingerprint(c) for c in other_cells]
     assert [base.fingerprint(c) == other.fingerprint(c) for c in cells] == [True, False, False]  # FP32 has no seed
     samples, _ = planned("calibration.samples=3")
-    assert [base.row_fingerprint(c) == samples.row_fingerprint(c) for c in cells] == [True, False, False]
+    assert [base.prints.row_fingerprint(c) == samples.prints.row_fingerprint(c) for c in cells] == [True, False, False]
 
 
 def test_seeds_merged_from_a_folder_that_ran_them_under_other_settings_stay_a_row_of_their_own(tmp_path):

@@ -54,7 +54,7 @@ def cell_record(cell: Path) -> tuple[dict, Recipe]:
 def texts_of(record: dict, recipe: Recipe, roles: tuple[str, ...] = ROLES) -> list[Text]:
     """The texts the run scored for ``record``, test texts then development texts, each with the sim's number."""
     run = RecipeRun(recipe, Path(".unused"), progress=False)
-    scored = {TEST: (run.eval_windows(), record["ppl"]), DEV: (run.dev_windows(), record.get("dev_ppl", {}))}
+    scored = {TEST: (run.data.eval_windows(), record["ppl"]), DEV: (run.data.dev_windows(), record.get("dev_ppl", {}))}
     return [
         Text(role, label, windows, scored[role][1][label])
         for role in roles

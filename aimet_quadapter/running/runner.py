@@ -36,7 +36,7 @@ from aimet_quadapter import distributed
 from aimet_quadapter.errors import QuadapterError, TrainingDiverged
 from aimet_quadapter.logs import log, log_file
 from aimet_quadapter.memory import release_freed_memory
-from aimet_quadapter.running.cells import Cell, EvalSpec
+from aimet_quadapter.running.cells import Cell
 from aimet_quadapter.running.checks import Checks
 from aimet_quadapter.running.data import RunData
 from aimet_quadapter.running.executor import Executor
@@ -118,31 +118,8 @@ class RecipeRun:
     def cells(self) -> list[Cell]:
         return self.plan.cells
 
-    @property
-    def evals(self) -> list[EvalSpec]:
-        return self.plan.evals
-
-    @property
-    def devs(self) -> list[EvalSpec]:
-        return self.plan.devs
-
     def fingerprint(self, cell: Cell) -> str:
         return self.prints.fingerprint(cell)
-
-    def row_fingerprint(self, cell: Cell) -> str:
-        return self.prints.row_fingerprint(cell)
-
-    def prefix_ids(self) -> list[int]:
-        return self.texts.prefix_ids()
-
-    def eval_windows(self) -> dict[str, list]:
-        return self.data.eval_windows()
-
-    def dev_windows(self) -> dict[str, list]:
-        return self.data.dev_windows()
-
-    def finetune_batches(self, fid: str, size: int | None) -> list[torch.Tensor]:
-        return self.data.finetune_batches(fid, size)
 
     def score(self, state: QuadapterState) -> dict[str, float]:
         """Perplexity of ``state``'s sim, rebuilt on this run's model, on the evaluation texts."""
