@@ -3,6 +3,7 @@ package's encodings loaded and frozen, every other tensor calibrated; its covera
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import shutil
@@ -81,6 +82,18 @@ def test_every_tensor_it_counts_as_covered_runs_quantized(checked):
     joined = [n for n in coverage.covered if re.search(r"/self_attn/Concat(_1)?_output_0$", n)]
     assert len(joined) == (2 * len(model.block_paths()) if model.prefix_ids is not None else 0)
     assert not set(coverage.constants) & set(coverage.covered)
+
+
+def test_the_loaded_graph_goes_once_the_simulation_holds_its_own(checked):
+    """aimet-onnx's supergroup fusion copies the graph into the sim, and its rewrite rules (module globals) kept the
+    graph they last matched: the loaded model, every weight in it, stayed beside the sim's copy for good."""
+    import onnx_ir
+
+    _, _, out, _ = checked
+    sim, _ = device_sim(out)
+    gc.collect()
+    graphs = [o for o in gc.get_objects() if isinstance(o, (onnx_ir.Graph, onnx_ir.Model))]
+    assert sim.model.model.graph.initializer and graphs == []
 
 
 def test_the_device_graph_scores_a_text_as_the_check_does(checked):

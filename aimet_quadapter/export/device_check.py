@@ -30,7 +30,13 @@ import torch
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.formats import ENCODINGS, FP_ONNX, INPUT_NAME
 from aimet_quadapter.export.onnx_eval import read_encodings
-from aimet_quadapter.quant.aimet_private import HTP_VERSION, add_missing_onnx_quantizers, htp_config_file
+from aimet_quadapter.memory import release_freed_memory
+from aimet_quadapter.quant.aimet_private import (
+    HTP_VERSION,
+    add_missing_onnx_quantizers,
+    htp_config_file,
+    release_fused_graph,
+)
 from aimet_quadapter.quant.quantizers import aimet_onnx_rounding
 
 REPORT = "device_check.json"
@@ -73,6 +79,8 @@ def device_sim(export: Path) -> tuple[Any, Coverage]:
     encodings_file = export / ENCODINGS
     encodings = json.loads(encodings_file.read_text())
     model = onnx.load(str(export / FP_ONNX))  # external data is read from beside the graph
+    initializers = {t.name for t in model.graph.initializer}
+    folded = _constant_tensors(model)
     sim = QuantizationSimModel(
         model,
         config_file=htp_config_file(package="aimet_onnx"),
@@ -81,16 +89,20 @@ def device_sim(export: Path) -> tuple[Any, Coverage]:
         # weights themselves after the run (the same results: allocation only)
         session_options_kwargs={"enable_cpu_mem_arena": False, "enable_mem_pattern": False},
     )
+    # the sim holds a fused copy of the graph: the loaded one, weights and all, goes before anything runs
+    del model
+    release_fused_graph()
+    release_freed_memory()
     # the embedding table is a Gather input aimet-onnx quantizes as an activation; the export names it a param
     ours = {e.name for e in read_encodings(encodings)}
     if not str(encodings.get("version", "")).startswith("1."):
         # as aimet-onnx adds them for a 1.0.0 file (e.g. the embedding's output), the graph's initializers as params
-        initializers = {t.name for t in model.graph.initializer}
         add_missing_onnx_quantizers(sim, sorted(ours & initializers), sorted(ours - initializers))
     # strict=False: a quantizer takes the loaded encoding's bits and symmetry, as a converter's override does
     load_encodings_to_sim(
         sim, str(encodings_file), strict=False, allow_overwrite=False, disable_missing_quantizers=False
     )
+    release_freed_memory()  # the copy of the graph aimet-onnx saved for its session's rebuild
     quantizer = sim.qc_quantize_op_dict
     # aimet-onnx ties a Concat's inputs to its output, one quantizer under several names: the prefix's constant keys
     # and values share the sequence's own, and a converter quantizes them with that encoding rather than fold them
@@ -102,7 +114,6 @@ def device_sim(export: Path) -> tuple[Any, Coverage]:
         return any(n in ours for n in tied[id(quantizer[name])])
 
     quantized = [n for n in sim.activation_names if (q := quantizer.get(n)) is not None and q.enabled]
-    folded = _constant_tensors(model)
     constants = [n for n in quantized if all(t in folded for t in tied[id(quantizer[n])]) and not encoded(n)]
     for name in constants:  # a converter folds them: the rotary angles, the causal mask, the mask's fill value
         quantizer[name].enabled = False

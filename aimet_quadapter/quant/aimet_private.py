@@ -4,7 +4,8 @@ This module is the one place AIMET's private calls sit: the shims over its under
 precomputed encodings, the minimum scale, Sequential MSE's bit-width limit, its ONNX export and QDQ passes, the
 transposed weights of that export, its fixed-range fake-quant call), the Hadamard orders AIMET lacks, the patches
 FPTQuant and OmniQuant run under, the path of AIMET's HTP quantsim config inside its install (package data, not
-an API), and aimet-onnx's step that adds the quantizers an encodings file needs. Nothing else in the package
+an API), aimet-onnx's step that adds the quantizers an encodings file needs, and the release of the graph its
+supergroup fusion keeps. Nothing else in the package
 names an underscored AIMET symbol: when AIMET changes one of these, this module is the one to fix, and its tests
 (tests/test_methods.py, tests/test_quadapter.py, tests/test_aimet_techniques.py, tests/test_device_check.py,
 tests/test_export.py) say which. (Named for what it wraps, not "adapter": quadapter/adapter.py is the technique's
@@ -276,6 +277,22 @@ def add_missing_onnx_quantizers(sim: Any, params: list[str], activations: list[s
     from aimet_onnx.quantsim import _add_missing_quantizers
 
     _add_missing_quantizers(sim, params, activations)
+
+
+def release_fused_graph() -> None:
+    """Let go of the graph aimet-onnx's supergroup fusion last matched. Its rewrite rules are module globals
+    (onnxscript's), and each rule's matcher keeps the last graph, node and match it saw: through them the IR of the
+    model a quantsim was built from, and the ModelProto under it, with every weight, stay alive beside the sim's
+    own fused copy for as long as the process runs. Safe between builds: a matcher sets all four afresh for
+    each match."""
+    from aimet_onnx.graph_passes.fusions.fusion_registry import FUSION_PASS_REGISTRY
+
+    for rules in FUSION_PASS_REGISTRY.passes.values():
+        for rule in rules:
+            matcher = getattr(rule, "_matcher", None)
+            for state in ("_graph", "_current_node", "_match", "_tracer"):
+                if hasattr(matcher, state):
+                    setattr(matcher, state, None)
 
 
 # The Hexagon (HTP) generation whose quantsim config the `htp` target uses: AIMET ships one per generation.
