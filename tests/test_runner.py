@@ -629,7 +629,7 @@ def test_messages_go_to_stderr_at_the_level_asked_and_always_to_the_run_log(base
 
 def test_a_matched_baseline_on_fewer_seeds_is_compared_on_the_seeds_both_ran():
     def cell(method: str, label: str, seed: int, value: float) -> dict:
-        return {"method": method, "label": label, "group": "g", "seed": seed, "ppl": {"t": value}}
+        return _cell(method, "g", seed, {"t": value}, label=label)
 
     quadapter = {0: 10.0, 1: 18.0, 2: 35.0}  # mean 21, above QAT's 19; on seed 1 alone, below it
     cells = {f"g/quadapter#seed{s}": cell("quadapter", "Quadapter", s, v) for s, v in quadapter.items()}
@@ -746,10 +746,7 @@ def test_runs_of_two_checkouts_merge_their_texts_by_content(world, tmp_path, cap
 def test_the_seeds_of_a_row_that_ran_under_other_thread_counts_or_kernels_are_marked(capsys):
     from aimet_quadapter.reporting.report import results_table
 
-    cells = {
-        f"calib:a/ptq#seed{s}": {"method": "ptq", "label": "PTQ", "group": "calib:a", "seed": s, "ppl": {"a": 10.0 + s}}
-        for s in (0, 1, 2)
-    }
+    cells = {f"calib:a/ptq#seed{s}": _cell("ptq", "calib:a", s, {"a": 10.0 + s}, label="PTQ") for s in (0, 1, 2)}
     for s, threads, kernels in ((0, 1, "AVX2"), (1, 2, "AVX512"), (2, 2, "AVX2")):
         cells[f"calib:a/ptq#seed{s}"].update(threads=threads, kernels=kernels, device="cpu")
     table = results_table({"cells": cells, "datasets": [{"label": "a"}], "seeds": [0, 1, 2]})
@@ -787,10 +784,10 @@ def test_a_row_with_a_stopped_seed_is_the_mean_of_the_others_and_says_so():
     from aimet_quadapter.running.statistics import merge_seeds
 
     cells = {
-        f"g/quadapter#seed{s}": {"method": "quadapter", "label": "Quadapter", "group": "g", "seed": s, "ppl": {"a": v}}
+        f"g/quadapter#seed{s}": _cell("quadapter", "g", s, {"a": v}, label="Quadapter")
         for s, v in ((0, 10.0), (1, 12.0))
     }
-    cells["g/quadapter#seed2"] = {"method": "quadapter", "group": "g", "seed": 2, "ppl": {}, "error": "the loss is nan"}
+    cells["g/quadapter#seed2"] = _cell("quadapter", "g", 2, {}, label="Quadapter", error="the loss is nan")
     row = merge_seeds(cells)["g/quadapter"]
     assert row["ppl"]["a"] == 11.0 and row["seeds"] == [0, 1] and row["stopped_seeds"] == [2]
 
@@ -816,8 +813,7 @@ def test_the_report_gives_where_another_run_lands_for_rows_of_more_than_one_seed
     from aimet_quadapter.running.statistics import merge_seeds
 
     cells = {
-        f"g/ptq#seed{s}": {"method": "ptq", "label": "PTQ", "group": "g", "seed": s, "ppl": {"a": v}}
-        for s, v in ((0, 10.0), (1, 11.0), (2, 12.0))
+        f"g/ptq#seed{s}": _cell("ptq", "g", s, {"a": v}, label="PTQ") for s, v in ((0, 10.0), (1, 11.0), (2, 12.0))
     }
     cells["g/fp"] = {"method": "fp", "label": "FP32", "group": "g", "seed": None, "ppl": {"a": 9.0}}
     low, high = merge_seeds(cells)["g/ptq"]["predict"]["ppl"]["a"]
@@ -873,7 +869,8 @@ def test_a_finished_run_and_its_data_are_freed(world, tmp_path):
 
 
 def _cell(method: str, group: str, seed: int | None, ppl: dict, **extra) -> dict:
-    return {"method": method, "label": method.upper(), "group": group, "seed": seed, "ppl": ppl, **extra}
+    machine = {"threads": 2, "kernels": "AVX2", "device": "cpu"}  # what every record holds
+    return {"method": method, "label": method.upper(), "group": group, "seed": seed, "ppl": ppl, **machine, **extra}
 
 
 def _folder(path: Path, cells: dict) -> Path:
@@ -941,7 +938,7 @@ def test_rows_of_other_fine_tuning_sizes_are_neither_compared_nor_checked_agains
             "g/quadapter@2#seed5": _cell(
                 "quadapter", "g", 5, {"t": 50.5}, size=2, threads=1, kernels="AVX2", device="cpu"
             ),
-            "g/ptq#seed5": {**_cell("ptq", "g", 5, {"t": 40.0}), "threads": 1, "kernels": "AVX2", "device": "cpu"},
+            "g/ptq#seed5": _cell("ptq", "g", 5, {"t": 40.0}, threads=1),
         },
     )
     capsys.readouterr()

@@ -47,7 +47,7 @@ def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
             row["stopped_seeds"] = [m["seed"] for m in stopped]
         if nonfinite:
             row["nonfinite_seeds"] = [m["seed"] for m in nonfinite]
-        machines = sorted({machine_label(m) for m in counted if m.get("threads") is not None})
+        machines = sorted({machine_label(m) for m in counted})
         if len(machines) > 1:  # sums in another order: another measurement, not another seed alone
             row["machines"] = machines
         row["predict"] = {}
