@@ -170,6 +170,8 @@ TWINS = (
     "test_export.py::test_export_after_ptq_matches_the_sim[llama-1.0.0]",
     "test_export.py::test_export_after_ptq_matches_the_sim[llama-2.0.0]",
     "test_export.py::test_export_after_ptq_matches_the_sim[gpt2-2.0.0]",
+    # both toys' Linear weights go through AIMET's transpose pass; the llama toy has more of them
+    "test_export.py::test_aimets_transposed_weights_go_to_their_files_without_a_copy_in_memory[gpt2]",
     "test_quadapter.py::test_phase2_lowers_training_loss_and_keeps_weights[llama]",
     "test_quadapter.py::test_phase2_resume_continues_where_it_stopped[llama]",
     "test_quadapter.py::test_gathered_embedding_quantization_is_exact[llama]",
