@@ -935,9 +935,7 @@ def test_rows_of_other_fine_tuning_sizes_are_neither_compared_nor_checked_agains
     other = _folder(
         tmp_path / "other",
         {
-            "g/quadapter@2#seed5": _cell(
-                "quadapter", "g", 5, {"t": 50.5}, size=2, threads=1, kernels="AVX2", device="cpu"
-            ),
+            "g/quadapter@2#seed5": _cell("quadapter", "g", 5, {"t": 50.5}, size=2, threads=1),
             "g/ptq#seed5": _cell("ptq", "g", 5, {"t": 40.0}, threads=1),
         },
     )

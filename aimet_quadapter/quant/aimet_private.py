@@ -5,8 +5,8 @@ precomputed encodings, the minimum scale, Sequential MSE's bit-width limit, its 
 transposed weights of that export, its fixed-range fake-quant call), the Hadamard orders AIMET lacks, the patches
 FPTQuant and OmniQuant run under, the path of AIMET's HTP quantsim config inside its install (package data, not
 an API), aimet-onnx's step that adds the quantizers an encodings file needs, and the release of the graph its
-supergroup fusion keeps. Nothing else in the package
-names an underscored AIMET symbol: when AIMET changes one of these, this module is the one to fix, and its tests
+supergroup fusion keeps. Nothing else in the package names an underscored AIMET symbol: when AIMET changes one
+of these, this module is the one to fix, and its tests
 (tests/test_methods.py, tests/test_quadapter.py, tests/test_aimet_techniques.py, tests/test_device_check.py,
 tests/test_export.py) say which. (Named for what it wraps, not "adapter": quadapter/adapter.py is the technique's
 own.)

@@ -560,10 +560,11 @@ def elementwise_fake_quant(qs: Iterable[QuantizeDequantize], fused: bool = False
     On a CPU, ``torch.fake_quantize_per_tensor_affine`` (what AIMET calls) is not vectorised and also
     writes a gradient mask, so it costs many times the same float32 arithmetic written as tensor ops
     (x * (1 / scale), round half to even, + zero point, clamp, - zero point, * scale), which gives
-    bit-identical outputs; the gradient is ATen's straight-through one (tested). A range that trains takes :class:`FakeQuantLearnedRange`: the
-    same arithmetic, so training and evaluation compute one function, on every device. Per-channel
-    encodings keep AIMET's path, and so do fixed ranges on CUDA, whose kernel is vectorised already. ``fused``:
-    a trained range takes :class:`FusedFakeQuantLearnedRange` instead, the same values in two kernels.
+    bit-identical outputs; the gradient is ATen's straight-through one (tested). A range that trains takes
+    :class:`FakeQuantLearnedRange`: the same arithmetic, so training and evaluation compute one function, on
+    every device. Per-channel encodings keep AIMET's path, and so do fixed ranges on CUDA, whose kernel is
+    vectorised already. ``fused``: a trained range takes :class:`FusedFakeQuantLearnedRange` instead, the same
+    values in two kernels.
     """
     learned = FusedFakeQuantLearnedRange if fused else FakeQuantLearnedRange
     patched = []
