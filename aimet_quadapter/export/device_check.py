@@ -30,7 +30,7 @@ import torch
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.formats import ENCODINGS, FP_ONNX, INPUT_NAME
 from aimet_quadapter.export.onnx_eval import read_encodings
-from aimet_quadapter.memory import release_freed_memory
+from aimet_quadapter.memory import release_freed_memory, trim_heap
 from aimet_quadapter.quant.aimet_private import (
     HTP_VERSION,
     add_missing_onnx_quantizers,
@@ -102,7 +102,7 @@ def device_sim(export: Path) -> tuple[Any, Coverage]:
     load_encodings_to_sim(
         sim, str(encodings_file), strict=False, allow_overwrite=False, disable_missing_quantizers=False
     )
-    release_freed_memory()  # the copy of the graph aimet-onnx saved for its session's rebuild
+    trim_heap()  # the copy of the graph aimet-onnx saved for its session's rebuild, freed without a cycle
     quantizer = sim.qc_quantize_op_dict
     # aimet-onnx ties a Concat's inputs to its output, one quantizer under several names: the prefix's constant keys
     # and values share the sequence's own, and a converter quantizes them with that encoding rather than fold them
