@@ -71,28 +71,28 @@ def tensor_divergence(export: Path, ids: np.ndarray, shown: int = 30) -> None:
     scales = {e.name: float(np.max(e.scale)) for e in encodings}  # per channel: the largest step, a lower bound
     fp = onnx.load(str(export / FP_ONNX))
     ours, _ = apply_encodings(fp, encodings)
-    onnx_sim, _ = device_sim(export)
-    onnx_sim.compute_encodings([{INPUT_NAME: ids}])  # every tensor carries an encoding of its own: none is changed
-    graph = onnx_sim.model.model.graph
-    produced = {o for node in graph.node for o in node.output}
-    names = [o for node in fp.graph.node for o in node.output if o in scales and o + "_updated" in produced]
-    for name in names:
-        ours.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
-        graph.output.append(helper.make_tensor_value_info(name + "_updated", TensorProto.FLOAT, None))
-    session = ort_session(ours.SerializeToString(), optimize=False)
-    mine = dict(zip([o.name for o in session.get_outputs()], session.run(None, {INPUT_NAME: ids})))
-    device_session = OrtInferenceSession(onnx_sim.model.model, ["CPUExecutionProvider"])
-    theirs = dict(zip([o.name for o in device_session.get_outputs()], device_session.run(None, {INPUT_NAME: ids})))
-    print(f"{len(names)} quantized tensors in both graphs, in the graph's order; share of values unlike")
-    differing = 0
-    for name in names:
-        steps = np.abs(mine[name] - theirs[name + "_updated"]) / scales[name]
-        share = float((steps > 1e-3).mean())  # a code apart, or off the grid (a quantizer left out)
-        if share > 0:
-            differing += 1
-            if differing <= shown:
-                print(f"{name} | {share:.2e} | largest {steps.max():.1f} codes")
-    print(f"{differing} of {len(names)} tensors differ")
+    with device_sim(export) as (onnx_sim, _):
+        onnx_sim.compute_encodings([{INPUT_NAME: ids}])  # every tensor carries an encoding of its own: none is changed
+        graph = onnx_sim.model.model.graph
+        produced = {o for node in graph.node for o in node.output}
+        names = [o for node in fp.graph.node for o in node.output if o in scales and o + "_updated" in produced]
+        for name in names:
+            ours.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+            graph.output.append(helper.make_tensor_value_info(name + "_updated", TensorProto.FLOAT, None))
+        session = ort_session(ours.SerializeToString(), optimize=False)
+        mine = dict(zip([o.name for o in session.get_outputs()], session.run(None, {INPUT_NAME: ids})))
+        device_session = OrtInferenceSession(onnx_sim.model.model, ["CPUExecutionProvider"])
+        theirs = dict(zip([o.name for o in device_session.get_outputs()], device_session.run(None, {INPUT_NAME: ids})))
+        print(f"{len(names)} quantized tensors in both graphs, in the graph's order; share of values unlike")
+        differing = 0
+        for name in names:
+            steps = np.abs(mine[name] - theirs[name + "_updated"]) / scales[name]
+            share = float((steps > 1e-3).mean())  # a code apart, or off the grid (a quantizer left out)
+            if share > 0:
+                differing += 1
+                if differing <= shown:
+                    print(f"{name} | {share:.2e} | largest {steps.max():.1f} codes")
+        print(f"{differing} of {len(names)} tensors differ")
 
 
 def window_divergence(sim_model: torch.nn.Module, export: Path, windows: list[Window], draws: int = 0) -> None:
@@ -100,7 +100,6 @@ def window_divergence(sim_model: torch.nn.Module, export: Path, windows: list[Wi
     that many summation-order draws of the sim rounding as aimet-onnx does, each over all the windows as
     ``aimet-quadapter noise --orders --rounding aimet-onnx`` draws them, and where the device graph lies against
     them."""
-    device = scoring_lm(export, windows[0])
     columns = ["sim", "sim, a summation-order draw", "sim, aimet-onnx's rounding", "device graph"]
     columns += [f"aimet-onnx's rounding, draw {k}" for k in range(1, draws + 1)]
 
@@ -115,7 +114,9 @@ def window_divergence(sim_model: torch.nn.Module, export: Path, windows: list[Wi
         ):
             return [nll(sim_model, w) for w in windows]  # one draw over all the windows, as `noise`'s
 
-    by_column = [column(), column(1), column(rounding=True), [nll(device, w) for w in windows]]
+    with scoring_lm(export, windows[0]) as device:
+        on_device = [nll(device, w) for w in windows]
+    by_column = [column(), column(1), column(rounding=True), on_device]
     by_column += [column(k, rounding=True) for k in range(1, draws + 1)]
     losses = [list(row) for row in zip(*by_column)]
     print(" | ".join(["window", *columns]))
@@ -192,23 +193,24 @@ def main() -> None:
 
     saved, moved, shuffled = sums_codes(None), sums_codes(1), sums_codes(1, shuffled_sums)
 
-    onnx_sim, coverage = device_sim(args.export)
-    names = {}
-    for path in sums:
-        scope = _onnx_scope(path)
-        found = [n for n in coverage.covered if n.startswith(scope)]
-        if len(found) != 1:
-            raise SystemExit(f"{path}: {len(found)} tensors of the graph under {scope}, expected one")
-        names[path] = found[0]
-    graph = onnx_sim.model.model.graph
-    for name in names.values():  # the simulation's quantize-dequantize output of each sum
-        graph.output.append(helper.make_tensor_value_info(name + "_updated", TensorProto.FLOAT, None))
-    # a session of its own over the sim's graph: the quantizer nodes point at the sim's loaded encodings
-    session = OrtInferenceSession(onnx_sim.model.model, ["CPUExecutionProvider"])
-    outs = session.run([n + "_updated" for n in names.values()], {INPUT_NAME: ids.numpy().astype(np.int64)})
-    device = {
-        path: torch.round(torch.from_numpy(o).reshape(saved[path].shape) / scales[path]) for path, o in zip(names, outs)
-    }
+    with device_sim(args.export) as (onnx_sim, coverage):
+        names = {}
+        for path in sums:
+            scope = _onnx_scope(path)
+            found = [n for n in coverage.covered if n.startswith(scope)]
+            if len(found) != 1:
+                raise SystemExit(f"{path}: {len(found)} tensors of the graph under {scope}, expected one")
+            names[path] = found[0]
+        graph = onnx_sim.model.model.graph
+        for name in names.values():  # the simulation's quantize-dequantize output of each sum
+            graph.output.append(helper.make_tensor_value_info(name + "_updated", TensorProto.FLOAT, None))
+        # a session of its own over the sim's graph: the quantizer nodes point at the sim's loaded encodings
+        session = OrtInferenceSession(onnx_sim.model.model, ["CPUExecutionProvider"])
+        outs = session.run([n + "_updated" for n in names.values()], {INPUT_NAME: ids.numpy().astype(np.int64)})
+        device = {
+            path: torch.round(torch.from_numpy(o).reshape(saved[path].shape) / scales[path])
+            for path, o in zip(names, outs)
+        }
 
     print(f"{args.dataset} {args.split}, first window ({seq_len} tokens); share of codes unlike the sim's")
     print("residual sum | scale | one-ulp draw | summation-order draw | device graph | device, largest code difference")

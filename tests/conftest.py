@@ -203,6 +203,8 @@ TWINS = (
     "test_device_check.py::test_every_tensor_it_counts_as_covered_runs_quantized[llama]",
     "test_device_check.py::test_the_loaded_graph_goes_once_the_simulation_holds_its_own[llama]",
     "test_device_check.py::test_the_device_graph_scores_a_text_as_the_check_does[llama]",
+    "test_device_check.py::test_the_graph_its_session_reads_goes_with_the_block[llama]",
+    "test_device_check.py::test_the_graph_its_session_reads_goes_with_the_block[gpt2]",
     # htp's placement, quick on GPT-2, Llama, Qwen2, Phi-3 and Gemma (the residual stream) and on GPT-2, Llama, Phi-3
     # and Gemma (the rotation and SiLU: none, rotary with SiLU, Phi-3's fused projections, GELU); each other family
     # shares one of their code paths

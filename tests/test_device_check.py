@@ -17,7 +17,7 @@ pytest.importorskip("aimet_onnx", reason="aimet-onnx is the optional extra devic
 from aimet_quadapter.errors import QuadapterError  # noqa: E402
 from aimet_quadapter.export.device_check import DeviceGraphCheck, device_sim  # noqa: E402
 from aimet_quadapter.export.exporter import export_quantized  # noqa: E402
-from aimet_quadapter.export.formats import ENCODINGS  # noqa: E402
+from aimet_quadapter.export.formats import ENCODINGS, INPUT_NAME  # noqa: E402
 from aimet_quadapter.quant.config import QuantPolicy  # noqa: E402
 from aimet_quadapter.quant.policy import build_sim, calibrate  # noqa: E402
 from aimet_quadapter.running.device_texts import Text, cell_record, device_perplexities, texts_of  # noqa: E402
@@ -52,7 +52,8 @@ def checked(request, tmp_path_factory):
 
 def test_the_device_graph_holds_the_residual_streams_encodings_and_names_the_rest(checked):
     model, _, out, report = checked
-    sim, coverage = device_sim(out)
+    with device_sim(out) as (_, coverage):
+        pass
     ours = {e["name"] for e in json.loads((out / ENCODINGS).read_text())["activation_encodings"]}
     assert len(coverage.covered) == report["with_encoding"] > 0
     assert sorted(coverage.missing) == sorted(report["without_encoding"])
@@ -77,8 +78,8 @@ def test_every_tensor_it_counts_as_covered_runs_quantized(checked):
     values share the quantizer of the sequence's own, so switching them off as folded constants would leave every
     layer's keys and values in float while the report still counted them."""
     model, _, out, report = checked
-    sim, coverage = device_sim(out)
-    assert all(sim.qc_quantize_op_dict[n].enabled for n in coverage.covered)
+    with device_sim(out) as (sim, coverage):
+        assert all(sim.qc_quantize_op_dict[n].enabled for n in coverage.covered)
     joined = [n for n in coverage.covered if re.search(r"/self_attn/Concat(_1)?_output_0$", n)]
     assert len(joined) == (2 * len(model.block_paths()) if model.prefix_ids is not None else 0)
     assert not set(coverage.constants) & set(coverage.covered)
@@ -90,10 +91,24 @@ def test_the_loaded_graph_goes_once_the_simulation_holds_its_own(checked):
     import onnx_ir
 
     _, _, out, _ = checked
-    sim, _ = device_sim(out)
-    gc.collect()
-    graphs = [o for o in gc.get_objects() if isinstance(o, (onnx_ir.Graph, onnx_ir.Model))]
-    assert sim.model.model.graph.initializer and graphs == []
+    with device_sim(out) as (sim, _):
+        gc.collect()
+        graphs = [o for o in gc.get_objects() if isinstance(o, (onnx_ir.Graph, onnx_ir.Model))]
+        assert sim.model.model.graph.initializer and graphs == []
+
+
+def test_the_graph_its_session_reads_goes_with_the_block(checked, tmp_path):
+    """aimet-onnx writes the graph its onnxruntime session reads, every weight, to a temporary folder it removes
+    only when the sim is collected: a process that ended first left it behind, one full copy of the model a run."""
+    _, corpus, out, _ = checked
+    with device_sim(out, scratch=tmp_path) as (sim, _):
+        (workdir,) = tmp_path.iterdir()
+        assert (workdir / "model.onnx").is_file()
+        sim.compute_encodings(
+            [{INPUT_NAME: corpus[0][None].numpy().astype(np.int64)}]
+        )  # a rebuilt session: the same folder
+        assert list(tmp_path.iterdir()) == [workdir]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_device_graph_scores_a_text_as_the_check_does(checked):

@@ -183,9 +183,9 @@ def test_its_export_writes_block_encodings_that_load_back(toy, trained, tmp_path
     q = rebuilt.model.get_submodule("lm.model.layers.0.self_attn.q_proj").param_quantizers["weight"]
     assert np.allclose(entry.scale.T, q.get_scale().detach().numpy(), rtol=1e-6, atol=0)
     # aimet-onnx holds them as 4-bit blocks, and its device graph scores as the sim does
-    onnx_sim, _ = device_sim(out)
-    loaded = onnx_sim.qc_quantize_op_dict[name]
-    assert loaded.enabled and loaded.bitwidth == 4 and loaded.quant_info.blockSize == BLOCK
+    with device_sim(out) as (onnx_sim, _):
+        loaded = onnx_sim.qc_quantize_op_dict[name]
+        assert loaded.enabled and loaded.bitwidth == 4 and loaded.quant_info.blockSize == BLOCK
     check = result.manifest["device_check"]
     assert check["ppl_rel_diff"] < 1e-3
 

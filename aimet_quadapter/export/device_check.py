@@ -18,8 +18,9 @@ import contextlib
 import importlib.util
 import json
 import logging
+import tempfile
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -66,9 +67,20 @@ class Coverage:
         return len(self.covered) / total if total else 1.0
 
 
-def device_sim(export: Path) -> tuple[Any, Coverage]:
+@contextlib.contextmanager
+def device_sim(export: Path, scratch: Path | None = None) -> Iterator[tuple[Any, Coverage]]:
     """AIMET's ONNX quantsim of ``export``'s FP graph under the HTP config, this package's encodings loaded and
-    frozen (a tensor they do not name keeps its quantizer, to be calibrated), and which tensors they cover."""
+    frozen (a tensor they do not name keeps its quantizer, to be calibrated), and which tensors they cover.
+
+    The graph its onnxruntime session reads, weights and all, is written to a folder in ``scratch`` (the system's
+    temporary folder if None) that is removed when the block ends: aimet-onnx's own folder goes only when the sim
+    is collected, and so stayed behind whenever a process ended first.
+    """
+    with tempfile.TemporaryDirectory(prefix="device-sim-", dir=scratch) as workdir:
+        yield _device_sim(export, workdir)
+
+
+def _device_sim(export: Path, workdir: str) -> tuple[Any, Coverage]:
     import onnx
     from aimet_onnx.quantsim import QuantizationSimModel, load_encodings_to_sim
 
@@ -85,6 +97,7 @@ def device_sim(export: Path) -> tuple[Any, Coverage]:
         model,
         config_file=htp_config_file(package="aimet_onnx"),
         providers=["CPUExecutionProvider"],
+        path=workdir,
         # no memory arena: each run dequantizes every weight, and an arena would keep all of them beside the
         # weights themselves after the run (the same results: allocation only)
         session_options_kwargs={"enable_cpu_mem_arena": False, "enable_mem_pattern": False},
@@ -144,13 +157,16 @@ class _SessionLM:
         return torch.from_numpy(logits)
 
 
-def device_lm(export: Path, calibration: Sequence[torch.Tensor]) -> tuple[_SessionLM, Coverage]:
+@contextlib.contextmanager
+def device_lm(
+    export: Path, calibration: Sequence[torch.Tensor], scratch: Path | None = None
+) -> Iterator[tuple[_SessionLM, Coverage]]:
     """``export``'s graph in AIMET's ONNX simulation as ``ids -> logits`` (:func:`device_sim`), every tensor without
     an encoding calibrated on ``calibration`` (this package's encodings are frozen: calibrating leaves them as
     loaded), and its coverage."""
-    onnx_sim, coverage = device_sim(export)
-    onnx_sim.compute_encodings([{INPUT_NAME: c.reshape(1, -1).numpy().astype(np.int64)} for c in calibration])
-    return _SessionLM(onnx_sim), coverage
+    with device_sim(export, scratch) as (onnx_sim, coverage):
+        onnx_sim.compute_encodings([{INPUT_NAME: c.reshape(1, -1).numpy().astype(np.int64)} for c in calibration])
+        yield _SessionLM(onnx_sim), coverage
 
 
 def greedy(lm: Any, prompt: torch.Tensor, tokens: int, length: int | None = None) -> torch.Tensor:
@@ -232,8 +248,7 @@ class DeviceGraphCheck:
                 rounded = perplexity(sim.model, windows, desc="sim, aimet-onnx's rounding", progress=self.progress)
         # the torch sim's weights wait on disk while AIMET's ONNX sim holds the graph's own copies of them
         parked = weights_parked(sim.model, folder / "parked") if sim is not None else contextlib.nullcontext()
-        with parked:
-            device, coverage = device_lm(export, self.calibration)
+        with parked, device_lm(export, self.calibration, scratch=folder) as (device, coverage):
             ppl = perplexity(device, windows, desc="device graph (aimet-onnx)", progress=self.progress).ppl
             answers = _answers(device, self.prompts, int(self.calibration[0].numel())) if self.prompts else []
             # every tensor's encoding, the calibrated ones too; the graph is the export's own model.onnx

@@ -7,7 +7,8 @@ that the run recorded for the cell (``aimet-quadapter device-texts``). Needs aim
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,16 +63,17 @@ def texts_of(record: dict, recipe: Recipe, roles: tuple[str, ...] = ROLES) -> li
     ]
 
 
-def scoring_lm(export: Path, first: Window) -> Callable[[torch.Tensor], torch.Tensor]:
+@contextlib.contextmanager
+def scoring_lm(export: Path, first: Window) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
     """``export``'s graph in AIMET's ONNX simulation, ``ids -> logits``; a tensor without an encoding is calibrated
     on ``first`` (the check calibrates such tensors on its own tuning text, which scoring here does not read)."""
-    device, coverage = device_lm(export, [first.ids])
-    if coverage.missing:
-        print(f"{len(coverage.missing)} tensors without an encoding, calibrated here on the first window")
-    return device
+    with device_lm(export, [first.ids]) as (device, coverage):
+        if coverage.missing:
+            print(f"{len(coverage.missing)} tensors without an encoding, calibrated here on the first window")
+        yield device
 
 
 def device_perplexities(export: Path, texts: list[Text], progress: bool = False) -> list[float]:
     """The device graph's perplexity on each text's windows (one simulation for them all)."""
-    device = scoring_lm(export, texts[0].windows[0])
-    return [perplexity(device, t.windows, desc=f"{t.label} ({t.role})", progress=progress).ppl for t in texts]
+    with scoring_lm(export, texts[0].windows[0]) as device:
+        return [perplexity(device, t.windows, desc=f"{t.label} ({t.role})", progress=progress).ppl for t in texts]
