@@ -11,8 +11,9 @@ from contextlib import contextmanager
 from functools import cache
 
 import psutil
+from torch import nn
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 # above this size of weights memory, not time, decides whether a run fits: the package then trades time for
 # memory (weights spilled to disk while their quantized copies serve, large blocks mapped)
 LARGE_WEIGHTS_BYTES = 1 << 30
@@ -22,6 +23,9 @@ MAPPED_BLOCK_BYTES = 4 << 20
 # while a pass keeps nothing for a backward pass (evaluation, calibration), its blocks up to this size are cut
 # from the heap and reused: mapping each one costs page faults and zeroed pages at every allocation
 REUSED_BLOCK_BYTES = 64 << 20
+# ... and the heap gives back what they free only past this much: a layer's blocks, freed together at its end,
+# would otherwise be faulted in again by the next layer
+REUSED_HEAP_BYTES = 1 << 30
 _threshold: int | None = None  # what map_large_blocks last set (glibc has no getter)
 
 
@@ -61,25 +65,33 @@ def map_large_blocks(threshold: int = 1 << 20) -> bool:
     mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None or mallopt(M_MMAP_THRESHOLD, threshold) != 1:
         return False
+    # the heap's free top goes back past twice the threshold, as glibc pairs the two when it moves them itself
+    mallopt(M_TRIM_THRESHOLD, 2 * threshold)
     _threshold = threshold
     return True
 
 
 @contextmanager
-def heap_reused(threshold: int = REUSED_BLOCK_BYTES) -> Iterator[None]:
-    """Inside, glibc serves blocks below ``threshold`` from its heap, where their memory is reused from one
-    forward pass to the next, instead of mapping each; on exit the threshold :func:`map_large_blocks` set comes
-    back and the heap's free pages go back to the system. For passes without a backward pass: what they free
-    is freed whole, and leaves no holes that a training step's peak would add to. Only where
-    :func:`map_large_blocks` set a lower threshold (glibc's own rises by itself)."""
+def heap_reused(threshold: int = REUSED_BLOCK_BYTES, head: nn.Module | None = None) -> Iterator[None]:
+    """Inside, glibc serves blocks below ``threshold`` from its heap, and keeps what they free there (up to
+    REUSED_HEAP_BYTES), where their memory is reused from one op and one forward pass to the next, instead of
+    mapping each and giving it back; on exit the threshold :func:`map_large_blocks` set comes back and the heap's
+    free pages go back to the system. For passes without a backward pass: what they free is freed whole, and
+    leaves no holes that a training step's peak would add to. ``head``: a module (an LM's head) before which the
+    free pages go back at every pass, so that what the layers reused does not sit beside its larger output. Only
+    where :func:`map_large_blocks` set a lower threshold (glibc's own rises by itself)."""
     before = _threshold
     if before is None or before >= threshold:
         yield
         return
     map_large_blocks(threshold)
+    _libc().mallopt(M_TRIM_THRESHOLD, REUSED_HEAP_BYTES)
+    hook = head.register_forward_pre_hook(lambda *_: trim_heap()) if head is not None else None
     try:
         yield
     finally:
+        if hook is not None:
+            hook.remove()
         map_large_blocks(before)
         trim_heap()
 

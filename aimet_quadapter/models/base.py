@@ -263,6 +263,10 @@ class PreparedLM(nn.Module):
             new += [kv.keys[:, :, old:], kv.values[:, :, old:]]
         return (out.logits, *new)
 
+    def head(self) -> nn.Module:
+        """The module that maps the last hidden states to the vocabulary's logits."""
+        return self.get_submodule(f"lm.{self.arch.lm_head}")
+
     def block_paths(self) -> list[str]:
         blocks = self.get_submodule(f"lm.{self.arch.blocks}")
         return [f"lm.{self.arch.blocks}.{i}" for i in range(len(list(blocks.children())))]
@@ -321,7 +325,7 @@ def untie_lm_head(model: PreparedLM) -> None:
     It stays on the embedding's storage until given new data (a fold, a rotation): a copy would hold a second
     vocabulary matrix for as long as the FP model lives. A write in place must come after :func:`own_storage`,
     as for a sim's weights."""
-    head: Any = model.get_submodule(f"lm.{model.arch.lm_head}")
+    head: Any = model.head()
     embedding: Any = model.get_submodule(f"lm.{model.arch.embedding}")
     if head.weight is embedding.weight:
         head.weight = sharing_twin(embedding.weight)
@@ -332,5 +336,5 @@ def untie_lm_head(model: PreparedLM) -> None:
 
 
 def is_tied(model: PreparedLM) -> bool:
-    head = model.get_submodule(f"lm.{model.arch.lm_head}")
+    head = model.head()
     return head.weight is model.get_submodule(f"lm.{model.arch.embedding}").weight

@@ -398,7 +398,7 @@ def calibrate(sim: QuantizationSimModel, batches: Iterable[torch.Tensor]) -> Non
     with warnings.catch_warnings():
         # AIMET's bias-overflow check copies tensors with torch.tensor(tensor); torch's advice is for AIMET
         warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning)
-        with heap_reused():
+        with heap_reused(head=sim.model.head() if isinstance(sim.model, PreparedLM) else None):
             sim.compute_encodings(run_batches, list(batches))
 
 

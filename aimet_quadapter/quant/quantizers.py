@@ -275,7 +275,7 @@ def fast_inference(sim_model: nn.Module, spill_bytes: int = SPILL_BYTES) -> Iter
                     inner.enter_context(precomputed_encodings(q))
                 inner.enter_context(elementwise_fake_quant(active))
                 inner.enter_context(plain_tensors())
-                inner.enter_context(heap_reused())
+                inner.enter_context(heap_reused(head=sim_model.head() if isinstance(sim_model, PreparedLM) else None))
                 yield
         finally:
             for module, name, q, data in saved:

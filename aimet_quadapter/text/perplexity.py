@@ -57,7 +57,7 @@ def perplexity(
     mine = distributed.shard(windows)
     bar = tqdm(mine, desc=desc, unit="win", disable=not (progress and distributed.is_main()), leave=False)
     forward = GraphedForward(model)  # on a GPU, windows of one length replay one captured forward
-    with heap_reused():
+    with heap_reused(head=model.head() if isinstance(model, PreparedLM) else None):
         for window in bar:
             logits = forward(window.ids.unsqueeze(0).to(device))
             total += window_nll(logits, window).cpu()
