@@ -319,6 +319,11 @@ def _resolve(spec: SiteSpec, prefix: str, expand: tuple[int, int] | None, norm_o
     )
 
 
+def head_of(model: object) -> nn.Module | None:
+    """``model``'s LM head where it is a PreparedLM; None for any other ``ids -> logits`` callable."""
+    return model.head() if isinstance(model, PreparedLM) else None
+
+
 def untie_lm_head(model: PreparedLM) -> None:
     """Give ``lm_head`` a Parameter of its own, so a head site can scale its columns without the embedding.
 

@@ -42,7 +42,7 @@ from torch import nn
 
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.memory import heap_reused
-from aimet_quadapter.models import PreparedLM, device_of, weight_sharing_copy
+from aimet_quadapter.models import PreparedLM, device_of, head_of, weight_sharing_copy
 from aimet_quadapter.models.attention import set_mask_fill
 from aimet_quadapter.models.device_ops import RotaryTables, install_device_ops
 from aimet_quadapter.quant.aimet_private import htp_config_file
@@ -398,7 +398,7 @@ def calibrate(sim: QuantizationSimModel, batches: Iterable[torch.Tensor]) -> Non
     with warnings.catch_warnings():
         # AIMET's bias-overflow check copies tensors with torch.tensor(tensor); torch's advice is for AIMET
         warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning)
-        with heap_reused(head=sim.model.head() if isinstance(sim.model, PreparedLM) else None):
+        with heap_reused(head=head_of(sim.model)):
             sim.compute_encodings(run_batches, list(batches))
 
 

@@ -17,7 +17,7 @@ from aimet_torch.utils import remove_all_quantizers, remove_param_quantizers, st
 from torch import nn
 
 from aimet_quadapter.memory import LARGE_WEIGHTS_BYTES, heap_reused
-from aimet_quadapter.models import PreparedLM, device_of, shares_storage
+from aimet_quadapter.models import PreparedLM, device_of, head_of, shares_storage
 from aimet_quadapter.quant.aimet_private import (
     fake_quantize_replaced,
     minimum_scale,
@@ -275,7 +275,7 @@ def fast_inference(sim_model: nn.Module, spill_bytes: int = SPILL_BYTES) -> Iter
                     inner.enter_context(precomputed_encodings(q))
                 inner.enter_context(elementwise_fake_quant(active))
                 inner.enter_context(plain_tensors())
-                inner.enter_context(heap_reused(head=sim_model.head() if isinstance(sim_model, PreparedLM) else None))
+                inner.enter_context(heap_reused(head=head_of(sim_model)))
                 yield
         finally:
             for module, name, q, data in saved:

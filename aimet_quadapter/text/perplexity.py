@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from aimet_quadapter import distributed
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.memory import heap_reused
-from aimet_quadapter.models import PreparedLM
+from aimet_quadapter.models import PreparedLM, head_of
 from aimet_quadapter.models.graphs import GraphedForward
 from aimet_quadapter.quant.quantizers import fast_inference
 from aimet_quadapter.text import EVAL_SEQ_LEN, data
@@ -57,7 +57,7 @@ def perplexity(
     mine = distributed.shard(windows)
     bar = tqdm(mine, desc=desc, unit="win", disable=not (progress and distributed.is_main()), leave=False)
     forward = GraphedForward(model)  # on a GPU, windows of one length replay one captured forward
-    with heap_reused(head=model.head() if isinstance(model, PreparedLM) else None):
+    with heap_reused(head=head_of(model)):
         for window in bar:
             logits = forward(window.ids.unsqueeze(0).to(device))
             total += window_nll(logits, window).cpu()
