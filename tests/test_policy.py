@@ -249,3 +249,47 @@ def test_quiet_libraries_keeps_aimets_log_lines_away_from_the_user(tiny_gpt2_dir
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.split()[-1]) == logging.ERROR
     assert " - Quant - " not in done.stderr + done.stdout
+
+
+def _q4_1_rows(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
+    """A weight expanded from GGUF Q4_1 blocks: 32 inputs each, 16 levels of their own scale and minimum."""
+    codes = torch.randint(0, 16, (rows, cols // 32, 32), generator=generator).float()
+    scale = torch.rand(rows, cols // 32, 1, generator=generator) * 0.01 + 1e-3
+    low = -torch.rand(rows, cols // 32, 1, generator=generator) * 0.08
+    return (codes * scale + low).reshape(rows, cols)
+
+
+def test_weight_grid_screen_refuses_what_aimets_search_refuses_and_passes_a_grid_on(monkeypatch):
+    import aimet_torch.nn.base as aimet_base
+    from aimet_torch.utils import _DecompositionError
+
+    from aimet_quadapter.quant.aimet_private import weight_grid_screened
+
+    searched = []
+    aimet_search = aimet_base._decompose_prequantized_tensor
+
+    def counted(tensor, *args, **kwargs):
+        searched.append(tuple(tensor.shape))
+        return aimet_search(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(aimet_base, "_decompose_prequantized_tensor", counted)
+    g = torch.Generator().manual_seed(0)
+    blocks = _q4_1_rows(96, 576, g)  # SmolLM2's row length: AIMET's sample of 258 elements holds <= 129 magnitudes
+    on_grid = torch.randint(-128, 128, (96, 576), generator=g).float() * (torch.rand(96, 1, generator=g) + 0.1)
+
+    def search(tensor):
+        return aimet_base._decompose_prequantized_tensor(tensor, -128, 127, scale_shape=(tensor.shape[0], 1))
+
+    with pytest.raises(_DecompositionError):
+        search(blocks)  # AIMET's full search, and its answer
+    assert searched == [(96, 576)]
+    expected = search(on_grid)
+    searched.clear()
+    with weight_grid_screened():
+        with pytest.raises(_DecompositionError):
+            search(blocks)
+        assert searched == []  # refused before AIMET's search
+        codes, scale = search(on_grid)
+        assert searched == [(96, 576)]
+    assert torch.equal(codes, expected[0]) and torch.equal(scale, expected[1])
+    assert aimet_base._decompose_prequantized_tensor is counted  # put back

@@ -2,13 +2,13 @@
 
 This module is the one place AIMET's private calls sit: the shims over its underscored symbols (QTensor casting,
 precomputed encodings, the minimum scale, Sequential MSE's bit-width limit, its ONNX export and QDQ passes, the
-transposed weights of that export, its fixed-range fake-quant call), the Hadamard orders AIMET lacks, the patches
-FPTQuant and OmniQuant run under, the path of AIMET's HTP quantsim config inside its install (package data, not
-an API), aimet-onnx's step that adds the quantizers an encodings file needs, and the release of the graph its
-supergroup fusion keeps. Nothing else in the package names an underscored AIMET symbol: when AIMET changes one
-of these, this module is the one to fix, and its tests
-(tests/test_methods.py, tests/test_quadapter.py, tests/test_aimet_techniques.py, tests/test_device_check.py,
-tests/test_export.py) say which. (Named for what it wraps, not "adapter": quadapter/adapter.py is the technique's
+transposed weights of that export, its fixed-range fake-quant call), the Hadamard orders AIMET lacks, the screen
+before its weight-grid search, the patches FPTQuant and OmniQuant run under, the path of AIMET's HTP quantsim
+config inside its install (package data, not an API), aimet-onnx's step that adds the quantizers an encodings file
+needs, and the release of the graph its supergroup fusion keeps. Nothing else in the package names an underscored
+AIMET symbol: when AIMET changes one of these, this module is the one to fix, and its tests (tests/test_methods.py,
+tests/test_quadapter.py, tests/test_aimet_techniques.py, tests/test_device_check.py, tests/test_export.py,
+tests/test_policy.py) say which. (Named for what it wraps, not "adapter": quadapter/adapter.py is the technique's
 own.)
 """
 
@@ -185,6 +185,49 @@ def fake_quantize_replaced(fn: Callable[..., Any]) -> Iterator[Callable[..., Any
         yield before
     finally:
         torch_builtins._torch_fake_quantize = before
+
+
+# How many of a weight's per-channel blocks the grid screen below reads whole (AIMET's own sample: 64 blocks).
+GRID_SCREEN_BLOCKS = 64
+
+
+@contextmanager
+def weight_grid_screened() -> Iterator[None]:
+    """AIMET's search for the integer grid a symmetric weight already lies on (``_decompose_prequantized_tensor``,
+    run before each weight's min-max calibration), refused at once where one of the weight's first
+    :data:`GRID_SCREEN_BLOCKS` per-channel blocks holds more distinct magnitudes than the grid has levels.
+
+    That is AIMET's own test, which it applies to the first ``2 x levels`` elements of those blocks only: a weight
+    expanded from smaller asymmetric blocks (GGUF's Q4_1: 32 elements, 16 levels each) passes that sample, and the
+    full search then runs and fails. Read whole, such a block fails the test; a weight on a grid passes it and
+    meets AIMET's search as before. Other layouts (per-tensor, blockwise) go to AIMET's search unscreened."""
+    import aimet_torch.nn.base as aimet_base
+    from aimet_torch.utils import _DecompositionError
+
+    search = aimet_base._decompose_prequantized_tensor
+
+    def screened(tensor, qmin, qmax, scale_shape, block_size=None, zero_point_shift=0.0):
+        per_channel = (
+            block_size is None
+            and tensor.ndim >= 2
+            and tuple(scale_shape) == (tensor.shape[0],) + (1,) * (tensor.ndim - 1)
+        )
+        if per_channel:
+            levels = max(abs(qmin), abs(qmax)) + 1
+            rows = tensor.detach()[:GRID_SCREEN_BLOCKS].reshape(-1, tensor[0].numel()).float().abs()
+            rows = rows.sort(dim=1).values
+            distinct = (rows[:, 1:] != rows[:, :-1]).sum(dim=1) + 1
+            if bool((distinct > levels).any()):
+                raise _DecompositionError(f"a per-channel block holds more than {levels} distinct magnitudes")
+        return search(
+            tensor, qmin, qmax, scale_shape=scale_shape, block_size=block_size, zero_point_shift=zero_point_shift
+        )
+
+    aimet_base._decompose_prequantized_tensor = screened
+    try:
+        yield
+    finally:
+        aimet_base._decompose_prequantized_tensor = search
 
 
 @contextmanager

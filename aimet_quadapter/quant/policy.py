@@ -45,7 +45,7 @@ from aimet_quadapter.memory import heap_reused
 from aimet_quadapter.models import PreparedLM, device_of, head_of, weight_sharing_copy
 from aimet_quadapter.models.attention import set_mask_fill
 from aimet_quadapter.models.device_ops import RotaryTables, install_device_ops
-from aimet_quadapter.quant.aimet_private import htp_config_file
+from aimet_quadapter.quant.aimet_private import htp_config_file, weight_grid_screened
 from aimet_quadapter.quant.config import LPBQ_BITS, LPBQ_SCALE_BITS, QUANT_SCHEMES, QuantPolicy
 from aimet_quadapter.quant.quantizers import (
     DynamicRanges,
@@ -398,7 +398,7 @@ def calibrate(sim: QuantizationSimModel, batches: Iterable[torch.Tensor]) -> Non
     with warnings.catch_warnings():
         # AIMET's bias-overflow check copies tensors with torch.tensor(tensor); torch's advice is for AIMET
         warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning)
-        with heap_reused(head=head_of(sim.model)):
+        with heap_reused(head=head_of(sim.model)), weight_grid_screened():
             sim.compute_encodings(run_batches, list(batches))
 
 
