@@ -49,6 +49,7 @@ from aimet_quadapter.quant.aimet_private import htp_config_file, weight_grid_scr
 from aimet_quadapter.quant.config import LPBQ_BITS, LPBQ_SCALE_BITS, QUANT_SCHEMES, QuantPolicy
 from aimet_quadapter.quant.quantizers import (
     DynamicRanges,
+    calibration_passes,
     quantizers,
     quantizers_in,
     refresh_prefix,
@@ -208,7 +209,8 @@ def drop_requantization(sim_model: nn.Module, seq_len: int = 8) -> list[str]:
             if q is not None:
                 handles.append(q.register_forward_pre_hook(before(qm, i, f"{path}.input[{i}]")))
     try:
-        with torch.no_grad(), DynamicRanges(quantizers_in([sim_model])):
+        # values do not matter, only which tensor is which: each quantizer hands on a new alias of its input
+        with torch.no_grad(), DynamicRanges(quantizers_in([sim_model])) as ranges, ranges.off():
             sim_model(torch.zeros((1, seq_len), dtype=torch.long, device=device_of(sim_model)))
     finally:
         for handle in handles:
@@ -393,13 +395,18 @@ def run_batches(model: nn.Module, batches: Iterable[torch.Tensor]) -> None:
             model(batch.to(device))
 
 
+def _calibration_batches(model: nn.Module, batches: Iterable[torch.Tensor]) -> None:
+    with calibration_passes(model):
+        run_batches(model, batches)
+
+
 def calibrate(sim: QuantizationSimModel, batches: Iterable[torch.Tensor]) -> None:
     """Static calibration: AIMET's ``compute_encodings`` over the calibration batches."""
     with warnings.catch_warnings():
         # AIMET's bias-overflow check copies tensors with torch.tensor(tensor); torch's advice is for AIMET
         warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning)
         with heap_reused(head=head_of(sim.model)), weight_grid_screened():
-            sim.compute_encodings(run_batches, list(batches))
+            sim.compute_encodings(_calibration_batches, list(batches))
 
 
 def describe(sim_model: nn.Module) -> list[dict]:

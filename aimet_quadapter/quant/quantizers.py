@@ -244,6 +244,32 @@ def fast_inference(sim_model: nn.Module, spill_bytes: int = SPILL_BYTES) -> Iter
     min/max at every call; activations go through :func:`elementwise_fake_quant`, and quantizer outputs
     are plain tensors (:func:`plain_tensors`). Weights of more than ``spill_bytes`` in all wait on disk.
     """
+    with quantized_weights(sim_model, spill_bytes), ExitStack() as inner:
+        active = [q for _, _, q in quantizers(sim_model) if q.is_initialized()]
+        for q in active:
+            inner.enter_context(precomputed_encodings(q))
+        inner.enter_context(elementwise_fake_quant(active))
+        inner.enter_context(plain_tensors())
+        inner.enter_context(heap_reused(head=head_of(sim_model)))
+        yield
+
+
+@contextmanager
+def calibration_passes(sim_model: nn.Module, spill_bytes: int = SPILL_BYTES) -> Iterator[None]:
+    """Inside AIMET's ``compute_encodings`` (its weight encodings set, the quantizers it calibrates passing their
+    input through), the same statistics at lower cost: weights quantized once, not at every batch, and the
+    quantizers whose fixed range AIMET keeps (a sigmoid's or softmax's output under ``htp``) through
+    :func:`elementwise_fake_quant`; quantizer outputs are plain tensors."""
+    with quantized_weights(sim_model, spill_bytes):
+        fixed = [q for _, _, q in quantizers(sim_model) if q.is_initialized() and not q.is_overwrite_allowed()]
+        with elementwise_fake_quant(fixed), plain_tensors():
+            yield
+
+
+@contextmanager
+def quantized_weights(sim_model: nn.Module, spill_bytes: int = SPILL_BYTES) -> Iterator[None]:
+    """While inside, every calibrated weight quantizer's output is the weight itself and the quantizer is off;
+    weights of more than ``spill_bytes`` in all wait on disk; all put back on exit."""
     quantized = []
     for module in sim_model.modules():
         if hasattr(module, "param_quantizers"):
@@ -269,14 +295,7 @@ def fast_inference(sim_model: nn.Module, spill_bytes: int = SPILL_BYTES) -> Iter
                         original = path  # the float tensor's last reference: freed now
                     saved.append((module, name, q, original))
                     module.param_quantizers[name] = None
-            active = [q for _, _, q in quantizers(sim_model) if q.is_initialized()]
-            with ExitStack() as inner:
-                for q in active:
-                    inner.enter_context(precomputed_encodings(q))
-                inner.enter_context(elementwise_fake_quant(active))
-                inner.enter_context(plain_tensors())
-                inner.enter_context(heap_reused(head=head_of(sim_model)))
-                yield
+            yield
         finally:
             for module, name, q, data in saved:
                 param = getattr(module, name)
