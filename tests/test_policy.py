@@ -295,36 +295,31 @@ def test_weight_grid_screen_refuses_what_aimets_search_refuses_and_passes_a_grid
     assert aimet_base._decompose_prequantized_tensor is counted  # put back
 
 
-def test_calibration_quantizes_each_weight_once_and_sets_the_ranges_per_batch_quantizing_would(
+def test_calibration_sets_the_ranges_aimets_own_passes_set_and_takes_the_fast_path_for_fixed_ranges(
     tiny_llama, monkeypatch
 ):
     import contextlib
 
     import aimet_quadapter.quant.policy as policy_module
+    from aimet_quadapter.quant import quantizers as quantizers_module
 
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, tiny_llama.config.vocab_size, (1, 24), generator=g) for _ in range(3)]
-    fp = {n: p.detach().clone() for n, p in tiny_llama.named_parameters()}
+    fast = []
+    ste = quantizers_module.FakeQuantSTE.apply
+    monkeypatch.setattr(quantizers_module.FakeQuantSTE, "apply", lambda *args: fast.append(1) or ste(*args))
 
     def calibrated(passes):
         monkeypatch.setattr(policy_module, "calibration_passes", passes)
         sim = build_sim(tiny_llama, QuantPolicy(target="htp"))
-        weights = [q for _, role, q in quantizers(sim.model) if role == "weight"]
-        calls = []
-        for q in weights:
-            q.register_forward_hook(lambda q, args, out: calls.append(q))
+        fixed = [q for _, _, q in quantizers(sim.model) if q.is_initialized() and not q.is_overwrite_allowed()]
+        fast.clear()
         calibrate(sim, batches)
-        ranges = {f"{p}.{r}": (q.get_min(), q.get_max()) for p, r, q in quantizers(sim.model)}
-        return sim, ranges, len(calls) / len(weights)
+        return {f"{p}.{r}": (q.get_min(), q.get_max()) for p, r, q in quantizers(sim.model)}, fixed, len(fast)
 
-    sim, ranges, per_weight = calibrated(policy_module.calibration_passes)
-    _, expected, per_weight_each_batch = calibrated(lambda model: contextlib.nullcontext())
-    # AIMET's own call to set each weight's range aside: once against once per batch
-    assert per_weight_each_batch - per_weight == len(batches) - 1
+    ranges, fixed, fast_calls = calibrated(policy_module.calibration_passes)
+    expected, _, aimets_calls = calibrated(lambda model: contextlib.nullcontext())
+    assert fixed and fast_calls == len(fixed) * len(batches) and aimets_calls == 0  # the sigmoid's, softmax's outputs
     assert ranges.keys() == expected.keys()
     for name, (lo, hi) in ranges.items():
         assert torch.equal(lo, expected[name][0]) and torch.equal(hi, expected[name][1]), name
-    # the float weights and their quantizers are back
-    weights = [(path, q) for path, role, q in quantizers(sim.model) if role == "weight"]
-    assert all(q is not None for _, q in weights)
-    assert all(torch.equal(sim.model.get_submodule(path).weight, fp[f"{path}.weight"]) for path, _ in weights)

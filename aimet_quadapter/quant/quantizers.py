@@ -255,15 +255,14 @@ def fast_inference(sim_model: nn.Module, spill_bytes: int = SPILL_BYTES) -> Iter
 
 
 @contextmanager
-def calibration_passes(sim_model: nn.Module, spill_bytes: int = SPILL_BYTES) -> Iterator[None]:
-    """Inside AIMET's ``compute_encodings`` (its weight encodings set, the quantizers it calibrates passing their
-    input through), the same statistics at lower cost: weights quantized once, not at every batch, and the
-    quantizers whose fixed range AIMET keeps (a sigmoid's or softmax's output under ``htp``) through
-    :func:`elementwise_fake_quant`; quantizer outputs are plain tensors."""
-    with quantized_weights(sim_model, spill_bytes):
-        fixed = [q for _, _, q in quantizers(sim_model) if q.is_initialized() and not q.is_overwrite_allowed()]
-        with elementwise_fake_quant(fixed), plain_tensors():
-            yield
+def calibration_passes(sim_model: nn.Module) -> Iterator[None]:
+    """Inside AIMET's ``compute_encodings`` (the quantizers it calibrates passing their input through), the same
+    statistics at lower cost: the quantizers whose fixed range AIMET keeps (a sigmoid's or softmax's output under
+    ``htp``) through :func:`elementwise_fake_quant`, quantizer outputs as plain tensors. The weights are quantized at
+    every batch still: once for all batches would hold a quantized copy of them beside the float one."""
+    fixed = [q for _, _, q in quantizers(sim_model) if q.is_initialized() and not q.is_overwrite_allowed()]
+    with elementwise_fake_quant(fixed), plain_tensors():
+        yield
 
 
 @contextmanager
