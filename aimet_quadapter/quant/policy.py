@@ -256,7 +256,7 @@ def apply_lpbq(sim: QuantizationSimModel, model: PreparedLM, policy: QuantPolicy
     size = policy.lpbq_block_size
     if size is None:
         return []
-    head = sim.model.get_submodule(f"lm.{model.arch.lm_head}")
+    head = sim.model.head()
     chosen: list[tuple[str, Any]] = [  # AIMET quantized modules: their quantizer containers are not typed
         (path, m)
         for path, m in sim.model.named_modules()
@@ -353,7 +353,7 @@ def build_sim(
     if policy.target == "htp":
         _as_the_device_holds_it(sim, model, policy)
     else:
-        logits = sim.model.get_submodule(f"lm.{model.arch.lm_head}")
+        logits = sim.model.head()
         apply_policy(sim.model, policy, logits_module=logits)
     apply_bit_overrides(sim.model, policy)
     tie_shared_ranges(sim.model)
