@@ -247,7 +247,7 @@ def _weight_quantized(module: Any) -> bool:
     return quantizers is not None and "weight" in quantizers and quantizers["weight"] is not None
 
 
-def apply_lpbq(sim: QuantizationSimModel, model: PreparedLM, policy: QuantPolicy) -> list[str]:
+def apply_lpbq(sim: QuantizationSimModel, policy: QuantPolicy) -> list[str]:
     """AIMET's LPBQ on the weight of every quantized Linear but lm_head (in place, before calibration), blocks of
     ``policy.lpbq_block_size`` input channels. Returns the modules' paths.
 
@@ -379,7 +379,7 @@ def _as_the_device_holds_it(sim: QuantizationSimModel, model: PreparedLM, policy
         quantize_cached_inputs(sim.model, policy)
     unquantize_angles(sim.model)
     drop_requantization(sim.model)
-    apply_lpbq(sim, model, policy)  # after the dynamic-range pass above, which takes no block-wise grid
+    apply_lpbq(sim, policy)  # after the dynamic-range pass above, which takes no block-wise grid
 
 
 def sim_policy(sim: QuantizationSimModel) -> QuantPolicy:
