@@ -4,8 +4,11 @@ so that every number a cell records is the same with and without them."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import pytest
 import torch
+from aimet_torch.quantization.affine import QuantizeDequantize
 
 from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.api import attach_quadapters
@@ -13,7 +16,13 @@ from aimet_quadapter.quadapter.phase2 import Phase2Parameters, run_phase2
 from aimet_quadapter.quant import quantizers
 from aimet_quadapter.quant.config import QuantPolicy
 from aimet_quadapter.quant.policy import build_sim, calibrate
-from aimet_quadapter.quant.quantizers import FakeQuantLearnedRange, FakeQuantSTE, range_parameters
+from aimet_quadapter.quant.quantizers import (
+    FakeQuantLearnedRange,
+    FakeQuantSTE,
+    elementwise_fake_quant,
+    plain_tensors,
+    range_parameters,
+)
 from aimet_quadapter.testing import sample_corpus, toy_model
 from aimet_quadapter.text.data import eval_windows
 from aimet_quadapter.text.perplexity import evaluate
@@ -102,3 +111,41 @@ def test_htp_evaluation_and_phase2_record_the_same_numbers_with_and_without_kern
     (losses, trained, ppl), (k_losses, k_trained, k_ppl) = runs
     assert k_losses == losses and k_ppl == ppl
     assert torch.equal(k_trained, trained)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_a_trained_per_channel_range_computes_what_its_evaluation_computes(eager, symmetric):
+    """A weight's per-channel range, while it trains, rounds every value as the fixed range it leaves behind
+    evaluates and exports it (AIMET's own training path divides by the scale where its evaluation multiplies by
+    the reciprocal); with and without kernels to the bit, and with the gradients AIMET's path gives its range."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(576, 1536, generator=g) * 0.05 + (0.0 if symmetric else 0.01)
+    weights = torch.randn(w.shape, generator=g)
+    q = QuantizeDequantize((576, 1), 8, symmetric=symmetric)
+    with q.compute_encodings():
+        q(w)
+    with torch.no_grad():
+        evaluated = q(w).as_subclass(torch.Tensor)
+    q.min.requires_grad_(True)
+    q.max.requires_grad_(True)
+    runs = {}
+    for path in ("AIMET", "kernels", "eager"):
+        ws = w.clone().requires_grad_()
+        q.min.grad = q.max.grad = None
+        with ExitStack() as stack:
+            if path != "AIMET":
+                stack.enter_context(elementwise_fake_quant([q]))
+                stack.enter_context(plain_tensors())
+            if path == "eager":
+                stack.enter_context(eager())
+            y = q(ws).as_subclass(torch.Tensor)
+            (y * weights).sum().backward()
+        runs[path] = y.detach(), ws.grad, q.min.grad.clone(), q.max.grad.clone()
+    assert torch.equal(runs["kernels"][0], evaluated)
+    for a, b in zip(runs["kernels"], runs["eager"]):
+        assert torch.equal(a, b)
+    assert torch.equal(runs["kernels"][1] != 0, runs["AIMET"][1] != 0)  # the same values in range
+    for ours, aimets in zip(runs["kernels"][2:], runs["AIMET"][2:]):
+        assert ours.shape == aimets.shape == (576, 1) and (ours != 0).all()
+        # a value AIMET's division rounds to the other grid point changes its row's sum by its rounding error
+        assert torch.allclose(ours, aimets, rtol=0, atol=0.05 * float(aimets.abs().max()))

@@ -401,16 +401,21 @@ class FakeQuantLearnedRange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qmin: int, qmax: int):
-        s = scale.detach()
-        zero_point = _zero_point(offset.detach(), s.dtype)
+        s, offset_ = scale.detach(), offset.detach()
+        ctx.per_channel = s.numel() != 1
+        if ctx.per_channel:  # one scale per row of a weight: broadcast over the rest of it
+            s, offset_ = _broadcastable(s, x), _broadcastable(offset_, x)
+        zero_point = _zero_point(offset_, s.dtype)
         ctx.shapes, ctx.limits = (scale.shape, offset.shape), (qmin, qmax)
         kernels = _compiled() if x.device.type == "cpu" and x.is_contiguous() else None
         ctx.compiled = kernels is not None
         if kernels is not None:
             # One pass over x instead of eight. The backward recomputes the masks from x element by element and
-            # sums as below: the same values and the same sums, bit for bit (tested).
+            # sums as below: the same values and the same sums, bit for bit (tested). Flat where the range is
+            # one scale, so that one graph serves every shape; per channel, x keeps its rank for the broadcast.
             ctx.save_for_backward(x.detach(), s, zero_point)
-            return kernels[0](x.detach().reshape(-1), s, zero_point, qmin, qmax).view(x.shape)
+            flat = x.detach() if ctx.per_channel else x.detach().reshape(-1)
+            return kernels[0](flat, s, zero_point, qmin, qmax).view(x.shape)
         mask, scale_factor, q = _eager_terms(x, s, zero_point, qmin, qmax, scale.requires_grad)
         ctx.save_for_backward(mask, scale_factor, s)
         return q.mul_(s)
@@ -425,14 +430,28 @@ class FakeQuantLearnedRange(torch.autograd.Function):
             if not grad.is_contiguous():  # the eager products would be laid out, and summed, in grad's order
                 mask, scale_factor, _ = _eager_terms(x, s, zero_point, qmin, qmax, ctx.needs_input_grad[1])
             else:
-                flat = (grad.reshape(-1), x.reshape(-1), s, zero_point, qmin, qmax)
+                if ctx.per_channel:
+                    flat = (grad, x, s, zero_point, qmin, qmax)
+                else:
+                    flat = (grad.reshape(-1), x.reshape(-1), s, zero_point, qmin, qmax)
                 return (*_compiled_gradients(ctx.needs_input_grad, ctx.shapes, x.shape, flat), None, None)
         else:
             mask, scale_factor, s = ctx.saved_tensors
         grad_x = grad * mask if ctx.needs_input_grad[0] else None
-        grad_scale = (grad * scale_factor).sum().reshape(scale_shape) if ctx.needs_input_grad[1] else None
-        grad_offset = (grad * ~mask).sum().mul(s).reshape(offset_shape) if ctx.needs_input_grad[2] else None
+        grad_scale = _sum_to(grad * scale_factor, scale_shape) if ctx.needs_input_grad[1] else None
+        grad_offset = None
+        if ctx.needs_input_grad[2]:
+            grad_offset = _sum_to(grad * ~mask, offset_shape).mul(s.reshape(offset_shape))
         return grad_x, grad_scale, grad_offset, None, None
+
+
+def _broadcastable(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return t.reshape((1,) * (x.dim() - t.dim()) + tuple(t.shape))
+
+
+def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``t`` summed over every dimension where a range of ``shape`` is one value (all of them per tensor)."""
+    return _reduce(t, tuple(shape), torch.sum)
 
 
 def _eager_terms(
@@ -485,14 +504,14 @@ def _compiled_gradients(needs: tuple[bool, ...], shapes: tuple, shape: torch.Siz
     if needs[0] or needs[2]:
         if needs[1]:
             grad_x, by_scale = _compiled_terms((0, 1))(*flat)
-            grad_scale = by_scale.sum().reshape(scale_shape)
+            grad_scale = _sum_to(by_scale, scale_shape)
             del by_scale
         else:
             (grad_x,) = _compiled_terms((0,))(*flat)
     elif needs[1]:
-        grad_scale = _compiled_terms((1,))(*flat)[0].sum().reshape(scale_shape)
+        grad_scale = _sum_to(_compiled_terms((1,))(*flat)[0], scale_shape)
     if needs[2]:
-        grad_offset = flat[0].sub(grad_x).sum().mul(flat[2]).reshape(offset_shape)
+        grad_offset = _sum_to(flat[0].sub(grad_x), offset_shape).mul(flat[2].reshape(offset_shape))
     return (grad_x.view(shape) if needs[0] and grad_x is not None else None), grad_scale, grad_offset
 
 
@@ -580,9 +599,9 @@ def elementwise_fake_quant(qs: Iterable[QuantizeDequantize], fused: bool = False
     (x * (1 / scale), round half to even, + zero point, clamp, - zero point, * scale), which gives
     bit-identical outputs; the gradient is ATen's straight-through one (tested). A range that trains takes
     :class:`FakeQuantLearnedRange`: the same arithmetic, so training and evaluation compute one function, on
-    every device. Per-channel encodings keep AIMET's path, and so do fixed ranges on CUDA, whose kernel is
-    vectorised already. ``fused``: a trained range takes :class:`FusedFakeQuantLearnedRange` instead, the same
-    values in two kernels.
+    every device, per tensor or per channel. Fixed per-channel ranges keep AIMET's path, and so do fixed ranges on
+    CUDA, whose kernels are vectorised already. ``fused``: a trained per-tensor range takes
+    :class:`FusedFakeQuantLearnedRange` instead, the same values in two kernels.
     """
     learned = FusedFakeQuantLearnedRange if fused else FakeQuantLearnedRange
     patched = []
@@ -599,12 +618,15 @@ def elementwise_fake_quant(qs: Iterable[QuantizeDequantize], fused: bool = False
                         return FusedFakeQuantLearnedRange.apply(plain, scale, offset, q.qmin, q.qmax, zero_point)
                     return FakeQuantLearnedRange.apply(plain, scale, offset, q.qmin, q.qmax)
                 enc = q.get_encodings()
-                if enc is None or enc.scale.numel() != 1 or enc.block_size is not None or enc.zero_point_shift != 0:
+                if enc is None or enc.block_size is not None or enc.zero_point_shift != 0:
                     return original(x)
+                per_tensor = enc.scale.numel() == 1
                 if torch.is_grad_enabled() and (enc.scale.requires_grad or enc.offset.requires_grad):
                     plain = x.as_subclass(torch.Tensor)  # on every device: it is a matter of arithmetic
-                    return learned.apply(plain, enc.scale, enc.offset, enc.qmin, enc.qmax)
-                if x.device.type != "cpu":  # measured on CPUs only; CUDA's kernel is vectorised already
+                    function = learned if per_tensor else FakeQuantLearnedRange
+                    return function.apply(plain, enc.scale, enc.offset, enc.qmin, enc.qmax)
+                # per channel, ATen's kernel multiplies by the reciprocal too, and is vectorised
+                if x.device.type != "cpu" or not per_tensor:  # measured on CPUs only; CUDA's kernel is vectorised
                     return original(x)
                 scale = enc.scale.detach().reshape(())
                 zero_point = _zero_point(enc.offset.detach().reshape(()), scale.dtype)
