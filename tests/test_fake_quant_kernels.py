@@ -149,3 +149,72 @@ def test_a_trained_per_channel_range_computes_what_its_evaluation_computes(eager
         assert ours.shape == aimets.shape == (576, 1) and (ours != 0).all()
         # a value AIMET's division rounds to the other grid point changes its row's sum by its rounding error
         assert torch.allclose(ours, aimets, rtol=0, atol=0.05 * float(aimets.abs().max()))
+
+
+@pytest.mark.parametrize(
+    ("shape", "range_shape"),
+    [((96, 200), (96, 1)), ((2, 64, 96), (1,)), ((2, 64, 96), ()), ((3, 40, 50), (3, 1, 1))],
+)
+@pytest.mark.parametrize("ties", [False, True])
+def test_phase1s_observed_range_gives_autograds_values_and_gradients_to_the_bit(eager, shape, range_shape, ties):
+    """Phase 1's min and max of a tensor, in one function: what autograd's amin and amax give, the input's gradient
+    included where the tensor has other readers, and where several elements share the minimum or maximum."""
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randint(-3, 4, shape, generator=g).float() if ties else torch.randn(shape, generator=g)
+    weights = torch.randn(shape, generator=g)
+
+    def run(reduce) -> tuple[torch.Tensor, ...]:
+        x = x0.clone().requires_grad_()
+        lo, hi = reduce(x)
+        scale = (hi - lo) / 255
+        quantized = quantizers._round_ste(x / scale.reshape((1,) * (x.dim() - scale.dim()) + tuple(scale.shape)))
+        ((quantized * weights).sum() + 0.7 * lo.sum() - 1.3 * hi.sum() + (3 * x).sum()).backward()
+        return lo.detach(), hi.detach(), x.grad
+
+    def by_autograd(x):
+        return quantizers._reduce(x, range_shape, torch.amin), quantizers._reduce(x, range_shape, torch.amax)
+
+    expected = run(by_autograd)
+    for kernels in (True, False):
+        with eager() if not kernels else torch.enable_grad():
+            got = run(lambda x: quantizers.observed_min_max(x, range_shape))
+        for a, b in zip(got, expected):
+            assert a.shape == b.shape and torch.equal(a, b)
+    assert (expected[2] != 3).sum() > 0
+
+
+@pytest.mark.parametrize(("shape", "range_shape"), [((96, 200), (96, 1)), ((2, 64, 96), (1,))])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_phase1s_fake_quant_gives_autograds_values_and_gradients_to_the_bit(eager, shape, range_shape, symmetric):
+    """Phase 1's quantizer (its range the tensor's own, the gradient reaching it) through the compiled kernels: the
+    eager autograd graph's output and input gradient, values on the grid's ends included."""
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(shape, generator=g) * 3 + (0.0 if symmetric else 1.0)
+    weights = torch.randn(shape, generator=g)
+    q = QuantizeDequantize(range_shape, 8, symmetric=symmetric)
+    runs = []
+    for kernels in (True, False):
+        x = x0.clone().requires_grad_()
+        with eager() if not kernels else torch.enable_grad(), quantizers.DynamicRanges([q]):
+            y = q(x).as_subclass(torch.Tensor)
+            ((y * weights).sum() + (3 * x).sum()).backward()
+        runs.append((y.detach(), x.grad))
+    (y, grad), (eager_y, eager_grad) = runs
+    assert torch.equal(y, eager_y) and torch.equal(grad, eager_grad)
+    # values on the grid's ends beyond each range's two extremes (torch's clamp passes them no gradient)
+    on_ends = (y == y.amax(-1, keepdim=True)) | (y == y.amin(-1, keepdim=True))
+    assert on_ends.sum() > 2 * y.shape[:-1].numel()
+
+
+def test_phase1s_fake_quant_sums_a_strided_gradient_as_autograd_does(eager):
+    x0 = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    weights = torch.randn(96, 64, generator=torch.Generator().manual_seed(1))
+    q = QuantizeDequantize((1,), 8, symmetric=False)
+    runs = []
+    for kernels in (True, False):
+        x = x0.clone().requires_grad_()
+        with eager() if not kernels else torch.enable_grad(), quantizers.DynamicRanges([q]):
+            y = q(x).as_subclass(torch.Tensor)
+            (y.t() * weights).sum().backward()  # the gradient reaches y transposed
+        runs.append(x.grad)
+    assert torch.equal(*runs)

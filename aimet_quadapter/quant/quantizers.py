@@ -92,7 +92,101 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qm
     encoding (LSQ's (Q(x) - x) / scale for the scale), so that whatever set the range is trained too."""
     shape = (1,) * (x.dim() - scale.dim()) + tuple(scale.shape)
     scale, offset = scale.reshape(shape), offset.reshape(shape)
-    return (_round_ste(x / scale) - offset).clamp(qmin, qmax).add(offset).mul(scale)
+    if x.device.type == "cpu" and x.is_contiguous() and _compiled() is not None:
+        return _DynamicFakeQuant.apply(x, scale, offset, qmin, qmax)
+    return _dynamic_forward(x, scale, offset, qmin, qmax)
+
+
+def _dynamic_forward(x: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    return (_round_ste(x / s) - o).clamp(qmin, qmax).add(o).mul(s)
+
+
+def _dynamic_terms(
+    grad: torch.Tensor, x: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax: int
+) -> tuple[torch.Tensor, ...]:
+    # what autograd's backward of _dynamic_forward's ops computes, op by op: the input's gradient, then the
+    # scale's two terms (from the product, from the division) and the offset's two (the sum, the difference),
+    # each before autograd sums it to the range's shape
+    u = x / s
+    v = u + (u.round() - u) - o
+    grad_z = grad * s
+    grad_v = torch.where((v > qmin) & (v < qmax), grad_z, 0.0)  # torch's clamp passes none on the bounds
+    return grad_v / s, grad * (v.clamp(qmin, qmax) + o), -grad_v * ((x / s) / s), grad_z, -grad_v
+
+
+@functools.cache
+def _compiled_dynamic(which: tuple[int, ...] | None) -> Any:
+    """Phase 1's fake-quant forward (``which`` None) or the terms of its backward that ``which`` names, compiled."""
+    if which is None:
+        return torch.compile(_dynamic_forward, dynamic=True)
+    return torch.compile(lambda *args: tuple(_dynamic_terms(*args)[i] for i in which), dynamic=True)
+
+
+class _DynamicFakeQuant(torch.autograd.Function):
+    """:func:`_dynamic_forward` with autograd's gradients, in one kernel each way instead of a dozen passes over
+    ``x``: the same values, and the range's terms summed to its shape as autograd sums them (tested, to the bit)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax: int):
+        ctx.save_for_backward(x, s, o)
+        ctx.limits = (qmin, qmax)
+        with torch.no_grad():
+            return _compiled_dynamic(None)(x, s, o, qmin, qmax)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, s, o = ctx.saved_tensors
+        need_x, need_s, need_o = ctx.needs_input_grad[:3]
+        which = tuple(i for i, needed in enumerate((need_x, need_s, need_s, need_o, need_o)) if needed)
+        if not which:
+            return None, None, None, None, None
+        if grad.is_contiguous():
+            values = _compiled_dynamic(which)(grad, x, s, o, *ctx.limits)
+        else:  # the eager products take grad's layout, so that their sums add in autograd's order
+            values = tuple(_dynamic_terms(grad, x, s, o, *ctx.limits)[i] for i in which)
+        terms = dict(zip(which, values))
+        grad_s = terms[1].sum_to_size(s.shape) + terms[2].sum_to_size(s.shape) if need_s else None
+        grad_o = terms[3].sum_to_size(o.shape) + terms[4].sum_to_size(o.shape) if need_o else None
+        return terms.get(0), grad_s, grad_o, None, None
+
+
+def observed_min_max(x: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_reduce(x, shape, torch.amin)`` and ``torch.amax``'s, values and gradients, in one function of autograd.
+
+    Autograd's amin and amax each spend about ten passes over ``x`` on their backward (a mask, its count, a
+    promoted copy, products), and a per-channel weight's range is taken at every phase-1 step. Here the backward is
+    two passes, compiled where torch.compile can build it; its terms are autograd's, ``(grad / count) * mask`` for
+    each end, and they meet in one sum in which one of them is zero wherever the two ends differ, so every gradient
+    is autograd's to the bit (tested)."""
+    full = (1,) * (x.dim() - len(shape)) + tuple(shape)
+    dims = tuple(i for i, n in enumerate(full) if n == 1)
+    return _MinMax.apply(x, dims, tuple(shape))
+
+
+class _MinMax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dims: tuple[int, ...], shape: tuple[int, ...]):
+        lo, hi = torch.amin(x, dim=dims, keepdim=True), torch.amax(x, dim=dims, keepdim=True)
+        ctx.save_for_backward(x, lo, hi)
+        ctx.dims = dims
+        return lo.reshape(shape), hi.reshape(shape)
+
+    @staticmethod
+    def backward(ctx, grad_lo: torch.Tensor, grad_hi: torch.Tensor):
+        x, lo, hi = ctx.saved_tensors
+        terms = _min_max_gradient if x.device.type != "cpu" or _compiled() is None else _compiled_min_max_gradient()
+        return terms(x, lo, hi, grad_lo.reshape(lo.shape), grad_hi.reshape(hi.shape), ctx.dims), None, None
+
+
+def _min_max_gradient(x, lo, hi, grad_lo, grad_hi, dims: tuple[int, ...]) -> torch.Tensor:
+    # autograd's amin/amax backward (scale_grad_by_count), one term per end
+    at_lo, at_hi = x == lo, x == hi
+    return (grad_lo / at_lo.sum(dims, True)) * at_lo + (grad_hi / at_hi.sum(dims, True)) * at_hi
+
+
+@functools.cache
+def _compiled_min_max_gradient() -> Any:
+    return torch.compile(_min_max_gradient, dynamic=True)
 
 
 class DynamicRanges:
@@ -131,6 +225,8 @@ class DynamicRanges:
             split = x.reshape([n for blocks, width in zip(q.shape, x.shape) for n in (blocks, width // blocks)])
             inner = tuple(range(1, split.dim(), 2))
             lo, hi = split.amin(dim=inner), split.amax(dim=inner)
+        elif self.range_gradient:
+            return observed_min_max(x, tuple(q.shape))
         else:
             lo, hi = _reduce(x, tuple(q.shape), torch.amin), _reduce(x, tuple(q.shape), torch.amax)
         return (lo, hi) if self.range_gradient else (lo.detach(), hi.detach())
