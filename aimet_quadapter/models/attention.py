@@ -43,7 +43,12 @@ def quantizable_attention(
         mask = attention_mask[..., : key.shape[-2]]
         fill = getattr(module, "mask_fill", None)  # a finite value for masked scores: see set_mask_fill
         masked = mask <= torch.finfo(mask.dtype).min / 2
-        scores = scores + mask if fill is None else scores.masked_fill(masked, fill)
+        if fill is None:
+            scores = scores + mask
+        elif torch.jit.is_tracing():  # a traced graph (AIMET's, the ONNX export's) keeps the out-of-place op
+            scores = scores.masked_fill(masked, fill)
+        else:  # in place: scores is this function's own product, which no backward reads
+            scores = scores.masked_fill_(masked, fill)
     # no cast where the dtype is float32 already: traced, it is an op of the graph between the tensor a device
     # quantizes (the masked scores) and the one the sim's quantizer names (the softmax input)
     probs = module.softmax(scores if scores.dtype == torch.float32 else scores.float())
