@@ -218,3 +218,27 @@ def test_phase1s_fake_quant_sums_a_strided_gradient_as_autograd_does(eager):
             (y.t() * weights).sum().backward()  # the gradient reaches y transposed
         runs.append(x.grad)
     assert torch.equal(*runs)
+
+
+def test_phase1_and_phase2_stay_within_torch_compiles_graphs_per_function():
+    """Every kind of input the kernels meet in both phases, on both targets (per tensor and per channel, weights that
+    do and do not train, symmetric and asymmetric ranges): past 8 graphs torch.compile runs a function eagerly, and
+    the eager fallback makes every product, which costs time and memory."""
+    import torch._dynamo
+
+    from aimet_quadapter.quadapter.config import Phase1Parameters
+    from aimet_quadapter.quadapter.phase1 import run_phase1
+
+    model = toy_model("llama")
+    corpus = sample_corpus(model, 6, 32, seed=1)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for target in ("paper", "htp"):
+            sim = build_sim(model, QuantPolicy(target=target))
+            calibrate(sim, [corpus[:2]])
+            qset = attach_quadapters(sim)
+            run_phase1(sim.model, model, qset, [corpus[:2]], Phase1Parameters(steps=2, lr_stages=1), progress=False)
+            for learn_ranges in (True, False):
+                params = Phase2Parameters(steps=1, batch_size=2, learn_ranges=learn_ranges)
+                run_phase2(sim.model, qset, [corpus[2:4]], params, progress=False)
+            qset.detach()
+            run_phase2(sim.model, None, [corpus[2:4]], Phase2Parameters(steps=1, batch_size=2), progress=False)

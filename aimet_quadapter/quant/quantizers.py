@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from tempfile import TemporaryDirectory
@@ -92,9 +92,19 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qm
     encoding (LSQ's (Q(x) - x) / scale for the scale), so that whatever set the range is trained too."""
     shape = (1,) * (x.dim() - scale.dim()) + tuple(scale.shape)
     scale, offset = scale.reshape(shape), offset.reshape(shape)
-    if x.device.type == "cpu" and x.is_contiguous() and _compiled() is not None:
+    if x.device.type == "cpu" and x.is_contiguous() and _rows(x, scale) is not None and _compiled() is not None:
         return _DynamicFakeQuant.apply(x, scale, offset, qmin, qmax)
     return _dynamic_forward(x, scale, offset, qmin, qmax)
+
+
+def _rows(x: torch.Tensor, range_: torch.Tensor) -> tuple[int, int] | None:
+    """``x`` as (rows, elements per row) with one range value per row (one row per tensor), or None where the
+    range is laid out otherwise: the two shapes the compiled kernels take, so that each compiles once or twice."""
+    if range_.numel() == 1:
+        return 1, x.numel()
+    if range_.dim() == x.dim() and range_.shape[0] == x.shape[0] and all(n == 1 for n in range_.shape[1:]):
+        return x.shape[0], x.numel() // x.shape[0]
+    return None
 
 
 def _dynamic_forward(x: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
@@ -114,12 +124,20 @@ def _dynamic_terms(
     return grad_v / s, grad * (v.clamp(qmin, qmax) + o), -grad_v * ((x / s) / s), grad_z, -grad_v
 
 
+def _dynamic_terms_fixed_offset(*args) -> tuple[torch.Tensor, ...]:
+    return _dynamic_terms(*args)[:3]
+
+
 @functools.cache
-def _compiled_dynamic(which: tuple[int, ...] | None) -> Any:
-    """Phase 1's fake-quant forward (``which`` None) or the terms of its backward that ``which`` names, compiled."""
-    if which is None:
-        return torch.compile(_dynamic_forward, dynamic=True)
-    return torch.compile(lambda *args: tuple(_dynamic_terms(*args)[i] for i in which), dynamic=True)
+def _compiled_dynamic(part: str) -> Any:
+    """Phase 1's fake-quant ``forward``, or its backward's terms with (``offset``) or without (``scale``) the
+    offset's: three functions, each compiled for a flat tensor and for rows."""
+    parts: dict[str, Callable[..., Any]] = {
+        "forward": _dynamic_forward,
+        "offset": _dynamic_terms,
+        "scale": _dynamic_terms_fixed_offset,
+    }
+    return torch.compile(parts[part], dynamic=True)
 
 
 class _DynamicFakeQuant(torch.autograd.Function):
@@ -128,26 +146,35 @@ class _DynamicFakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax: int):
-        ctx.save_for_backward(x, s, o)
-        ctx.limits = (qmin, qmax)
-        with torch.no_grad():
-            return _compiled_dynamic(None)(x, s, o, qmin, qmax)
+        rows = _rows(x, s)
+        assert rows is not None
+        # detached, as (rows, row) and (rows, 1): one graph per kind whatever the rank and what needs a gradient
+        flat = (x.detach().reshape(rows), s.detach().reshape(rows[0], 1), o.detach().reshape(rows[0], 1))
+        ctx.save_for_backward(*flat)
+        ctx.limits, ctx.shapes = (qmin, qmax), (x.shape, s.shape, o.shape)
+        return _compiled_dynamic("forward")(*flat, qmin, qmax).view(x.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, s, o = ctx.saved_tensors
         need_x, need_s, need_o = ctx.needs_input_grad[:3]
-        which = tuple(i for i, needed in enumerate((need_x, need_s, need_s, need_o, need_o)) if needed)
-        if not which:
-            return None, None, None, None, None
+        x_shape, s_shape, o_shape = ctx.shapes
         if grad.is_contiguous():
-            values = _compiled_dynamic(which)(grad, x, s, o, *ctx.limits)
+            terms = _compiled_dynamic("offset" if need_o else "scale")(grad.reshape(x.shape), x, s, o, *ctx.limits)
+            grad_x = terms[0].view(x_shape)
         else:  # the eager products take grad's layout, so that their sums add in autograd's order
-            values = tuple(_dynamic_terms(grad, x, s, o, *ctx.limits)[i] for i in which)
-        terms = dict(zip(which, values))
-        grad_s = terms[1].sum_to_size(s.shape) + terms[2].sum_to_size(s.shape) if need_s else None
-        grad_o = terms[3].sum_to_size(o.shape) + terms[4].sum_to_size(o.shape) if need_o else None
-        return terms.get(0), grad_s, grad_o, None, None
+            shape = (1,) * (len(x_shape) - len(s_shape)) + tuple(s_shape)
+            terms = _dynamic_terms(grad, x.view(x_shape), s.view(shape), o.view(shape), *ctx.limits)
+            grad_x = terms[0]
+
+        def summed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            # each to the range's own shape first, as autograd sums a broadcast operand's gradient
+            shape = (1,) * (len(x_shape) - len(s_shape)) + tuple(s_shape)
+            return (a.view(x_shape).sum_to_size(shape) + b.view(x_shape).sum_to_size(shape)).view(s_shape)
+
+        grad_s = summed(terms[1], terms[2]) if need_s else None
+        grad_o = summed(terms[3], terms[4]).view(o_shape) if need_o else None
+        return grad_x if need_x else None, grad_s, grad_o, None, None
 
 
 def observed_min_max(x: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,8 +201,14 @@ class _MinMax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_lo: torch.Tensor, grad_hi: torch.Tensor):
         x, lo, hi = ctx.saved_tensors
-        terms = _min_max_gradient if x.device.type != "cpu" or _compiled() is None else _compiled_min_max_gradient()
-        return terms(x, lo, hi, grad_lo.reshape(lo.shape), grad_hi.reshape(hi.shape), ctx.dims), None, None
+        grad_lo, grad_hi = grad_lo.reshape(lo.shape), grad_hi.reshape(hi.shape)
+        rows = _rows(x, lo) if x.is_contiguous() else None
+        if x.device.type != "cpu" or rows is None or _compiled() is None:
+            return _min_max_gradient(x, lo, hi, grad_lo, grad_hi, ctx.dims), None, None
+        # as (rows, row): one graph for every tensor reduced whole and one for every row-wise range
+        n = rows[0]
+        ends = (t.reshape(n, 1) for t in (lo, hi, grad_lo, grad_hi))
+        return _compiled_min_max_gradient()(x.detach().reshape(rows), *ends, (1,)).view(x.shape), None, None
 
 
 def _min_max_gradient(x, lo, hi, grad_lo, grad_hi, dims: tuple[int, ...]) -> torch.Tensor:
@@ -583,11 +616,29 @@ def _learned_terms(
     return grad * inside, grad * factor, grad * ~inside
 
 
+def _terms_input_and_scale(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x, by_scale, _ = _learned_terms(*args)
+    return grad_x, by_scale
+
+
+def _terms_input(*args) -> tuple[torch.Tensor]:
+    return (_learned_terms(*args)[0],)
+
+
+def _terms_scale(*args) -> tuple[torch.Tensor]:
+    return (_learned_terms(*args)[1],)
+
+
+# One function (one code object) per selection: torch.compile keeps at most 8 graphs per code object and runs it
+# eagerly, every product made, after that; per tensor and per channel each selection needs two.
+_TERMS = {(0, 1): _terms_input_and_scale, (0,): _terms_input, (1,): _terms_scale}
+
+
 @functools.cache
 def _compiled_terms(which: tuple[int, ...]) -> Any:
     """The products of :func:`_learned_terms` that ``which`` names, as one kernel: the same values element by
     element."""
-    return torch.compile(lambda *args: tuple(_learned_terms(*args)[i] for i in which), dynamic=True)
+    return torch.compile(_TERMS[which], dynamic=True)
 
 
 def _compiled_gradients(needs: tuple[bool, ...], shapes: tuple, shape: torch.Size, flat: tuple) -> tuple:
