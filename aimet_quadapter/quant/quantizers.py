@@ -90,10 +90,10 @@ def min_max_encoding(q: QuantizeDequantize, lo: torch.Tensor, hi: torch.Tensor) 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
     """Quantize-dequantize with straight-through rounding: the gradient reaches ``x`` (inside the grid) and the
     encoding (LSQ's (Q(x) - x) / scale for the scale), so that whatever set the range is trained too."""
-    shape = (1,) * (x.dim() - scale.dim()) + tuple(scale.shape)
-    scale, offset = scale.reshape(shape), offset.reshape(shape)
-    if x.device.type == "cpu" and x.is_contiguous() and _rows(x, scale) is not None and _compiled() is not None:
-        return _DynamicFakeQuant.apply(x, scale, offset, qmin, qmax)
+    scale, offset = _broadcastable(scale, x), _broadcastable(offset, x)
+    rows = _rows(x, scale) if x.device.type == "cpu" and x.is_contiguous() else None
+    if rows is not None and _compiled() is not None:
+        return _DynamicFakeQuant.apply(x, scale, offset, qmin, qmax, rows)
     return _dynamic_forward(x, scale, offset, qmin, qmax)
 
 
@@ -142,12 +142,11 @@ def _compiled_dynamic(part: str) -> Any:
 
 class _DynamicFakeQuant(torch.autograd.Function):
     """:func:`_dynamic_forward` with autograd's gradients, in one kernel each way instead of a dozen passes over
-    ``x``: the same values, and the range's terms summed to its shape as autograd sums them (tested, to the bit)."""
+    ``x``: the same values, and the range's terms summed to its shape as autograd sums them (tested, to the bit).
+    ``s`` and ``o`` have ``x``'s rank; ``rows`` is :func:`_rows` of them."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax: int):
-        rows = _rows(x, s)
-        assert rows is not None
+    def forward(ctx, x: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax: int, rows: tuple[int, int]):
         # detached, as (rows, row) and (rows, 1): one graph per kind whatever the rank and what needs a gradient
         flat = (x.detach().reshape(rows), s.detach().reshape(rows[0], 1), o.detach().reshape(rows[0], 1))
         ctx.save_for_backward(*flat)
@@ -163,18 +162,16 @@ class _DynamicFakeQuant(torch.autograd.Function):
             terms = _compiled_dynamic("offset" if need_o else "scale")(grad.reshape(x.shape), x, s, o, *ctx.limits)
             grad_x = terms[0].view(x_shape)
         else:  # the eager products take grad's layout, so that their sums add in autograd's order
-            shape = (1,) * (len(x_shape) - len(s_shape)) + tuple(s_shape)
-            terms = _dynamic_terms(grad, x.view(x_shape), s.view(shape), o.view(shape), *ctx.limits)
+            terms = _dynamic_terms(grad, x.view(x_shape), s.view(s_shape), o.view(o_shape), *ctx.limits)
             grad_x = terms[0]
 
-        def summed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        def summed(a: torch.Tensor, b: torch.Tensor, shape: torch.Size) -> torch.Tensor:
             # each to the range's own shape first, as autograd sums a broadcast operand's gradient
-            shape = (1,) * (len(x_shape) - len(s_shape)) + tuple(s_shape)
-            return (a.view(x_shape).sum_to_size(shape) + b.view(x_shape).sum_to_size(shape)).view(s_shape)
+            return a.view(x_shape).sum_to_size(shape) + b.view(x_shape).sum_to_size(shape)
 
-        grad_s = summed(terms[1], terms[2]) if need_s else None
-        grad_o = summed(terms[3], terms[4]).view(o_shape) if need_o else None
-        return grad_x if need_x else None, grad_s, grad_o, None, None
+        grad_s = summed(terms[1], terms[2], s_shape) if need_s else None
+        grad_o = summed(terms[3], terms[4], o_shape) if need_o else None
+        return grad_x if need_x else None, grad_s, grad_o, None, None, None
 
 
 def observed_min_max(x: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -559,10 +556,9 @@ class FakeQuantLearnedRange(torch.autograd.Function):
             if not grad.is_contiguous():  # the eager products would be laid out, and summed, in grad's order
                 mask, scale_factor, _ = _eager_terms(x, s, zero_point, qmin, qmax, ctx.needs_input_grad[1])
             else:
-                if ctx.per_channel:
-                    flat = (grad, x, s, zero_point, qmin, qmax)
-                else:
-                    flat = (grad.reshape(-1), x.reshape(-1), s, zero_point, qmin, qmax)
+                # per channel, x keeps its rank for the scale's broadcast
+                grad_, x_ = (grad, x) if ctx.per_channel else (grad.reshape(-1), x.reshape(-1))
+                flat = (grad_, x_, s, zero_point, qmin, qmax)
                 return (*_compiled_gradients(ctx.needs_input_grad, ctx.shapes, x.shape, flat), None, None)
         else:
             mask, scale_factor, s = ctx.saved_tensors
@@ -772,8 +768,8 @@ def elementwise_fake_quant(qs: Iterable[QuantizeDequantize], fused: bool = False
                     plain = x.as_subclass(torch.Tensor)  # on every device: it is a matter of arithmetic
                     function = learned if per_tensor else FakeQuantLearnedRange
                     return function.apply(plain, enc.scale, enc.offset, enc.qmin, enc.qmax)
-                # per channel, ATen's kernel multiplies by the reciprocal too, and is vectorised
-                if x.device.type != "cpu" or not per_tensor:  # measured on CPUs only; CUDA's kernel is vectorised
+                # CUDA's kernels are vectorised already, and ATen's per-channel one also multiplies by 1 / scale
+                if x.device.type != "cpu" or not per_tensor:
                     return original(x)
                 scale = enc.scale.detach().reshape(())
                 zero_point = _zero_point(enc.offset.detach().reshape(()), scale.dtype)
