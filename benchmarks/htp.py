@@ -262,7 +262,7 @@ def main() -> None:
         done = subprocess.run(
             [sys.executable, __file__, "--target", target, *flags, *([] if profile else ["--no-profile"])],
             check=True,
-            capture_output=True,
+            stdout=subprocess.PIPE,  # its stderr passes through: torch's warnings (a compile fallback) stay visible
             text=True,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
         )

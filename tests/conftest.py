@@ -11,6 +11,10 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The package's torch.compile kernels compute what their Python functions compute, to the bit (the tests that ask for
+# `compiled_kernels` compile them, as the slow ones do); elsewhere those functions run as written, for each worker
+# would otherwise compile every graph again, minutes on a machine with no compile cache yet.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 # Under pytest-xdist each worker is a process of its own: one thread each, not every worker on every core.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -121,6 +125,33 @@ def corpus_dir(tmp_path_factory, corpus_text) -> Path:
     (folder / "valid.txt").write_text(make_corpus(1000, seed=1), encoding="utf-8")
     (folder / "test.txt").write_text(make_corpus(2000, seed=2), encoding="utf-8")
     return folder
+
+
+def _drop_compiled_kernels() -> None:
+    # torch.compile reads TORCHDYNAMO_DISABLE when it wraps a function: the wrapped kernels are cached per process
+    from aimet_quadapter.quadapter import adapter
+    from aimet_quadapter.quant import quantizers
+
+    for module in (quantizers, adapter):
+        for name, value in vars(module).items():
+            if name.startswith("_compiled") and hasattr(value, "cache_clear"):
+                value.cache_clear()
+
+
+@pytest.fixture
+def compiled_kernels(monkeypatch) -> Iterator[None]:
+    """The package's kernels compiled by torch.compile in this test and the processes it starts."""
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    _drop_compiled_kernels()
+    yield
+    _drop_compiled_kernels()
+
+
+@pytest.fixture(autouse=True)
+def _slow_tests_compile(request) -> None:
+    # end to end on the real model as the product runs it
+    if request.node.get_closest_marker("slow"):
+        request.getfixturevalue("compiled_kernels")
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ quiet_libraries()
 
 
 @pytest.fixture(autouse=True)
-def _compiler():
+def _compiler(compiled_kernels):
     if quantizers._compiled() is None:
         pytest.skip("torch.compile cannot build kernels on this machine")
 
@@ -48,6 +48,13 @@ def eager(monkeypatch):
             monkeypatch.undo()
 
     return Eager
+
+
+def test_the_kernels_compared_here_are_compiled():
+    """Elsewhere in the suite the kernels' functions run as written: here they are torch.compile's."""
+    forward, backward = quantizers._compiled()  # type: ignore[misc]
+    assert forward is not quantizers._learned_forward and backward is not quantizers._learned_backward
+    assert quantizers._compiled_dynamic("forward") is not quantizers._dynamic_forward
 
 
 def _inputs(dtype=torch.float32):
@@ -239,6 +246,7 @@ def test_phase1_and_phase2_stay_within_torch_compiles_graphs_per_function():
 
     model = toy_model("llama")
     corpus = sample_corpus(model, 6, 32, seed=1)
+    torch._dynamo.reset()  # a cell's process starts with none: the graphs of this process's other tests count too
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         for target in ("paper", "htp"):
             sim = build_sim(model, QuantPolicy(target=target))

@@ -24,7 +24,7 @@ quiet_libraries()
 
 
 @pytest.fixture(autouse=True)
-def _compiler():
+def _compiler(compiled_kernels):
     # asked when a test runs, not when the suite is collected: compiling takes seconds
     if _compiled() is None:
         pytest.skip("torch.compile cannot build kernels on this machine")
