@@ -156,6 +156,10 @@ OTHER_CASES = {
     ),
     "run of a recipe that is not YAML": (["run", "{not_yaml}"], "not valid YAML"),
     "run of a recipe with a misspelt field": (["run", "{misspelt}"], "field evall: unknown field; did you mean eval?"),
+    "run setting how phase 2 runs under phase2": (
+        ["run", "{recipe}", "--set", "phase2.micro_batch_size=2"],
+        "unknown field 'micro_batch_size' in phase2 (did you mean execution.micro_batch_size?)",
+    ),
     "eval of a missing model folder": (["eval", "--model", "{tmp}/no-model", "--dataset", "{corpus}"], "model folder"),
     "eval of an export whose manifest is not JSON": (
         ["eval", "--model", "{tmp}/corrupt-export", "--dataset", "{corpus}"],

@@ -152,10 +152,9 @@ def test_eval_options_are_the_parameter_fields(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["eval", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--phase1-checkpoint-dir" not in text  # the runner puts checkpoints in the run folder
+    assert "--execution-checkpoint-dir" not in text  # the runner puts checkpoints in the run folder
+    assert "--execution-micro-batch-size" in text
     for name, f in Phase1Parameters.model_fields.items():
-        if name == "checkpoint_dir":
-            continue
         flag = f"--phase1-{name.replace('_', '-')}"
         found = re.search(rf" {flag}(?:, --no-{flag[2:]}| VALUE) (.*?)(?= --|$)", text)
         assert found, flag

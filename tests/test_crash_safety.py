@@ -30,7 +30,8 @@ fid: [{corpus}]
 calibration: {{samples: 2, length: 64}}
 quadapter: {{holdout: 2}}
 phase1: {{steps: 3}}
-phase2: {{steps: 4, batch_size: 2, seq_len: 64, checkpoint_every: 1, lr_alpha: 0.01}}
+phase2: {{steps: 4, batch_size: 2, seq_len: 64, lr_alpha: 0.01}}
+execution: {{checkpoint_every: 1}}
 eval: {{datasets: [{corpus}], seq_len: 64, max_tokens: 256}}
 """
     )

@@ -10,6 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.api import attach_quadapters
+from aimet_quadapter.quadapter.config import RunOptions
 from aimet_quadapter.quadapter.phase2 import Phase2Parameters, for_device, lm_loss, run_phase2
 from aimet_quadapter.quant.policy import build_sim, calibrate
 from aimet_quadapter.quant.quantizers import (
@@ -62,9 +63,9 @@ def toy(request):
     return model, [corpus[:2]], [corpus[4:8]]
 
 
-def _gpu_path(fused: bool, **extra) -> Phase2Parameters:
+def _gpu_path(fused: bool) -> RunOptions:
     # what a GPU runs by default (for_device), forced on the CPU
-    return Phase2Parameters(micro_batch_size=4, recompute_blocks=False, fused_fake_quant=fused, batch_size=4, **extra)
+    return RunOptions(micro_batch_size=4, recompute_blocks=False, fused_fake_quant=fused)
 
 
 def test_phase2_fused_gives_the_eager_losses_and_gradients(toy):
@@ -74,8 +75,8 @@ def test_phase2_fused_gives_the_eager_losses_and_gradients(toy):
         sim = build_sim(model)
         calibrate(sim, calib)
         qset = attach_quadapters(sim)
-        params = _gpu_path(fused, steps=1, lr_alpha=0.0, lr_ranges=0.0)
-        losses = run_phase2(sim.model, qset, train, params, progress=False).losses
+        params = Phase2Parameters(steps=1, batch_size=4, lr_alpha=0.0, lr_ranges=0.0)
+        losses = run_phase2(sim.model, qset, train, params, progress=False, options=_gpu_path(fused)).losses
         trained = [q.theta for q in qset] + range_parameters(sim.model)
         runs[fused] = losses, torch.cat([p.grad.flatten() for p in trained if p.grad is not None])
     (losses, grad), (fused_losses, fused_grad) = runs[False], runs[True]
@@ -137,12 +138,12 @@ def test_a_phase2_step_launches_at_most_twice_the_kernels_of_an_fp_step(family):
     sim = build_sim(model)
     calibrate(sim, calib)
     qset = attach_quadapters(sim)
-    gpu = for_device(Phase2Parameters(), torch.device("cuda"))
+    gpu = for_device(RunOptions(), torch.device("cuda"))
     assert (gpu.micro_batch_size, gpu.recompute_blocks, gpu.fused_fake_quant) == (None, False, True)
 
     def phase2(steps: int):
-        params = _gpu_path(True, steps=steps)
-        return lambda: run_phase2(sim.model, qset, train, params, progress=False)
+        params = Phase2Parameters(steps=steps, batch_size=4)
+        return lambda: run_phase2(sim.model, qset, train, params, progress=False, options=_gpu_path(True))
 
     step = _kernels(phase2(2)) - _kernels(phase2(1))  # a step's own, without the setup of a call
     weights = [p for p in model.parameters()]

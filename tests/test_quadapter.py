@@ -16,6 +16,7 @@ from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quadapter.api import QuadapterParameters, apply_cle, apply_quadapter, attach_quadapters
 from aimet_quadapter.quadapter.cle import init_with_cle
+from aimet_quadapter.quadapter.config import RunOptions
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters, run_phase1
 from aimet_quadapter.quadapter.phase2 import Phase2Parameters, distillation_loss, lm_loss, phase2_loss, run_phase2
 from aimet_quadapter.quadapter.state import QuadapterState
@@ -476,8 +477,9 @@ def test_phase2_micro_batches_give_the_whole_batch_gradient(setup):
         sim = build_sim(model)
         calibrate(sim, calib)
         qset = attach_quadapters(sim)
-        params = Phase2Parameters(steps=1, lr_alpha=0.0, lr_ranges=0.0, micro_batch_size=micro)
-        losses = run_phase2(sim.model, qset, train, params, progress=False).losses
+        params = Phase2Parameters(steps=1, lr_alpha=0.0, lr_ranges=0.0)
+        options = RunOptions(micro_batch_size=micro)
+        losses = run_phase2(sim.model, qset, train, params, progress=False, options=options).losses
         trained = [q.theta for q in qset] + range_parameters(sim.model)
         runs[micro] = losses, torch.cat([p.grad.flatten() for p in trained if p.grad is not None])
     whole_losses, whole_grad = runs[4]
@@ -503,7 +505,9 @@ def test_phase2_gives_each_passes_heap_back_on_cpu(setup, monkeypatch):
     loss = phase2.lm_loss
     monkeypatch.setattr(phase2, "lm_loss", lambda m, b: events.append("pass") or loss(m, b))
     assert all(len(b) == 4 for b in train)
-    run_phase2(sim.model, qset, train, Phase2Parameters(steps=1, micro_batch_size=3), progress=False)
+    run_phase2(
+        sim.model, qset, train, Phase2Parameters(steps=1), progress=False, options=RunOptions(micro_batch_size=3)
+    )
     assert events == ["pass", "trim"] * 2  # two slices (3 + 1 sequences)
 
 
@@ -522,9 +526,10 @@ def test_phase2_recomputed_blocks_give_the_same_losses_and_gradients(setup):
         calls = []
         inner = next(first.children())  # the block's first norm: a recomputation calls it again
         hook = inner.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
-        params = Phase2Parameters(steps=2, lr_alpha=1e-2, lr_ranges=1e-3, recompute_blocks=recompute)
+        params = Phase2Parameters(steps=2, lr_alpha=1e-2, lr_ranges=1e-3)
         own = first.__dict__.get("forward")  # the prepared block's own (its residual sums through modules)
-        losses = run_phase2(sim.model, qset, train, params, progress=False).losses
+        options = RunOptions(recompute_blocks=recompute)
+        losses = run_phase2(sim.model, qset, train, params, progress=False, options=options).losses
         hook.remove()
         assert first.__dict__.get("forward") is own
         trained = [q.theta for q in qset] + range_parameters(sim.model)
@@ -553,9 +558,10 @@ def test_batched_range_encodings_give_aimets_encodings_and_the_same_gradients(se
         sim = build_sim(model)
         calibrate(sim, calib)
         qset = attach_quadapters(sim)
-        params = Phase2Parameters(steps=1, lr_alpha=0.0, lr_ranges=0.0, micro_batch_size=2, fused_fake_quant=batched)
+        params = Phase2Parameters(steps=1, lr_alpha=0.0, lr_ranges=0.0)
+        options = RunOptions(micro_batch_size=2, fused_fake_quant=batched)
         calls.clear()
-        losses = run_phase2(sim.model, qset, train, params, progress=False).losses
+        losses = run_phase2(sim.model, qset, train, params, progress=False, options=options).losses
         trained = [q.theta for q in qset] + range_parameters(sim.model)
         runs[batched] = losses, torch.cat([p.grad.flatten() for p in trained if p.grad is not None]), len(calls)
     (plain_losses, plain_grad, plain_calls), (losses, grad, batched_calls) = runs[False], runs[True]
@@ -762,9 +768,10 @@ def test_phase2_resume_continues_where_it_stopped(setup, tmp_path):
             sim.model,
             qset,
             train,
-            Phase2Parameters(steps=6, checkpoint_every=2, checkpoint_dir=str(ckpt)),
+            Phase2Parameters(steps=6),
             progress=False,
             loss_fn=_interrupt_after(4 * len(train[0])),  # one loss per sequence (micro_batch_size 1)
+            options=RunOptions(checkpoint_every=2, checkpoint_dir=str(ckpt)),
         )
     assert (ckpt / "phase2.pt").is_file()
     sim, qset = fresh()
@@ -772,8 +779,9 @@ def test_phase2_resume_continues_where_it_stopped(setup, tmp_path):
         sim.model,
         qset,
         train,
-        Phase2Parameters(steps=6, checkpoint_every=2, checkpoint_dir=str(ckpt)),
+        Phase2Parameters(steps=6),
         progress=False,
+        options=RunOptions(checkpoint_every=2, checkpoint_dir=str(ckpt)),
     )
     assert resumed.resumed_from == 4
     assert resumed.losses == pytest.approx(full.losses, rel=1e-5)
@@ -789,8 +797,9 @@ def test_phase2_resumes_only_its_own_checkpoint(setup, tmp_path, caplog):
     def run(**changes):
         sim = build_sim(model)
         calibrate(sim, calib)
-        params = Phase2Parameters(steps=2, checkpoint_every=1, checkpoint_dir=str(tmp_path), micro_batch_size=4)
-        return run_phase2(sim.model, attach_quadapters(sim), train, params.replace(**changes), progress=False)
+        params = Phase2Parameters(steps=2).replace(**changes)
+        options = RunOptions(checkpoint_every=1, checkpoint_dir=str(tmp_path), micro_batch_size=4)
+        return run_phase2(sim.model, attach_quadapters(sim), train, params, progress=False, options=options)
 
     run()
     assert run().resumed_from == 2  # the same run: resumed at its end
@@ -814,9 +823,9 @@ def test_an_unreadable_phase1_checkpoint_is_said_and_every_site_calibrated_again
     (tmp_path / "phase1.pt").write_bytes(b"not a checkpoint")
     sim = build_sim(model)
     qset = attach_quadapters(sim)
-    params = Phase1Parameters(steps=1, checkpoint_dir=str(tmp_path))
+    params = Phase1Parameters(steps=1)
     with caplog.at_level("WARNING"):
-        result = run_phase1(sim.model, model, qset, calib, params, progress=False)
+        result = run_phase1(sim.model, model, qset, calib, params, progress=False, checkpoint_dir=str(tmp_path))
     assert "phase1.pt cannot be read" in caplog.text
     assert len(result.losses) == len(qset)
 
@@ -826,13 +835,22 @@ def test_phase1_resumes_only_a_checkpoint_of_its_own_quantization_policy(setup, 
     """Phase 1 under 4-bit activations does not resume the sites a W8A8 phase 1 left in the same folder: the
     sites' errors, and so their alphas, depend on the quantizers."""
     model, calib = setup["model"], setup["calib"]
-    params = Phase1Parameters(steps=1, checkpoint_dir=str(tmp_path))
+    params = Phase1Parameters(steps=1)
 
     def calibrated(policy: QuantPolicy) -> list[str]:
         sim = build_sim(model, policy)
         qset = attach_quadapters(sim)
         done: list[str] = []
-        run_phase1(sim.model, model, qset, calib, params, progress=False, on_site_done=lambda s, _: done.append(s))
+        run_phase1(
+            sim.model,
+            model,
+            qset,
+            calib,
+            params,
+            progress=False,
+            on_site_done=lambda s, _: done.append(s),
+            checkpoint_dir=str(tmp_path),
+        )
         return done
 
     every = calibrated(QuantPolicy())
@@ -854,9 +872,11 @@ def test_phase2_stops_at_a_nan_loss_and_keeps_the_last_good_checkpoint(setup, tm
         loss = lm_loss(m, batch)
         return loss * float("nan") if calls["n"] > 2 else loss  # one call per step (the whole batch of 4)
 
-    params = Phase2Parameters(steps=5, checkpoint_every=1, checkpoint_dir=str(tmp_path), micro_batch_size=4)
+    options = RunOptions(checkpoint_every=1, checkpoint_dir=str(tmp_path), micro_batch_size=4)
     with pytest.raises(TrainingDiverged, match="step 3 of 5.*holds step 2"):
-        run_phase2(sim.model, qset, train, params, progress=False, loss_fn=nan_at_step_3)
+        run_phase2(
+            sim.model, qset, train, Phase2Parameters(steps=5), progress=False, loss_fn=nan_at_step_3, options=options
+        )
     saved = torch.load(tmp_path / "phase2.pt", weights_only=True)
     assert saved["step"] == 2 and all(math.isfinite(v) for v in saved["losses"])
     # the parameters are those of the last good step: the NaN loss was never stepped on

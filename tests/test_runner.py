@@ -657,9 +657,9 @@ def test_seeds_and_cells_run_in_other_folders_merge_into_one(world, tmp_path, ca
 
     assert main(["merge", str(tmp_path / "a"), str(other)]) == 2
     assert "field calibration.length is 32 there and 64 in the destination" in capsys.readouterr().err
-    # a field that changes no result (here how often phase 2 checkpoints) does not keep runs apart
+    # how the cells ran (here how often phase 2 checkpoints) does not keep runs apart
     quiet = _results(tmp_path / "b")
-    next(iter(quiet["recipes"].values()))["settings"]["phase2"]["checkpoint_every"] = 3
+    next(iter(quiet["recipes"].values()))["settings"]["execution"]["checkpoint_every"] = 3
     (other / "results.json").write_text(json.dumps(quiet))
     assert main(["merge", str(shutil.copytree(tmp_path / "a", tmp_path / "a2")), str(other)]) == 0
     # nor one that no method of either run reads (catalog reads): FP32 and PTQ run no AdaRound

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from aimet_quadapter.errors import QuadapterError
-from aimet_quadapter.quadapter.config import Phase1Parameters, Phase2Parameters
+from aimet_quadapter.quadapter.config import Phase1Parameters, Phase2Parameters, RunOptions
 from aimet_quadapter.running.recipes import parameter_sections
 from aimet_quadapter.settings import extra_of, result_view
 
@@ -24,9 +24,7 @@ def test_a_float_setting_is_finite_unless_it_says_otherwise(value):
 def test_the_fingerprint_view_leaves_out_what_does_not_change_a_result():
     defaults = Phase2Parameters().model_dump()
     view = result_view(Phase2Parameters, defaults)
-    # memory and checkpoint settings never; settings added later only at the value that computes what runs
-    # before them computed
-    assert not {"micro_batch_size", "recompute_blocks", "checkpoint_every", "checkpoint_dir"} & view.keys()
+    # settings added later only at the value that computes what runs before them computed
     assert not {"loss", "lr_ranges_relative"} & view.keys()
     assert {"steps", "lr_alpha", "lr_ranges", "learn_ranges", "batch_size", "seq_len"} <= view.keys()
     changed = result_view(Phase2Parameters, {**defaults, "loss": "kd", "lr_ranges_relative": True})
@@ -37,6 +35,14 @@ def test_every_setting_declares_its_part_in_a_result():
     for section, source in parameter_sections():
         for name, f in source.model_fields.items():
             assert "result" in extra_of(f), f"{section}.{name} is not declared with settings.setting()"
+
+
+def test_how_phase1_and_phase2_run_is_apart_from_what_they_compute():
+    """The options (memory, kernels, checkpoints) change no result, and no parameter class holds one of them."""
+    assert all(extra_of(f)["result"] is False for f in RunOptions.model_fields.values())
+    computed = {*Phase1Parameters.model_fields, *Phase2Parameters.model_fields}
+    assert not computed & RunOptions.model_fields.keys()
+    assert all(extra_of(f)["result"] is not False for f in Phase2Parameters.model_fields.values())
 
 
 def test_a_recipe_section_is_the_parameter_class_itself():

@@ -45,7 +45,7 @@ def _sections() -> list[tuple[str, type[BaseModel], tuple[str, ...]]]:
     the run folder)."""
     from aimet_quadapter.running.recipes import parameter_sections
 
-    not_options = {"phase1": ("checkpoint_dir",), "phase2": ("checkpoint_dir",)}
+    not_options = {"execution": ("checkpoint_dir",)}
     return [(name, source, not_options.get(name, ())) for name, source in parameter_sections()]
 
 

@@ -42,7 +42,7 @@ from aimet_quadapter.quadapter.api import (
     apply_phase2,
 )
 from aimet_quadapter.quadapter.cle import channel_min_max
-from aimet_quadapter.quadapter.config import Phase2Parameters, QuadapterParameters
+from aimet_quadapter.quadapter.config import Phase2Parameters, QuadapterParameters, RunOptions
 from aimet_quadapter.quadapter.phase2 import phase2_loss, run_phase2
 from aimet_quadapter.quadapter.state import QuadapterState
 from aimet_quadapter.quant.baselines import apply_adaround, apply_seq_mse
@@ -58,6 +58,8 @@ class MethodContext:
     calibration: list[torch.Tensor]
     finetune: list[torch.Tensor] | None = None
     params: QuadapterParameters = field(default_factory=QuadapterParameters)
+    # how phase 1 and phase 2 run (memory, kernels, checkpoints); the checkpoints go under out_dir where it is set
+    options: RunOptions = field(default_factory=RunOptions)
     out_dir: Path | None = None
     progress: bool = True
     timings: dict[str, float] = field(default_factory=dict)
@@ -185,11 +187,11 @@ def _cle(ctx: MethodContext) -> QuantizationSimModel:
 @method("quadapter_bc")
 def _quadapter_bc(ctx: MethodContext) -> QuantizationSimModel:
     sim = build_sim(ctx.model, ctx.policy, share_weights=True)
-    params = ctx.params
+    options = ctx.options
     checkpoints = ctx.out_dir / "checkpoints" / "phase1" if ctx.out_dir is not None else None
-    if checkpoints is not None and params.phase1.checkpoint_dir is None:  # a killed phase 1 resumes by site
-        params = params.replace(phase1=params.phase1.replace(checkpoint_dir=str(checkpoints)))
-    result = apply_phase1(sim, ctx.model, ctx.calibration, params, ctx.progress, ctx.validation)
+    if checkpoints is not None and options.checkpoint_dir is None:  # a killed phase 1 resumes by site
+        options = options.replace(checkpoint_dir=str(checkpoints))
+    result = apply_phase1(sim, ctx.model, ctx.calibration, ctx.params, ctx.progress, ctx.validation, options)
     ctx._bc = (sim, result)
     ctx.bc_state = result.state
     if ctx.save_bc:
@@ -244,13 +246,17 @@ def _finetune_data(ctx: MethodContext, name: str) -> list[torch.Tensor]:
     return ctx.finetune
 
 
-def _phase2(ctx: MethodContext, name: str, checkpoint_sub: str | None = None, **changes) -> Phase2Parameters:
+def _phase2(ctx: MethodContext, name: str, **changes) -> Phase2Parameters:
     _finetune_data(ctx, name)
-    params = ctx.params.phase2
-    if ctx.out_dir is not None and ctx.checkpoints and params.checkpoint_dir is None:
-        folder = ctx.out_dir / "checkpoints"
-        changes["checkpoint_dir"] = str(folder / checkpoint_sub if checkpoint_sub else folder)
-    return params.replace(**changes)
+    return ctx.params.phase2.replace(**changes)
+
+
+def _phase2_options(ctx: MethodContext, checkpoint_sub: str | None) -> RunOptions:
+    """The context's options, phase 2's checkpoints in the run folder's ``checkpoints/<checkpoint_sub>``."""
+    if ctx.out_dir is None or not ctx.checkpoints or ctx.options.checkpoint_dir is not None:
+        return ctx.options
+    folder = ctx.out_dir / "checkpoints"
+    return ctx.options.replace(checkpoint_dir=str(folder / checkpoint_sub if checkpoint_sub else folder))
 
 
 def _quadapter_phase2(ctx: MethodContext, name: str, learn_ranges: bool | None) -> QuantizationSimModel:
@@ -261,10 +267,11 @@ def _run_quadapter(
     ctx: MethodContext, name: str, learn_ranges: bool | None
 ) -> tuple[QuantizationSimModel, QuadapterResult]:
     changes = {} if learn_ranges is None else {"learn_ranges": learn_ranges}
+    params = _phase2(ctx, name, **changes)
     # "quadapter" keeps the checkpoint folder the eval command has always used
-    params = _phase2(ctx, name, None if name == "quadapter" else name, **changes)
+    options = _phase2_options(ctx, None if name == "quadapter" else name)
     sim, bc = quadapter_bc_start(ctx)
-    result = apply_phase2(sim, ctx.model, bc, _finetune_data(ctx, name), params, ctx.progress)
+    result = apply_phase2(sim, ctx.model, bc, _finetune_data(ctx, name), params, ctx.progress, options)
     _save(ctx, name, result.state)
     folder = _write_dir(ctx)
     if folder is not None and result.phase2 is not None:
@@ -291,10 +298,11 @@ def _qat_on(ctx: MethodContext, sim: QuantizationSimModel, name: str, learn_rang
 
 def _train_sim(ctx: MethodContext, sim: QuantizationSimModel, name: str, **changes) -> QuantizationSimModel:
     """Phase 2's loop on ``sim`` with no Quadapter: what ``changes`` of the recipe's phase 2 leave trainable."""
-    params = _phase2(ctx, name, name, **changes)
+    params = _phase2(ctx, name, **changes)
     loss_fn = phase2_loss(params, ctx.model)
     data = _finetune_data(ctx, name)
-    result = run_phase2(sim.model, None, data, params, loss_fn=loss_fn, progress=ctx.progress, desc=name)
+    options = _phase2_options(ctx, name)
+    result = run_phase2(sim.model, None, data, params, loss_fn, ctx.progress, name, options)
     _write_losses(ctx, name, result.losses)
     return sim
 
@@ -446,9 +454,10 @@ def _fp_finetuned(ctx: MethodContext) -> PreparedLM:
     """The FP upper bound (the paper's Fig. 6): the FP weights fine-tuned on the same loop, no quantizer."""
     name = "fp_finetuned"
     # the LM loss whatever phase2.loss says: distilling the FP model into itself would not move it
-    params = _phase2(ctx, name, name, lr_weights=ctx.baselines.qat_lr_weights, learn_ranges=False, loss="lm")
+    params = _phase2(ctx, name, lr_weights=ctx.baselines.qat_lr_weights, learn_ranges=False, loss="lm")
     model = copy.deepcopy(ctx.model)
-    result = run_phase2(model, None, _finetune_data(ctx, name), params, progress=ctx.progress, desc="FP fine-tuning")
+    data, options = _finetune_data(ctx, name), _phase2_options(ctx, name)
+    result = run_phase2(model, None, data, params, progress=ctx.progress, desc="FP fine-tuning", options=options)
     _write_losses(ctx, name, result.losses)
     return model
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from aimet_quadapter.quadapter.config import Phase1Parameters, Phase2Parameters, QuadapterParameters
+from aimet_quadapter.quadapter.config import Phase1Parameters, Phase2Parameters, QuadapterParameters, RunOptions
 
 if TYPE_CHECKING:
     from aimet_quadapter.quadapter.adapter import QuadapterSet
@@ -57,6 +57,7 @@ __all__ = [
     "QuadapterResult",
     "QuadapterSet",
     "QuadapterState",
+    "RunOptions",
     "apply_cle",
     "apply_phase1",
     "apply_phase2",

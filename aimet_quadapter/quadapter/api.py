@@ -2,6 +2,7 @@
 
 >>> sim = build_sim(fp_model)                          # or any QuantizationSimModel of a PreparedLM
 >>> result = apply_quadapter(sim, fp_model, calib_batches, finetune_batches, QuadapterParameters())
+>>> # how it runs, apart from what it computes: RunOptions(checkpoint_dir="ckpt", micro_batch_size=2)
 >>> result.state.save("quadapter.safetensors")         # alphas + quantizer ranges
 
 On return the sim holds the folded weights and the learned encodings: evaluate or export it as is.
@@ -19,7 +20,7 @@ from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.models import PreparedLM
 from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quadapter.cle import init_with_cle
-from aimet_quadapter.quadapter.config import BC_STATE, Phase2Parameters, QuadapterParameters
+from aimet_quadapter.quadapter.config import BC_STATE, Phase2Parameters, QuadapterParameters, RunOptions
 from aimet_quadapter.quadapter.phase1 import Phase1Result, run_phase1
 from aimet_quadapter.quadapter.phase2 import Phase2Result, mean_lm_loss, phase2_loss, run_phase2
 from aimet_quadapter.quadapter.state import QuadapterState
@@ -104,6 +105,7 @@ def apply_quadapter(
     params: QuadapterParameters | None = None,
     progress: bool = True,
     validation_batches: Sequence[torch.Tensor] | None = None,
+    options: RunOptions | None = None,
 ) -> QuadapterResult:
     """Quadapter on ``sim`` (built from ``fp_model``, which stays untouched), Algorithm 1 of the paper.
 
@@ -116,13 +118,15 @@ def apply_quadapter(
     3. phase 2 on ``finetune_batches``: alpha and quantizer ranges on the LM loss (or, with
        ``phase2.loss = "kd"``, distilled from ``fp_model``), weights frozen;
     4. fold alpha into the sim's weights. The sim then holds the final weights and encodings.
+
+    ``options`` say how both phases run (memory, kernels, checkpoints), not what they compute.
     """
     params = params or QuadapterParameters()
-    result = apply_phase1(sim, fp_model, calibration_batches, params, progress, validation_batches)
+    result = apply_phase1(sim, fp_model, calibration_batches, params, progress, validation_batches, options)
     if params.phase2.steps > 0:
         if not finetune_batches:
             raise QuadapterError("phase 2 needs fine-tuning data (finetune_batches), or set phase2.steps = 0")
-        result = apply_phase2(sim, fp_model, result, finetune_batches, params.phase2, progress)
+        result = apply_phase2(sim, fp_model, result, finetune_batches, params.phase2, progress, options)
     return result
 
 
@@ -133,6 +137,7 @@ def apply_phase1(
     params: QuadapterParameters | None = None,
     progress: bool = True,
     validation_batches: Sequence[torch.Tensor] | None = None,
+    options: RunOptions | None = None,
 ) -> QuadapterResult:
     """Steps 1-2 alone: Quadapter BC, a PTQ method. The sim is folded and statically calibrated."""
     params = params or QuadapterParameters()
@@ -151,7 +156,10 @@ def apply_phase1(
             qset.fold(sim.model, reference=fp_model)  # back to the FP weights: phase 1 scales them through hooks
             qset.set_total(start)
             qset.attach(sim.model)
-        phase1 = run_phase1(sim.model, fp_model, qset, calibration_batches, params.phase1, progress=progress)
+        folder = options.checkpoint_dir if options is not None else None
+        phase1 = run_phase1(
+            sim.model, fp_model, qset, calibration_batches, params.phase1, progress=progress, checkpoint_dir=folder
+        )
         kept = qset.total_alpha()
         if start_loss is not None and validation_batches:
             # Fold from the FP weights: the sim then holds exactly the weights a fresh sim of the folded FP
@@ -185,6 +193,7 @@ def apply_phase2(
     finetune_batches: Sequence[torch.Tensor],
     params: Phase2Parameters | None = None,
     progress: bool = True,
+    options: RunOptions | None = None,
 ) -> QuadapterResult:
     """Steps 3-4 alone, on a sim that :func:`apply_phase1` returned."""
     qset = previous.qset.attach(sim.model)
@@ -194,7 +203,9 @@ def apply_phase2(
     try:
         params = params or Phase2Parameters()
         loss_fn = phase2_loss(params, fp_model)
-        phase2 = run_phase2(sim.model, qset, finetune_batches, params, loss_fn=loss_fn, progress=progress)
+        phase2 = run_phase2(
+            sim.model, qset, finetune_batches, params, loss_fn=loss_fn, progress=progress, options=options
+        )
         # one fold of the total alphas from the FP weights: the saved state rebuilds this sim exactly
         qset.fold(sim.model, reference=fp_model)
     finally:

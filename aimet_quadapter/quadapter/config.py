@@ -54,9 +54,6 @@ class Phase1Parameters(Settings):
         "are scored too; the best of start, these and the end is kept",
     )
     seed: int = setting(0, help="seed of the loss-token sample")
-    checkpoint_dir: str | None = setting(
-        None, result=False, help="folder of the checkpoint written after every site (resumable)"
-    )
 
     @field_validator("check_points", mode="before")
     @classmethod
@@ -95,33 +92,7 @@ class Phase2Parameters(Settings):
 
     steps: int = setting(10_000, ge=0, help="training steps (0: Quadapter BC alone)")
     batch_size: int = setting(4, ge=1, help="sequences per step")
-    # Gradients of the slices are summed into the step's gradient, so the result is the whole batch's up to
-    # float rounding; activations for the backward pass are kept for one slice at a time. A GPU has the memory
-    # for the whole batch, and each slice would cost it a pass of kernel launches.
-    micro_batch_size: int | None = setting(
-        None,
-        ge=1,
-        result=False,
-        help="sequences per forward/backward pass, accumulated to batch_size (None: 1 on a CPU, the whole batch "
-        "on a GPU)",
-    )
     seq_len: int = setting(512, ge=2, help="tokens per sequence")
-    # Every block's fake-quantized weights and activations would otherwise be kept for the backward pass;
-    # recomputed, only one block's are alive at a time, for one more forward pass per step.
-    recompute_blocks: bool | None = setting(
-        None,
-        result=False,
-        help="recompute each decoder block in the backward pass, for less memory (None: on a CPU, not on a GPU)",
-    )
-    # Where every small op is a kernel launch: one compiled kernel for a trained range's fake-quant forward and
-    # one for its backward instead of a dozen each way, and every range's encoding made in one computation per
-    # pass. The same values; the ranges' gradients are summed in another order.
-    fused_fake_quant: bool | None = setting(
-        None,
-        result=False,
-        help="fake-quant of trained ranges as compiled kernels, encodings made once per pass (None: on a GPU, "
-        "not on a CPU)",
-    )
     # Distillation needs no labels, so it does not pull the model toward the fine-tuning text's own
     # next-token statistics: only toward the FP model's behaviour on it.
     loss: Literal["lm", "kd"] = setting(
@@ -143,8 +114,43 @@ class Phase2Parameters(Settings):
     )
     learn_ranges: bool = setting(True, help="train the quantizer ranges; False: the paper's 'without LSQ+'")
     lr_weights: float = setting(0.0, ge=0, help="> 0 trains the model weights too (QAT)")
-    checkpoint_every: int = setting(200, ge=1, result=False, help="steps between checkpoints (with checkpoint_dir)")
-    checkpoint_dir: str | None = setting(None, result=False, help="folder of the resumable checkpoint")
+
+
+class RunOptions(Settings):
+    """How phase 1 and phase 2 run, not what they compute: memory, kernels and checkpoints (the recipe section
+    ``execution``). Any value gives the same result, up to the order of float sums where said."""
+
+    section = "execution"
+
+    # Gradients of the slices are summed into the step's gradient, so the result is the whole batch's up to
+    # float rounding; activations for the backward pass are kept for one slice at a time. A GPU has the memory
+    # for the whole batch, and each slice would cost it a pass of kernel launches.
+    micro_batch_size: int | None = setting(
+        None,
+        ge=1,
+        result=False,
+        help="phase 2's sequences per forward/backward pass, accumulated to phase2.batch_size (None: 1 on a CPU, "
+        "the whole batch on a GPU)",
+    )
+    # Every block's fake-quantized weights and activations would otherwise be kept for the backward pass;
+    # recomputed, only one block's are alive at a time, for one more forward pass per step.
+    recompute_blocks: bool | None = setting(
+        None,
+        result=False,
+        help="recompute each decoder block in phase 2's backward pass, for less memory (None: on a CPU, not on a GPU)",
+    )
+    # Where every small op is a kernel launch: one compiled kernel for a trained range's fake-quant forward and
+    # one for its backward instead of a dozen each way, and every range's encoding made in one computation per
+    # pass. The same values; the ranges' gradients are summed in another order.
+    fused_fake_quant: bool | None = setting(
+        None,
+        result=False,
+        help="phase 2's fake-quant of trained ranges as compiled kernels, encodings made once per pass (None: on a "
+        "GPU, not on a CPU)",
+    )
+    checkpoint_every: int = setting(200, ge=1, result=False, help="phase-2 steps between checkpoints")
+    # phase1.pt after every site, phase2.pt every checkpoint_every steps: a run given the folder again resumes
+    checkpoint_dir: str | None = setting(None, result=False, help="folder of the resumable checkpoints")
 
 
 class AdapterParameters(Settings):

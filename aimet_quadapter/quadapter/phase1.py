@@ -339,7 +339,7 @@ class _Checkpoint:
         self, folder: str, params: Phase1Parameters, qset: QuadapterSet, fp_call: Captured, sim_model: nn.Module
     ):
         self.path = Path(folder) / "phase1.pt"
-        settings = params.model_dump(exclude={"checkpoint_dir"})
+        settings = params.model_dump()
         # the policy as phase 1 meets it, the sim's quantizers: which tensors, their bits, symmetry and granularity
         # (its ranges are the min-max of each tensor, whatever the policy's calibration scheme)
         policy = [(f"{p}.{r}", q.bitwidth, bool(q.symmetric), tuple(q.shape)) for p, r, q in quantizers(sim_model)]
@@ -460,8 +460,10 @@ def run_phase1(
     params: Phase1Parameters | None = None,
     progress: bool = True,
     on_site_done: Callable[[Site, list[float]], None] | None = None,
+    checkpoint_dir: str | None = None,
 ) -> Phase1Result:
-    """Phase 1 on every site of ``qset`` (attached to ``sim_model``), bottom to top."""
+    """Phase 1 on every site of ``qset`` (attached to ``sim_model``), bottom to top; with ``checkpoint_dir``, a
+    checkpoint there after every site, from which a run given the folder again resumes."""
     params = params or Phase1Parameters()
     kept = _kept_sites(sim_model, qset, params)
     from_fp = params.input_source == "fp"
@@ -470,7 +472,7 @@ def run_phase1(
     by_block, head_sites = _sites_by_block(qset, kept, blocks)
 
     result = Phase1Result({}, {}, {})
-    checkpoint = _Checkpoint(params.checkpoint_dir, params, qset, fp_call, sim_model) if params.checkpoint_dir else None
+    checkpoint = _Checkpoint(checkpoint_dir, params, qset, fp_call, sim_model) if checkpoint_dir else None
     done = checkpoint.resume(qset, result) if checkpoint else set()
     outer = tqdm(
         total=len(qset) - len(kept),

@@ -34,7 +34,7 @@ from aimet_quadapter.memory import trim_heap
 from aimet_quadapter.models import device_of, own_storage
 from aimet_quadapter.quadapter.adam import GroupedAdam
 from aimet_quadapter.quadapter.adapter import QuadapterSet
-from aimet_quadapter.quadapter.config import Phase2Parameters
+from aimet_quadapter.quadapter.config import Phase2Parameters, RunOptions
 from aimet_quadapter.quant.quantizers import (
     batched_range_encodings,
     elementwise_fake_quant,
@@ -122,14 +122,14 @@ def run_phase2(
     loss_fn: LossFn | None = None,
     progress: bool = True,
     desc: str = "phase 2 (end-to-end)",
+    options: RunOptions | None = None,
 ) -> Phase2Result:
-    """Train alpha (``qset``, attached to ``sim_model``), quantizer ranges and optionally the weights.
-
-    ``batches`` is indexed by step (``batches[step % len(batches)]``), so a resumed run sees the same
-    data as an uninterrupted one. ``loss_fn``: by default the LM loss; :func:`phase2_loss` gives the one
-    ``params.loss`` names.
-    """
-    params = for_device(params or Phase2Parameters(), device_of(sim_model))
+    """Train alpha (``qset``, attached to ``sim_model``), quantizer ranges and optionally the weights; ``options``
+    say how the steps run. ``batches`` is indexed by step (``batches[step % len(batches)]``), so a resumed run sees
+    the same data as an uninterrupted one. ``loss_fn``: by default the LM loss; :func:`phase2_loss` gives the one
+    ``params.loss`` names."""
+    params = params or Phase2Parameters()
+    options = for_device(options or RunOptions(), device_of(sim_model))
     loss_fn = _loss_or_lm(params, loss_fn)
     if not batches:
         raise QuadapterError("phase 2 needs at least one fine-tuning batch")
@@ -137,7 +137,7 @@ def run_phase2(
     groups = _trained_groups(sim_model, qset, params)
     optimizer, schedule = _optimizer(groups, params)
     result = Phase2Result()
-    ckpt = Path(params.checkpoint_dir) / "phase2.pt" if params.checkpoint_dir else None
+    ckpt = Path(options.checkpoint_dir) / "phase2.pt" if options.checkpoint_dir else None
     key = _checkpoint_key(params, sim_model, qset, batches) if ckpt is not None else ""
     start = _resume(ckpt, key, sim_model, qset, optimizer, schedule, result)
     trainable = [p for group in groups for p in group["params"]]
@@ -145,22 +145,22 @@ def run_phase2(
     named = list(sim_model.named_parameters())
     fake_quantized = quantizers_in([sim_model])
     # where each small op is a kernel launch, the ranges' encodings are made once per pass for all quantizers
-    batched = fake_quantized if params.fused_fake_quant else []
+    batched = fake_quantized if options.fused_fake_quant else []
     shown = progress and distributed.is_main()
     bar = tqdm(range(start, params.steps), desc=desc, initial=start, total=params.steps, disable=not shown)
     with (
         _frozen_on_exit(sim_model),
         gathered_embedding_quantization(sim_model),
-        elementwise_fake_quant(fake_quantized, fused=bool(params.fused_fake_quant)),
+        elementwise_fake_quant(fake_quantized, fused=bool(options.fused_fake_quant)),
         plain_tensors(),
-        _recomputed_blocks(sim_model, params),
+        _recomputed_blocks(sim_model, bool(options.recompute_blocks)),
     ):
         for step in bar:
             optimizer.zero_grad(set_to_none=True)
             # under torchrun each process takes its share of the global batch; gradients are averaged
             part = distributed.local_part(batches[step % len(batches)])
-            held = qset if qset is not None and params.fused_fake_quant else None
-            loss = _accumulate(sim_model, part, loss_fn, params, batched, held)
+            held = qset if qset is not None and options.fused_fake_quant else None
+            loss = _accumulate(sim_model, part, loss_fn, options.micro_batch_size, batched, held)
             value = _finite_mean(loss, step, params, desc, ckpt)
             distributed.average_gradients(trainable)
             optimizer.step()
@@ -169,7 +169,7 @@ def run_phase2(
             refresh_prefix(sim_model)
             result.losses.append(value)
             bar.set_postfix(loss=f"{value:.4f}")
-            due = (step + 1) % params.checkpoint_every == 0 or step + 1 == params.steps
+            due = (step + 1) % options.checkpoint_every == 0 or step + 1 == params.steps
             if ckpt is not None and due and distributed.is_main():
                 saved = {"key": key, "step": step + 1, "losses": result.losses}
                 _write_checkpoint(ckpt, saved, optimizer, schedule, _trainable_state(named, qset))
@@ -271,23 +271,23 @@ def _write_checkpoint(ckpt: Path, state: dict, optimizer: GroupedAdam, schedule:
     write_atomic(ckpt, partial(_save, state))
 
 
-def for_device(params: Phase2Parameters, device: torch.device) -> Phase2Parameters:
-    """``params`` with the memory and speed settings left at None decided for ``device``: a GPU has the memory to
+def for_device(options: RunOptions, device: torch.device) -> RunOptions:
+    """``options`` with the memory and speed settings left at None decided for ``device``: a GPU has the memory to
     keep a whole batch's activations and pays for every extra pass in kernel launches; a CPU keeps the memory."""
     gpu = device.type == "cuda"
-    return params.replace(
-        micro_batch_size=params.micro_batch_size if params.micro_batch_size is not None else (None if gpu else 1),
-        recompute_blocks=params.recompute_blocks if params.recompute_blocks is not None else not gpu,
-        fused_fake_quant=params.fused_fake_quant if params.fused_fake_quant is not None else gpu,
+    return options.replace(
+        micro_batch_size=options.micro_batch_size if options.micro_batch_size is not None else (None if gpu else 1),
+        recompute_blocks=options.recompute_blocks if options.recompute_blocks is not None else not gpu,
+        fused_fake_quant=options.fused_fake_quant if options.fused_fake_quant is not None else gpu,
     )
 
 
 @contextmanager
-def _recomputed_blocks(model: nn.Module, params: Phase2Parameters) -> Iterator[None]:
-    """Under ``params.recompute_blocks``, run each decoder block of ``model`` (a PreparedLM or its sim's
+def _recomputed_blocks(model: nn.Module, recompute: bool) -> Iterator[None]:
+    """With ``recompute``, run each decoder block of ``model`` (a PreparedLM or its sim's
     model) through non-reentrant activation checkpointing: its activations are recomputed in the backward
     pass, with the same values, instead of being kept."""
-    block_paths = getattr(model, "block_paths", None) if params.recompute_blocks else None
+    block_paths = getattr(model, "block_paths", None) if recompute else None
     paths: list[str] = block_paths() if callable(block_paths) else []
     blocks = [model.get_submodule(path) for path in paths]
     own = ["forward" in block.__dict__ for block in blocks]  # a forward set on the instance is put back as is
@@ -345,18 +345,19 @@ def _accumulate(
     model: nn.Module,
     batch: torch.Tensor,
     loss_fn: LossFn,
-    params: Phase2Parameters,
+    micro_batch_size: int | None,
     batched: Sequence[QuantizeDequantize] = (),
     held: QuadapterSet | None = None,
 ) -> float:
-    """Backward of ``loss_fn`` on ``batch`` in slices of ``micro_batch_size`` sequences; the batch's mean loss.
+    """Backward of ``loss_fn`` on ``batch`` in slices of ``micro_batch_size`` sequences (None: one slice); the
+    batch's mean loss.
     The quantizers ``batched`` take their encodings from :func:`batched_range_encodings`, made for each slice,
     and the sites of ``held`` their scaled weights from :meth:`QuadapterSet.fused`, likewise.
 
     A slice's loss is weighted by its share of the sequences: with sequences of one length the sum of the
     slices' gradients is the gradient of the whole batch's mean loss.
     """
-    size = params.micro_batch_size or len(batch)
+    size = micro_batch_size or len(batch)
     on_cpu = device_of(model).type == "cpu"
     total = 0.0
     for part in batch.split(size):

@@ -135,17 +135,18 @@ class Executor:
         """What a method computes from; ``fingerprint``: the stamp of every state it saves."""
         from aimet_quadapter.methods.registry import MethodContext
 
-        data, p2 = self.data, self.recipe.phase2
+        data, options = self.data, self.recipe.execution
         ctx = MethodContext(
             data.load_model(),
             self.recipe.quant_policy(),
             data.calibration_batches(cal) if cal else [],
             data.finetune_batches(fid, size) if fid else None,
             self.recipe.quadapter_parameters(),
+            options,
             cell_dir,
             self.output.progress,
             baselines=self.recipe.baseline_parameters(),
-            checkpoints=p2.checkpoint_every < p2.steps,
+            checkpoints=options.checkpoint_every < self.recipe.phase2.steps,
             validation=data.validation_batches(cal) if cal else None,
             model_name=data.plan.model_name,
             fingerprint=fingerprint,

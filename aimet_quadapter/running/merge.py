@@ -23,10 +23,22 @@ from aimet_quadapter.running.results_file import RESULTS, load_results, write_re
 
 # what two runs of one recipe may differ in: where a run writes, which seeds and methods, the device (as in
 # the fingerprints: a GPU's result and a CPU's are the same measurement up to float rounding; each cell records
-# its device, and the report marks a row whose seeds ran on more than one), and where texts are looked for
-# (another checkout's path: the texts found are compared by content below); a recipe's name and description say
-# what it is for, not what it computes; the methods' fallbacks and the export change no cell
-_PER_FOLDER = {"seeds", "out", "methods", "device", "data_dirs", "name", "description", "fallbacks", "export"}
+# its device, and the report marks a row whose seeds ran on more than one), how its cells ran (memory, kernels,
+# checkpoints), and where texts are looked for (another checkout's path: the texts found are compared by content
+# below); a recipe's name and description say what it is for, not what it computes; the methods' fallbacks and the
+# export change no cell
+_PER_FOLDER = {
+    "seeds",
+    "out",
+    "methods",
+    "device",
+    "execution",
+    "data_dirs",
+    "name",
+    "description",
+    "fallbacks",
+    "export",
+}
 
 
 def _flat(settings: dict, prefix: str = "") -> Iterator[tuple[str, object]]:

@@ -32,7 +32,13 @@ from aimet_quadapter.export.formats import SEQ_LEN as EXPORT_SEQ_LEN
 from aimet_quadapter.methods.catalog import CATALOG
 from aimet_quadapter.methods.generated import GenerationParameters
 from aimet_quadapter.models.devices import DEVICE_CHOICES, DEVICE_PATTERN
-from aimet_quadapter.quadapter.config import AdapterParameters, Phase1Parameters, Phase2Parameters, QuadapterParameters
+from aimet_quadapter.quadapter.config import (
+    AdapterParameters,
+    Phase1Parameters,
+    Phase2Parameters,
+    QuadapterParameters,
+    RunOptions,
+)
 from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
 from aimet_quadapter.settings import Settings, result_view, validating_a_schema
 from aimet_quadapter.text import EVAL_SEQ_LEN
@@ -52,6 +58,7 @@ def parameter_sections() -> list[tuple[str, type[Settings]]]:
         ("quadapter", AdapterParameters),  # phase1 and phase2 are sections of their own
         ("phase1", Phase1Parameters),
         ("phase2", Phase2Parameters),
+        ("execution", RunOptions),
         ("baselines", BaselineParameters),
         ("generated", GenerationParameters),
     ]
@@ -172,6 +179,7 @@ class Recipe(_Section):
     calibration: CalibrationSection = Field(default_factory=CalibrationSection)
     phase1: Phase1Parameters = Field(default_factory=Phase1Parameters)
     phase2: Phase2Parameters = Field(default_factory=Phase2Parameters)
+    execution: RunOptions = Field(default_factory=RunOptions)  # how they run: no cell's result depends on it
     quadapter: QuadapterSection = Field(default_factory=QuadapterSection)
     baselines: BaselineParameters = Field(default_factory=BaselineParameters)
     # the dataset `generated`: text sampled from the FP model (methods/generated.py)
@@ -328,6 +336,12 @@ def parse_overrides(items: list[str] | None) -> list[tuple[str, Any]]:
     return out
 
 
+def _elsewhere(name: str) -> list[str]:
+    """``section.name`` for each parameter section that has the field ``name``: where a field put under another
+    section belongs (how a phase runs is `execution`'s, not the phase's)."""
+    return [f"{section}.{name}" for section, source in parameter_sections() if name in source.model_fields]
+
+
 def _check_key(key: str) -> None:
     model: type[BaseModel] | None = Recipe
     done: list[str] = []
@@ -337,7 +351,8 @@ def _check_key(key: str) -> None:
         fields = model.model_fields
         if part not in fields:
             where = ".".join(done) or "the recipe"
-            raise QuadapterError(f"--set {key}: unknown field {part!r} in {where}; known: {', '.join(fields)}")
+            hint = "".join(f" (did you mean {other}?)" for other in _elsewhere(part)[:1])
+            raise QuadapterError(f"--set {key}: unknown field {part!r} in {where}{hint}; known: {', '.join(fields)}")
         options = [fields[part].annotation, *typing.get_args(fields[part].annotation)]  # a section or None
         model = next((a for a in options if isinstance(a, type) and issubclass(a, BaseModel)), None)
         done.append(part)
@@ -464,7 +479,7 @@ def _describe(exc: ValidationError, overridden: list[str]) -> str:
     kind, ctx = first["type"], first.get("ctx", {})
     if kind == "extra_forbidden":
         known = _fields_at(first["loc"][:-1])
-        close = difflib.get_close_matches(str(first["loc"][-1]), known, n=1)
+        close = difflib.get_close_matches(str(first["loc"][-1]), known, n=1) or _elsewhere(str(first["loc"][-1]))
         text = "unknown field" + (f"; did you mean {close[0]}?" if close else "")
         text += f" (known: {', '.join(known)})" if known else ""
     elif kind == "missing":
