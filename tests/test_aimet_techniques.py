@@ -14,7 +14,7 @@ import torch
 
 from aimet_quadapter.cli import main
 from aimet_quadapter.models import quiet_libraries
-from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
+from aimet_quadapter.quant.config import BaselineParameters, FPTQuantParameters, OmniQuantParameters, QuantPolicy
 from aimet_quadapter.quant.llm_techniques import AIMET_SUPPORT, refusal, spinquant_model
 from aimet_quadapter.testing import sample_corpus, toy_model
 
@@ -171,7 +171,7 @@ def test_omniquants_learned_weight_ranges_outlive_calibration(monkeypatch):
     model = toy_model("llama")
     corpus = sample_corpus(model, 4, 32, seed=1)
     sim = build_sim(model, QuantPolicy(symmetric_weights=True))
-    apply_omniquant(sim, model, [corpus[:2]], BaselineParameters(omniquant_iterations=2))
+    apply_omniquant(sim, model, [corpus[:2]], OmniQuantParameters(omniquant_iterations=2))
     calibrate(sim, [corpus[2:4]])
     found = {f"{path}.{role}": q for path, role, q in quantizers(sim.model)}
     assert len(learned) == 14  # q, k, v, o, gate, up, down of both blocks
@@ -366,7 +366,7 @@ def test_fptquant_changes_the_weights_and_keeps_the_fp_function(family):
 
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     model = toy_model(family)
-    transformed = fptquant_model(model, BaselineParameters(fptquant_iterations=2))
+    transformed = fptquant_model(model, FPTQuantParameters(fptquant_iterations=2))
     changed = [
         n for (n, a), (_, b) in zip(transformed.named_parameters(), model.named_parameters()) if not torch.equal(a, b)
     ]
@@ -389,21 +389,21 @@ def test_fptquant_fits_once_per_weights_and_steps(tmp_path, monkeypatch):
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     model = toy_model("qwen2")
-    first = fptquant_model(model, BaselineParameters(fptquant_iterations=2))
+    first = fptquant_model(model, FPTQuantParameters(fptquant_iterations=2))
     fit = FPTQuant.insert_fpt_quant_transforms
 
     def refuse(*args):
         raise AssertionError("fitted again")
 
     monkeypatch.setattr(FPTQuant, "insert_fpt_quant_transforms", staticmethod(refuse))
-    again = fptquant_model(model, BaselineParameters(fptquant_iterations=2))
+    again = fptquant_model(model, FPTQuantParameters(fptquant_iterations=2))
     assert all(torch.equal(a, b) for a, b in zip(again.parameters(), first.parameters()))
     assert any(not torch.equal(a, b) for a, b in zip(again.parameters(), model.parameters()))
     with pytest.raises(AssertionError, match="fitted again"):
-        fptquant_model(model, BaselineParameters(fptquant_iterations=3))
+        fptquant_model(model, FPTQuantParameters(fptquant_iterations=3))
     model.lm.lm_head.weight.data.mul_(2)
     with pytest.raises(AssertionError, match="fitted again"):
-        fptquant_model(model, BaselineParameters(fptquant_iterations=2))
+        fptquant_model(model, FPTQuantParameters(fptquant_iterations=2))
     model.lm.lm_head.weight.data.div_(2)
     calls = aimet_private.fptquant
 
@@ -413,12 +413,12 @@ def test_fptquant_fits_once_per_weights_and_steps(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(aimet_private, "fptquant", other_call)
         with pytest.raises(AssertionError, match="fitted again"):
-            fptquant_model(model, BaselineParameters(fptquant_iterations=2))
+            fptquant_model(model, FPTQuantParameters(fptquant_iterations=2))
 
     (kept,) = (tmp_path / "transforms").glob("fptquant-2-*")
     kept.write_bytes(kept.read_bytes()[:100])
     monkeypatch.setattr(FPTQuant, "insert_fpt_quant_transforms", fit)
-    refitted = fptquant_model(model, BaselineParameters(fptquant_iterations=2))
+    refitted = fptquant_model(model, FPTQuantParameters(fptquant_iterations=2))
     assert all(torch.equal(a, b) for a, b in zip(refitted.parameters(), first.parameters()))
     assert kept.stat().st_size > 100
 

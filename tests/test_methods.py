@@ -14,7 +14,8 @@ from aimet_quadapter.quadapter.api import QuadapterParameters
 from aimet_quadapter.quadapter.phase1 import Phase1Parameters
 from aimet_quadapter.quadapter.phase2 import Phase2Parameters
 from aimet_quadapter.quant.aimet_private import seq_mse_bitwidth_limit, seq_mse_weight_bitwidth_limit
-from aimet_quadapter.quant.baselines import BaselineParameters, linear_weight_quantizers
+from aimet_quadapter.quant.baselines import linear_weight_quantizers
+from aimet_quadapter.quant.config import BaselineParameters, SeqMseParameters
 from aimet_quadapter.quant.llm_techniques import refusal
 from aimet_quadapter.quant.policy import QuantPolicy
 from aimet_quadapter.quant.quantizers import quantizers
@@ -155,7 +156,7 @@ def test_seq_mse_within_ranges_searches_inside_the_sims_own_weight_ranges(toy):
             for path, (_, q) in linear_weight_quantizers(sim.model).items():
                 q.set_range(q.get_min() * 0.6, q.get_max() * 0.6)
                 learned[path] = (q.get_min().clone(), q.get_max().clone())
-        apply_seq_mse(sim, model, calib, BaselineParameters(seq_mse_candidates=2), False, within_ranges=within)
+        apply_seq_mse(sim, model, calib, SeqMseParameters(seq_mse_candidates=2), False, within_ranges=within)
         inside[within] = []
         for path, (_, q) in linear_weight_quantizers(sim.model).items():
             lo, hi = learned[path]

@@ -45,6 +45,23 @@ def test_how_phase1_and_phase2_run_is_apart_from_what_they_compute():
     assert all(extra_of(f)["result"] is not False for f in Phase2Parameters.model_fields.values())
 
 
+def test_each_aimet_technique_has_its_own_parameters_and_a_method_reads_them_by_class():
+    """The section `baselines` is the techniques' classes together, each field in one of them; a catalog entry that
+    names a class reads exactly that class's fields, and a method of another technique none of them."""
+    from aimet_quadapter.methods.catalog import CATALOG
+    from aimet_quadapter.quant import config
+
+    techniques = [config.AdaroundParameters, config.SeqMseParameters, config.QatParameters]
+    techniques += [config.SpinQuantParameters, config.AdaScaleParameters, config.OmniQuantParameters]
+    techniques += [config.FPTQuantParameters]
+    owned = [name for t in techniques for name in t.model_fields]
+    assert sorted(owned) == sorted(config.BaselineParameters.model_fields)
+    assert all(issubclass(config.BaselineParameters, t) and t.section == "baselines" for t in techniques)
+    assert CATALOG["adaround"].read_fields() == {"baselines": frozenset(config.AdaroundParameters.model_fields)}
+    assert not CATALOG["adaround"].reads_setting("baselines", "seq_mse_candidates")
+    assert CATALOG["spinquant_quadapter"].reads_setting("baselines", "spinquant_r2")
+
+
 def test_a_recipe_section_is_the_parameter_class_itself():
     """One schema: the recipe's sections are the classes the package computes with, so a recipe and a Python
     caller are checked by the same fields, and a recipe hands its objects over as they are."""

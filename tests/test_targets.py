@@ -196,7 +196,8 @@ def test_paper_only_fields_are_refused_under_htp(tiny_gpt2_dir, capsys):
 def test_every_registered_method_runs_under_htp(tmp_path):
     """AIMET's own techniques too: AdaRound rounds into the target's per-channel symmetric weight grids."""
     from aimet_quadapter.methods.registry import REGISTRY, MethodContext, run_method
-    from aimet_quadapter.quant.baselines import BaselineParameters, linear_weight_quantizers
+    from aimet_quadapter.quant.baselines import linear_weight_quantizers
+    from aimet_quadapter.quant.config import BaselineParameters
 
     model = toy_model("gpt2")
     corpus = sample_corpus(model, 6, SEQ, seed=1)

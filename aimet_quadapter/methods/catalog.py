@@ -10,6 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aimet_quadapter.quadapter.config import BC_STATE
+from aimet_quadapter.quant.config import (
+    AdaroundParameters,
+    AdaScaleParameters,
+    FPTQuantParameters,
+    OmniQuantParameters,
+    QatParameters,
+    SeqMseParameters,
+    SpinQuantParameters,
+)
+from aimet_quadapter.settings import Settings
 
 # The recipe sections a method's settings live in, beyond model, eval, policy and calibration.
 SECTIONS = ("phase1", "phase2", "quadapter", "baselines")
@@ -23,11 +33,12 @@ class MethodInfo:
     quantized: bool = True  # False: a float reference (an upper bound), never a table's "best"
     finetunes: bool = False  # needs the F-ID training data
     from_bc: bool = False  # continues from Quadapter BC (phase 1), which runs first where not yet saved
-    # what the method reads of SECTIONS, declared once: a whole section ("phase2") or one field of one
-    # ("baselines.spinquant_r2"). Its fingerprint holds these and nothing else of SECTIONS, so a change there
-    # computes its cells again and a change elsewhere does not; merge compares only what some method reads.
-    # The default, every section, is for a method added without saying: computed again too often, never stale.
-    reads: tuple[str, ...] = SECTIONS
+    # what the method reads of SECTIONS: a whole section ("phase2"), one field of one ("quadapter.extra_sites"),
+    # or a technique's parameter class (SpinQuantParameters: its fields in its section). Its fingerprint holds
+    # these and nothing else of SECTIONS, so a change there computes its cells again and a change elsewhere does
+    # not; merge compares only what some method reads. The default, every section, is for a method added without
+    # saying: computed again too often, never stale.
+    reads: tuple[str | type[Settings], ...] = SECTIONS
     # fields ("section.field") of a section read whole that the method never reads after all (it sets them itself)
     unused: tuple[str, ...] = ()
     # what the same training buys without the method (same data, steps, rates, loss): the report sets the
@@ -40,7 +51,10 @@ class MethodInfo:
     continues: str | None = None
 
     def __post_init__(self) -> None:
-        for name in (*self.reads, *self.unused):
+        # a parameter class stands for its fields: from here on every entry is a "section[.field]" name
+        names = tuple(n for r in self.reads for n in ((r,) if isinstance(r, str) else _field_names(r)))
+        object.__setattr__(self, "reads", names)
+        for name in (*names, *self.unused):
             if name.partition(".")[0] not in SECTIONS:
                 raise ValueError(f"method {self.label!r}: {name!r} is not in a recipe section ({', '.join(SECTIONS)})")
         for name in self.unused:
@@ -51,6 +65,7 @@ class MethodInfo:
         """Each section the method reads: the fields it reads of it, or None for all (less its ``unused``)."""
         out: dict[str, frozenset[str] | None] = {}
         for name in self.reads:
+            assert isinstance(name, str)  # classes became their fields' names in __post_init__
             section, _, field = name.partition(".")
             if not field:
                 out[section] = None
@@ -65,6 +80,10 @@ class MethodInfo:
             return False
         wanted = fields[section]
         return f"{section}.{field}" not in self.unused if wanted is None else field in wanted
+
+
+def _field_names(source: type[Settings]) -> tuple[str, ...]:
+    return tuple(f"{source.section}.{name}" for name in source.model_fields)
 
 
 def reads_setting(methods: list[str], key: str) -> bool:
@@ -84,24 +103,19 @@ _PHASE1 = ("phase1", "quadapter")
 _QAT = ("phase2.lr_alpha", "phase2.learn_ranges", "phase2.lr_weights")
 _FIXED_RANGES = ("phase2.lr_ranges", "phase2.lr_ranges_relative")  # read only where the ranges learn
 _NO_ALPHA = ("phase2.lr_alpha", "phase2.learn_ranges")  # CLE's alphas fixed, the ranges learning
-_ADAROUND = ("baselines.adaround_iterations", "baselines.adaround_reg_param", "baselines.adaround_batches")
-_SEQ_MSE = ("baselines.seq_mse_candidates", "baselines.seq_mse_any_bits")
-_QAT_LR = "baselines.qat_lr_weights"
-_R2 = "baselines.spinquant_r2"
-_FPT = "baselines.fptquant_iterations"
 
 
-def _after_quadapter(label: str, reads: tuple[str, ...]) -> MethodInfo:
+def _after_quadapter(label: str, reads: type[Settings]) -> MethodInfo:
     """AIMET's weight technique on Quadapter's folded model, its activation ranges kept; ``reads``: the technique's
-    fields. It starts from Quadapter's saved cell where the run holds one."""
-    return MethodInfo(label, finetunes=True, from_bc=True, continues="quadapter", reads=(*_PHASE1, "phase2", *reads))
+    parameters. It starts from Quadapter's saved cell where the run holds one."""
+    return MethodInfo(label, finetunes=True, from_bc=True, continues="quadapter", reads=(*_PHASE1, "phase2", reads))
 
 
-def _on_transform(technique: str, label: str, reads: str) -> dict[str, MethodInfo]:
+def _on_transform(technique: str, label: str, reads: type[Settings]) -> dict[str, MethodInfo]:
     """``<technique>_quadapter`` (Quadapter, both phases, on AIMET's ``technique``'s FP-equivalent model) and its
     matched baseline ``<technique>_cle_phase2`` (the same transform and phase 2, CLE's alphas fixed, the ranges
     learning); ``<technique>_quadapter_bc_qat`` and ``<technique>_qat`` likewise; ``reads``: the technique's own
-    field."""
+    parameters."""
     return {
         f"{technique}_quadapter": MethodInfo(
             f"{label} + Quadapter",
@@ -123,11 +137,11 @@ def _on_transform(technique: str, label: str, reads: str) -> dict[str, MethodInf
             finetunes=True,
             aimet=technique,
             matched=(f"{technique}_qat", "quadapter_bc_qat"),
-            reads=(*_PHASE1, "phase2", _QAT_LR, reads),
+            reads=(*_PHASE1, "phase2", QatParameters, reads),
             unused=_QAT,
         ),
         f"{technique}_qat": MethodInfo(
-            f"{label} + QAT", finetunes=True, aimet=technique, reads=("phase2", _QAT_LR, reads), unused=_QAT
+            f"{label} + QAT", finetunes=True, aimet=technique, reads=("phase2", QatParameters, reads), unused=_QAT
         ),
     }
 
@@ -139,32 +153,32 @@ CATALOG: dict[str, MethodInfo] = {
         "FP fine-tuned",
         quantized=False,
         finetunes=True,
-        reads=("phase2", _QAT_LR),
+        reads=("phase2", QatParameters),
         unused=(*_QAT, *_FIXED_RANGES, "phase2.loss"),
     ),
     "ptq": MethodInfo("PTQ", reads=()),
-    "adaround": MethodInfo("AdaRound", reads=_ADAROUND),
-    "seq_mse": MethodInfo("SeqMSE", reads=_SEQ_MSE),
+    "adaround": MethodInfo("AdaRound", reads=(AdaroundParameters,)),
+    "seq_mse": MethodInfo("SeqMSE", reads=(SeqMseParameters,)),
     "cle": MethodInfo("CLE", reads=("quadapter.extra_sites",)),
     "quadapter_bc": MethodInfo("Quadapter BC", reads=_PHASE1),
     # QAT starts from PTQ's sim: phase 1, the sites and the alphas' rate never enter it
-    "qat": MethodInfo("QAT", finetunes=True, reads=("phase2", _QAT_LR), unused=_QAT),
+    "qat": MethodInfo("QAT", finetunes=True, reads=("phase2", QatParameters), unused=_QAT),
     "qat_fixed_ranges": MethodInfo(
-        "QAT w/o LSQ+", finetunes=True, reads=("phase2", _QAT_LR), unused=(*_QAT, *_FIXED_RANGES)
+        "QAT w/o LSQ+", finetunes=True, reads=("phase2", QatParameters), unused=(*_QAT, *_FIXED_RANGES)
     ),
     "quadapter_bc_qat": MethodInfo(
         "Quadapter BC+QAT",
         finetunes=True,
         from_bc=True,
         matched=("qat",),
-        reads=(*_PHASE1, "phase2", _QAT_LR),
+        reads=(*_PHASE1, "phase2", QatParameters),
         unused=_QAT,
     ),
     "quadapter_bc_qat_fixed_ranges": MethodInfo(
         "Quadapter BC+QAT w/o LSQ+",
         finetunes=True,
         from_bc=True,
-        reads=(*_PHASE1, "phase2", _QAT_LR),
+        reads=(*_PHASE1, "phase2", QatParameters),
         unused=(*_QAT, *_FIXED_RANGES),
     ),
     # Quadapter's matched baseline: the same phase 2 (loss, data, steps, rates) on CLE's sim with no alpha to
@@ -183,19 +197,19 @@ CATALOG: dict[str, MethodInfo] = {
         unused=("phase2.learn_ranges", *_FIXED_RANGES),
     ),
     # AIMET's LLM techniques, each through its own entry point (quant/llm_techniques.py), then static calibration
-    "spinquant": MethodInfo("SpinQuant", reads=(_R2,), aimet="spinquant"),
-    "fptquant": MethodInfo("FPTQuant", reads=(_FPT,), aimet="fptquant"),
-    "adascale": MethodInfo("AdaScale", reads=("baselines.adascale_iterations",), aimet="adascale"),
-    "omniquant": MethodInfo("OmniQuant", reads=("baselines.omniquant_iterations",), aimet="omniquant"),
+    "spinquant": MethodInfo("SpinQuant", reads=(SpinQuantParameters,), aimet="spinquant"),
+    "fptquant": MethodInfo("FPTQuant", reads=(FPTQuantParameters,), aimet="fptquant"),
+    "adascale": MethodInfo("AdaScale", reads=(AdaScaleParameters,), aimet="adascale"),
+    "omniquant": MethodInfo("OmniQuant", reads=(OmniQuantParameters,), aimet="omniquant"),
     # compositions: Quadapter (both phases) on an AIMET transform's model, and its matched baseline; AIMET's weight
     # techniques on Quadapter's folded model, its activation ranges kept
-    **_on_transform("spinquant", "SpinQuant", _R2),
+    **_on_transform("spinquant", "SpinQuant", SpinQuantParameters),
     # FPTQuant's online Hadamard left out: the export holds plain weights
-    **_on_transform("fptquant", "FPTQuant", _FPT),
-    "quadapter_seq_mse": _after_quadapter("Quadapter + SeqMSE", _SEQ_MSE),
+    **_on_transform("fptquant", "FPTQuant", FPTQuantParameters),
+    "quadapter_seq_mse": _after_quadapter("Quadapter + SeqMSE", SeqMseParameters),
     # SeqMSE's search confined to the weight ranges phase 2 learned
-    "quadapter_seq_mse_learned": _after_quadapter("Quadapter + SeqMSE in learned ranges", _SEQ_MSE),
-    "quadapter_adaround": _after_quadapter("Quadapter + AdaRound", _ADAROUND),
+    "quadapter_seq_mse_learned": _after_quadapter("Quadapter + SeqMSE in learned ranges", SeqMseParameters),
+    "quadapter_adaround": _after_quadapter("Quadapter + AdaRound", AdaroundParameters),
 }
 # Phase 1's own cell: the methods that continue from it share its result (and its settings' fingerprint).
 BC = BC_STATE

@@ -24,7 +24,7 @@ from aimet_quadapter import distributed
 from aimet_quadapter.models import PreparedLM, device_of
 from aimet_quadapter.models.attention import set_mask_fill
 from aimet_quadapter.quant.aimet_private import htp_config_file, seq_mse_bitwidth_limit
-from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
+from aimet_quadapter.quant.config import AdaroundParameters, QuantPolicy, SeqMseParameters
 from aimet_quadapter.quant.policy import HTP_MASK_FILL, aimet_quant_scheme, calibrate, sim_policy
 from aimet_quadapter.quant.quantizers import refresh_prefix
 
@@ -68,7 +68,7 @@ def apply_adaround(
     sim: QuantizationSimModel,
     fp_model: PreparedLM,
     calibration: Sequence[torch.Tensor],
-    params: BaselineParameters,
+    params: AdaroundParameters,
     out_dir: Path | None = None,
     calibrate_after: bool = True,
 ) -> dict:
@@ -108,18 +108,19 @@ def apply_adaround(
 
 
 def _aimet_adaround(
-    fp_model: PreparedLM, batches: list[torch.Tensor], params: BaselineParameters, policy: QuantPolicy, folder: Path
+    fp_model: PreparedLM, batches: list[torch.Tensor], params: AdaroundParameters, policy: QuantPolicy, folder: Path
 ) -> tuple[torch.nn.Module, int]:
     """AIMET's ``Adaround.apply_adaround`` of ``fp_model``, its encodings written into ``folder``: the rounded
     copy and the number of batches it read."""
-    from aimet_torch.adaround.adaround_weight import Adaround, AdaroundParameters
+    from aimet_torch.adaround.adaround_weight import Adaround
+    from aimet_torch.adaround.adaround_weight import AdaroundParameters as AimetAdaroundParameters
 
     if policy.target == "htp":  # AdaRound's sim places its weight quantizers as the target's sim does
         config = Path(htp_config_file())
     else:
         config = folder / "quantsim_config.json"
         config.write_text(json.dumps(aimet_config(policy)))
-    ada_params = AdaroundParameters(
+    ada_params = AimetAdaroundParameters(
         data_loader=batches,
         num_batches=min(params.adaround_batches or len(batches), len(batches)),
         default_num_iterations=params.adaround_iterations,
@@ -167,7 +168,7 @@ def apply_seq_mse(
     sim: QuantizationSimModel,
     fp_model: PreparedLM,
     calibration: Sequence[torch.Tensor],
-    params: BaselineParameters,
+    params: SeqMseParameters,
     calibrate_after: bool = True,
     within_ranges: bool = False,
 ) -> dict:

@@ -168,8 +168,11 @@ class QuantPolicy(Settings):
         return label + "".join(f", {bits} bits at {pattern}" for pattern, bits in self.overrides())
 
 
-class BaselineParameters(Settings):
-    """Settings of the non-Quadapter rows. AIMET's own AdaRound default is 10,000 iterations per layer."""
+# Each AIMET technique's own settings, as the recipe section ``baselines`` names them (one flat section: a field
+# is prefixed with its technique). A method's catalog entry names the classes it reads, and its cells'
+# fingerprints hold those fields and no other of the section.
+class AdaroundParameters(Settings):
+    """AIMET's AdaRound (its own default: 10,000 iterations per layer)."""
 
     section = "baselines"
 
@@ -178,14 +181,70 @@ class BaselineParameters(Settings):
     # AIMET reruns the model on each of these batches for every layer it rounds, to sample that layer's
     # inputs and outputs, on top of the iterations.
     adaround_batches: int | None = setting(None, ge=1, help="calibration batches AdaRound uses (None: all)")
+
+
+class SeqMseParameters(Settings):
+    """AIMET's SeqMSE."""
+
+    section = "baselines"
+
     seq_mse_candidates: int = setting(20, ge=1, help="SeqMSE's candidate ranges per layer")
     # AIMET skips every layer above 4 weight bits (see quant/aimet_private.py)
     seq_mse_any_bits: bool = setting(True, help="lift AIMET's 4-bit limit so that SeqMSE searches 8-bit ranges")
+
+
+class QatParameters(Settings):
+    """The paper's QAT: phase 2's loop with the weights trained too."""
+
+    section = "baselines"
+
     qat_lr_weights: float = setting(1e-5, gt=0, help="learning rate of the model weights in every QAT-style row")
+
+
+class SpinQuantParameters(Settings):
+    """AIMET's SpinQuant rotation."""
+
+    section = "baselines"
+
     spinquant_r2: bool = setting(
         False, before=False, help="SpinQuant: also rotate each attention head's values and outputs (R2)"
     )
-    # AIMET's defaults: 1500 and 800 steps per block, 200 for FPTQuant's local (data-free) optimiser
+
+
+# AIMET's defaults: 1500 and 800 steps per block, 200 for FPTQuant's local (data-free) optimiser
+class AdaScaleParameters(Settings):
+    """AIMET's AdaScale."""
+
+    section = "baselines"
+
     adascale_iterations: int = setting(1500, ge=1, before=1500, help="AdaScale optimisation steps per block")
+
+
+class OmniQuantParameters(Settings):
+    """AIMET's OmniQuant."""
+
+    section = "baselines"
+
     omniquant_iterations: int = setting(800, ge=1, before=800, help="OmniQuant optimisation steps per block")
+
+
+class FPTQuantParameters(Settings):
+    """AIMET's FPTQuant transforms."""
+
+    section = "baselines"
+
     fptquant_iterations: int = setting(200, ge=1, before=200, help="FPTQuant's local transform optimisation steps")
+
+
+class BaselineParameters(
+    FPTQuantParameters,
+    OmniQuantParameters,
+    AdaScaleParameters,
+    SpinQuantParameters,
+    QatParameters,
+    SeqMseParameters,
+    AdaroundParameters,
+):
+    """Settings of the non-Quadapter rows: every AIMET technique's class above, together."""
+
+    section = "baselines"

@@ -29,7 +29,13 @@ from typing import TYPE_CHECKING
 
 from aimet_quadapter.atomic import write_atomic
 from aimet_quadapter.cache import cache_root
-from aimet_quadapter.quant.config import BaselineParameters, QuantPolicy
+from aimet_quadapter.quant.config import (
+    AdaScaleParameters,
+    FPTQuantParameters,
+    OmniQuantParameters,
+    QuantPolicy,
+    SpinQuantParameters,
+)
 
 if TYPE_CHECKING:  # torch and the models are imported where a technique runs: the table below is read first
     import torch
@@ -95,7 +101,7 @@ def _finish_transform(model: PreparedLM, fp_model: PreparedLM) -> None:
     model.set_prefix(None if ids is None else ids[0].tolist())
 
 
-def spinquant_model(fp_model: PreparedLM, params: BaselineParameters | None = None) -> PreparedLM:
+def spinquant_model(fp_model: PreparedLM, params: SpinQuantParameters | None = None) -> PreparedLM:
     """``fp_model`` rotated by AIMET's SpinQuant (R1 on the residual stream; R2 per head with
     ``params.spinquant_r2``), the rotations merged into the weights: the same function, other weights. A hidden
     size AIMET has no Hadamard matrix for (SmolLM2's 576) takes one from :func:`extra_hadamard_orders`."""
@@ -104,7 +110,7 @@ def spinquant_model(fp_model: PreparedLM, params: BaselineParameters | None = No
 
     from aimet_quadapter.quant.aimet_private import extra_hadamard_orders
 
-    params = params or BaselineParameters()
+    params = params or SpinQuantParameters()
     model = _transformed_copy(fp_model)
     with extra_hadamard_orders(), torch.no_grad():
         apply_spinquant(model.lm, enable_r1=True, enable_r2=params.spinquant_r2)
@@ -112,7 +118,7 @@ def spinquant_model(fp_model: PreparedLM, params: BaselineParameters | None = No
     return model
 
 
-def fptquant_model(fp_model: PreparedLM, params: BaselineParameters | None = None) -> PreparedLM:
+def fptquant_model(fp_model: PreparedLM, params: FPTQuantParameters | None = None) -> PreparedLM:
     """``fp_model`` with AIMET's FPTQuant transforms (residual rotation, pre-RoPE, value and up/down scaling)
     fitted by its local optimiser and merged into the weights. The one transform that cannot merge (a Hadamard
     computed online on down_proj's input) is left out: the deployed graph holds plain weights (docs/method.md)."""
@@ -120,7 +126,7 @@ def fptquant_model(fp_model: PreparedLM, params: BaselineParameters | None = Non
 
     from aimet_quadapter.quant.aimet_private import extra_hadamard_orders, fptquant
 
-    params = params or BaselineParameters()
+    params = params or FPTQuantParameters()
     model = _transformed_copy(fp_model)
     cached = _fit_file(fp_model, f"fptquant-{params.fptquant_iterations}")
     if not _load_fit(model, cached):
@@ -188,7 +194,7 @@ def _save_fit(model: PreparedLM, path: Path) -> None:
 
 
 def apply_adascale(
-    sim, fp_model: PreparedLM, calibration: Sequence[torch.Tensor], params: BaselineParameters | None = None
+    sim, fp_model: PreparedLM, calibration: Sequence[torch.Tensor], params: AdaScaleParameters | None = None
 ) -> dict:
     """AIMET's AdaScale on ``sim`` (uncalibrated, its weights its own): per block, the Linear weights' scales and
     ranges fitted to the FP block's output, folded into the weights; then static calibration. ``fp_model`` is not
@@ -199,7 +205,7 @@ def apply_adascale(
     from aimet_quadapter.quant.policy import calibrate
     from aimet_quadapter.quant.quantizers import refresh_prefix
 
-    params = params or BaselineParameters()
+    params = params or AdaScaleParameters()
     batches = list(calibration)
     with tempfile.TemporaryDirectory(prefix="aimet-quadapter-adascale-") as folder:
         aimet_adascale(sim, batches, forward_fn=aimet_forward, num_iterations=params.adascale_iterations,
@@ -210,7 +216,7 @@ def apply_adascale(
 
 
 def apply_omniquant(
-    sim, fp_model: PreparedLM, calibration: Sequence[torch.Tensor], params: BaselineParameters | None = None
+    sim, fp_model: PreparedLM, calibration: Sequence[torch.Tensor], params: OmniQuantParameters | None = None
 ) -> dict:
     """AIMET's OmniQuant on ``sim`` (uncalibrated, its weights its own): per block, learnable equivalent
     transforms (norm -> q/k/v, v -> o, norm -> gate/up, up -> down) and the Linear weights' ranges, fitted with the
@@ -221,7 +227,7 @@ def apply_omniquant(
     from aimet_quadapter.quant.policy import calibrate
     from aimet_quadapter.quant.quantizers import refresh_prefix
 
-    params = params or BaselineParameters()
+    params = params or OmniQuantParameters()
     batches = [row[None] for batch in calibration for row in batch]
     with (
         tempfile.TemporaryDirectory(prefix="aimet-quadapter-omniquant-") as folder,
