@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import aimet_quadapter  # noqa: F401  (first: its allocator setting is read when torch allocates, as in the CLI)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from perf import machine  # noqa: E402  (the benchmarks folder is not a package)

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+import aimet_quadapter  # noqa: F401  (first: its allocator setting is read when torch allocates, as in the CLI)
+
 CASES = ("eval", "phase1", "phase2", "memory_fp_train", "memory_pipeline", "memory_export")
 # Not in the default set: phase 1 on every site at a given budget (the paper's: 500 steps, 10 x 512 tokens)
 EXTRA_CASES = ("phase1_all",)
