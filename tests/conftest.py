@@ -13,7 +13,7 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The package's torch.compile kernels compute what their Python functions compute, to the bit (the tests that ask for
 # `compiled_kernels` compile them, as the slow ones do); elsewhere those functions run as written, for each worker
-# would otherwise compile every graph again, minutes on a machine with no compile cache yet.
+# would otherwise compile every graph again on a machine with no compile cache yet.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 # Under pytest-xdist each worker is a process of its own: one thread each, not every worker on every core.
 if os.environ.get("PYTEST_XDIST_WORKER"):
