@@ -158,3 +158,33 @@ def test_cli_sensitivity_suggests_an_override(tiny_gpt2_dir, corpus_dir, capsys)
     out = capsys.readouterr().out
     assert "FP32" in out and "most sensitive: --policy-bit-overrides" in out
     assert main([*argv, "--held-out", "0"]) == 2
+
+
+def test_cli_sensitivity_of_a_saved_state_scores_its_own_ranges(tiny_gpt2_dir, corpus_dir, tmp_path, capsys):
+    """``--state``: the sim rebuilt from the state, no calibration; its ranges, not PTQ's, set the loss printed."""
+    from aimet_quadapter.models import load_model
+    from aimet_quadapter.text.data import batches, holdout_seed, load_text, random_crops, tokenize
+
+    model, tokenizer = load_model(str(tiny_gpt2_dir))
+    ids = tokenize(tokenizer, load_text(str(corpus_dir), "train"))
+    sim = _sim(model, batches(random_crops(ids, 2, SEQ, 0), 1))
+    ranges = QuadapterState.from_sim(sim, {}).ranges
+    # every range a quarter as wide: a state no calibration of this text gives
+    state = QuadapterState({}, {k: (lo / 4, hi / 4) for k, (lo, hi) in ranges.items()}, QuantPolicy())
+    state.save(tmp_path / "narrow.safetensors")
+
+    valid = tokenize(tokenizer, load_text(str(corpus_dir), "valid"))
+    held_out = batches(random_crops(valid, 2, SEQ, holdout_seed(0), "--held-out"), 1)
+    rebuilt = state.build_sim(load_model(str(tiny_gpt2_dir))[0])
+    with torch.no_grad():
+        expected = sum(float(lm_loss(rebuilt.model, b)) for b in held_out) / len(held_out)
+        calibrated = sum(float(lm_loss(sim.model, b)) for b in held_out) / len(held_out)
+    assert abs(expected - calibrated) > 1e-3  # the test tells the two apart
+
+    argv = ["sensitivity", "--model", str(tiny_gpt2_dir), "--calib-dataset", str(corpus_dir), "--calib-len", str(SEQ)]
+    args = [*argv, "--held-out", "2", "--split", "valid", "--state", str(tmp_path / "narrow.safetensors")]
+    assert main([*args, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].endswith(f" {expected:.4f}"), out
+    assert main([*args, "--policy-activation-bits", "16"]) == 2  # the state holds its policy
+    assert "exclude each other" in capsys.readouterr().err

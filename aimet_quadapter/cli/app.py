@@ -32,6 +32,7 @@ from aimet_quadapter.text import EVAL_SEQ_LEN
 if TYPE_CHECKING:  # for the annotations only
     from typing import TypeAlias
 
+    from aimet_quadapter.quadapter.state import QuadapterState
     from aimet_quadapter.running.recipes import Recipe
 
     # what add_subparsers returns: argparse names its class privately
@@ -348,28 +349,33 @@ def _cmd_sensitivity(args: argparse.Namespace) -> int:
 
     check_model_source(args.model)
     given = {k.split(".", 1)[1]: v for k, v in _section_overrides(args).items() if k.startswith("policy.")}
-    policy = QuantPolicy(**given)
+    state = _sensitivity_state(args, given)
+    policy = state.policy if state is not None else QuantPolicy(**given)
     samples, length, seed = _calibration_values(args, ("--held-out", args.held_out))
     check_length(max_positions(args.model), length, "--calib-len")
     check_crop_count(samples, length, "--calib-samples")
     check_crop_count(args.held_out, length, "--held-out")
-    text = load_text(args.calib_dataset, "train")  # a bad dataset is refused before the model loads
+    text = load_text(args.calib_dataset, args.split)  # a bad dataset is refused before the model loads
     model, tokenizer = load_model(args.model, quiet=True, device=args.device)
-    prefix = prefix_ids(tokenizer, args.prefix)
+    # a state holds the prefix it was trained with
+    prefix = state.metadata.get("prefix") if state is not None else prefix_ids(tokenizer, args.prefix)
     # a hub model's limit is known only now
     model.check_length(length + len(prefix or []), "--calib-len (after the prefix)" if prefix else "--calib-len")
     if prefix is not None:
         model.set_prefix(prefix)
     ids = tokenize(tokenizer, text)
-    calib = batches(random_crops(ids, samples, length, seed, "--calib-samples", distinct=True), 1)
     held_out = batches(random_crops(ids, args.held_out, length, holdout_seed(seed), "--held-out"), 1)
     fp_loss = mean_lm_loss(model, held_out)
-    sim = build_sim(model, policy, in_place=True)  # the FP model is not used again
-    calibrate(sim, calib)
+    if state is not None:
+        sim = state.build_sim(model, in_place=True)  # its own ranges: nothing is calibrated
+    else:
+        sim = build_sim(model, policy, in_place=True)  # the FP model is not used again
+        calibrate(sim, batches(random_crops(ids, samples, length, seed, "--calib-samples", distinct=True), 1))
     bar = tqdm(total=len(quantizer_kinds(sim.model)), desc="kinds", disable=args.no_progress, leave=False)
     base, rows = bit_sensitivity(sim.model, held_out, lm_loss, fp_loss, args.bits, progress=lambda _: bar.update())
     bar.close()
-    print(f"held-out LM loss ({args.held_out} x {length} tokens of {args.calib_dataset} train, not calibrated on):")
+    what = f"{args.held_out} x {length} tokens of {args.calib_dataset} {args.split}"
+    print(f"held-out LM loss ({what}, not calibrated on):" if state is None else f"LM loss ({what}):")
     print(f"  FP32 {fp_loss:.4f}; {policy.label()} {base:.4f}")
     width = max(len(r.kind) for r in rows)
     print(f"{'kind at ' + str(args.bits) + ' bits':<{width}}  quantizers  loss    recovered")
@@ -451,6 +457,23 @@ def _add_describe_command(sub: SubParsers) -> None:
     p.set_defaults(func=_cmd_describe)
 
 
+def _sensitivity_state(args: argparse.Namespace, policy: dict[str, Any]) -> QuadapterState | None:
+    """``--state``'s state, checked against ``--model``; its own policy and ranges exclude the options that set
+    them."""
+    if not args.state:
+        return None
+    from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
+    from aimet_quadapter.running.provenance import check_model
+
+    given = [f"--policy-{k.replace('_', '-')}" for k in policy]
+    given += [n for n, v in (("--calib-samples", args.calib_samples), ("--prefix", args.prefix)) if v is not None]
+    if given:
+        raise QuadapterError(f"--state and {given[0]} exclude each other: a state holds its policy and its ranges")
+    state = QuadapterState.load(resolve_state(args.state))
+    check_model(state, args.model)
+    return state
+
+
 def _add_sensitivity_command(sub: SubParsers) -> None:
     """`sensitivity`: which kind of quantizer costs most."""
     p = sub.add_parser(
@@ -464,6 +487,12 @@ def _add_sensitivity_command(sub: SubParsers) -> None:
     p.add_argument("--calib-dataset", required=True, help="dataset whose train split calibrates and is scored")
     p.add_argument("--bits", type=int, choices=range(2, 17), default=16, metavar="2..16", help="(default 16)")
     p.add_argument("--held-out", type=_yaml_value, default=4, help="held-out crops scored (default 4)")
+    p.add_argument(
+        "--state",
+        help="a saved state (.safetensors or its cell folder): its sim, policy and ranges instead of a calibrated "
+        "PTQ sim; score it on development text (--split valid)",
+    )
+    p.add_argument("--split", default="train", help="the split of --calib-dataset crops are taken from (default train)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_prefix_option(p)
     add_device_option(p)
