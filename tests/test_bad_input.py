@@ -297,12 +297,13 @@ def test_a_run_saves_states_that_name_their_model(tmp_path, tiny_gpt2_dir):
     from aimet_quadapter.methods.registry import MethodContext, run_method
     from aimet_quadapter.quadapter.state import QuadapterState
     from aimet_quadapter.quant.config import QuantPolicy
+    from aimet_quadapter.running.cell_files import CellFiles
     from aimet_quadapter.running.provenance import check_model
     from aimet_quadapter.testing import sample_corpus, toy_model
 
     model = toy_model("gpt2")
-    ctx = MethodContext(model, QuantPolicy(), [sample_corpus(model, 2, 32, seed=1)], out_dir=tmp_path, progress=False)
-    ctx.model_name = str(tiny_gpt2_dir)
+    records = CellFiles(tmp_path, model_name=str(tiny_gpt2_dir))
+    ctx = MethodContext(model, QuantPolicy(), [sample_corpus(model, 2, 32, seed=1)], progress=False, records=records)
     run_method("ptq", ctx)
     state = QuadapterState.load(tmp_path / "ptq.safetensors")
     assert state.metadata["model"] == str(tiny_gpt2_dir) and state.metadata["family"] == "gpt2"

@@ -19,6 +19,7 @@ from aimet_quadapter.quant.config import BaselineParameters, SeqMseParameters
 from aimet_quadapter.quant.llm_techniques import refusal
 from aimet_quadapter.quant.policy import QuantPolicy
 from aimet_quadapter.quant.quantizers import quantizers
+from aimet_quadapter.running.cell_files import CellFiles
 from aimet_quadapter.testing import sample_corpus, toy_model
 
 quiet_libraries()
@@ -284,9 +285,9 @@ def test_cle_phase2_trains_the_ranges_of_cles_sim_under_the_same_phase_2(toy, tm
 
     model, _, train = toy
     before = _fp_weights(model)
-    cle_ctx = _ctx(toy, out_dir=tmp_path / "cle")
+    cle_ctx = _ctx(toy, records=CellFiles(tmp_path / "cle"))
     cle = run_method("cle", cle_ctx)
-    ctx = _ctx(toy, out_dir=tmp_path / "baseline")
+    ctx = _ctx(toy, records=CellFiles(tmp_path / "baseline"))
     ctx.params = ctx.params.replace(
         phase2=Phase2Parameters(steps=8, batch_size=2, lr_ranges=0.05, lr_ranges_relative=True, learn_ranges=False),
     )

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import json
 import shutil
 import tempfile
 import time
@@ -28,20 +27,18 @@ import torch
 from aimet_torch.quantsim import QuantizationSimModel
 
 from aimet_quadapter import distributed
-from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.methods.catalog import BC, CATALOG, MethodInfo
-from aimet_quadapter.methods.plots import plot_channel_ranges, plot_phase1_curves
-from aimet_quadapter.models import PreparedLM, weight_sharing_copy
+from aimet_quadapter.methods.records import Records
+from aimet_quadapter.models import PreparedLM
 from aimet_quadapter.models.storage import weights_parked
-from aimet_quadapter.quadapter.adapter import QuadapterSet, fold_alphas
+from aimet_quadapter.quadapter.adapter import QuadapterSet
 from aimet_quadapter.quadapter.api import (
     QuadapterResult,
     apply_cle,
     apply_phase1,
     apply_phase2,
 )
-from aimet_quadapter.quadapter.cle import channel_min_max
 from aimet_quadapter.quadapter.config import Phase2Parameters, QuadapterParameters, RunOptions
 from aimet_quadapter.quadapter.phase2 import phase2_loss, run_phase2
 from aimet_quadapter.quadapter.state import QuadapterState
@@ -74,17 +71,11 @@ class MethodContext:
     validation: list[torch.Tensor] | None = None
     # The saved state of the method this one continues from (catalog ``continues``), when the runner found it.
     start: QuadapterState | None = None
-    # The name the model was loaded by (a hub id, folder or alias): each saved state records it, so that `export`
-    # and `eval --state` refuse a state of another model before loading one.
-    model_name: str | None = None
-    # The fingerprint of the cell this context computes (set by the runner): every state saved carries it, and
-    # `export` / `eval --state` refuse a state in a run folder whose row records another.
-    fingerprint: str | None = None
     # False where phase 1 is a step inside another method whose own state is the cell's (SpinQuant + Quadapter):
-    # its state is then saved by no one, as no row was computed with it.
+    # its state is then handed over by no one, as no row was computed with it.
     save_bc: bool = True
-    # The states this context saved: run_method saves a quantized method's sim where the method saved none.
-    saved: set[str] = field(default_factory=set)
+    # what the methods hand over; run_method hands over a quantized method's sim where the method gave no state
+    records: Records = field(default_factory=Records)
     _bc: tuple[QuantizationSimModel, QuadapterResult] | None = None
 
 
@@ -145,7 +136,7 @@ def _transformed_ptq(ctx: MethodContext, name: str, model: PreparedLM) -> Quanti
     """PTQ of ``model``, an FP-equivalent transform of the FP model; its state carries the transformed weights."""
     sim = build_sim(model, ctx.policy, in_place=True)  # the transformed copy is this sim's alone
     calibrate(sim, ctx.calibration)
-    _save(ctx, name, QuadapterState.from_sim(sim, {}).with_weights(sim.model, ctx.model))
+    ctx.records.state(name, QuadapterState.from_sim(sim, {}).with_weights(sim.model, ctx.model))
     return sim
 
 
@@ -162,7 +153,7 @@ def _fptquant(ctx: MethodContext) -> QuantizationSimModel:
 def _reconstructed(ctx: MethodContext, name: str, technique) -> QuantizationSimModel:
     sim = build_sim(ctx.model, ctx.policy)  # weights of its own: AIMET writes the learned ones in place
     ctx.info[name] = technique(sim, ctx.model, ctx.calibration, ctx.baselines)
-    _save(ctx, name, QuadapterState.from_sim(sim, {}).with_weights(sim.model, ctx.model))
+    ctx.records.state(name, QuadapterState.from_sim(sim, {}).with_weights(sim.model, ctx.model))
     return sim
 
 
@@ -180,7 +171,7 @@ def _omniquant(ctx: MethodContext) -> QuantizationSimModel:
 def _cle(ctx: MethodContext) -> QuantizationSimModel:
     sim = build_sim(ctx.model, ctx.policy, share_weights=True)
     qset = apply_cle(sim, ctx.model, ctx.calibration, ctx.params.extra_sites)
-    _save(ctx, "cle", QuadapterState.from_sim(sim, qset.total_alpha()))
+    ctx.records.state("cle", QuadapterState.from_sim(sim, qset.total_alpha()))
     return sim
 
 
@@ -195,26 +186,14 @@ def _quadapter_bc(ctx: MethodContext) -> QuantizationSimModel:
     ctx._bc = (sim, result)
     ctx.bc_state = result.state
     if ctx.save_bc:
-        _save(ctx, "quadapter_bc", result.state)
-    if checkpoints is not None and distributed.is_main():  # the saved state is what a rerun starts from now
+        ctx.records.state(BC, result.state)
+    if checkpoints is not None and distributed.is_main():  # the state handed over is what a rerun starts from now
         shutil.rmtree(checkpoints, ignore_errors=True)
-    if result.phase1 is not None and result.phase1.validation is not None:
-        ctx.info["quadapter_bc"] = {f"validation_{k}": v for k, v in result.phase1.validation.items()}
-    folder = _write_dir(ctx)
-    if folder is not None and result.phase1 is not None:
-        write_text_atomic(
-            folder / "phase1_losses.json",
-            json.dumps(
-                {
-                    "losses": result.phase1.losses,
-                    "error_before": result.phase1.error_before,
-                    "error_after": result.phase1.error_after,
-                    "validation": result.phase1.validation,
-                }
-            ),
-        )
-        plot_phase1_curves(result.phase1.losses, folder / "phase1_curves.png")
-        _plot_head_site(ctx, result.state, folder / "channel_ranges.png")
+    if result.phase1 is not None:
+        if result.phase1.validation is not None:
+            ctx.info[BC] = {f"validation_{k}": v for k, v in result.phase1.validation.items()}
+        ctx.records.phase1(result.phase1)
+        ctx.records.channel_ranges(BC, ctx.model, result.state)
     return sim
 
 
@@ -272,12 +251,10 @@ def _run_quadapter(
     options = _phase2_options(ctx, None if name == "quadapter" else name)
     sim, bc = quadapter_bc_start(ctx)
     result = apply_phase2(sim, ctx.model, bc, _finetune_data(ctx, name), params, ctx.progress, options)
-    _save(ctx, name, result.state)
-    folder = _write_dir(ctx)
-    if folder is not None and result.phase2 is not None:
-        losses = "phase2_losses.json" if name == "quadapter" else f"{name}_phase2_losses.json"
-        write_text_atomic(folder / losses, json.dumps(result.phase2.losses))
-        _plot_head_site(ctx, result.state, folder / f"channel_ranges_{name}.png")
+    ctx.records.state(name, result.state)
+    if result.phase2 is not None:
+        ctx.records.curve(name, result.phase2.losses)
+        ctx.records.channel_ranges(name, ctx.model, result.state)
     return sim, result
 
 
@@ -303,7 +280,7 @@ def _train_sim(ctx: MethodContext, sim: QuantizationSimModel, name: str, **chang
     data = _finetune_data(ctx, name)
     options = _phase2_options(ctx, name)
     result = run_phase2(sim.model, None, data, params, loss_fn, ctx.progress, name, options)
-    _write_losses(ctx, name, result.losses)
+    ctx.records.curve(name, result.losses)
     return sim
 
 
@@ -319,7 +296,7 @@ def _cle_then_phase2(ctx: MethodContext, name: str) -> tuple[QuantizationSimMode
 def _cle_phase2(ctx: MethodContext) -> QuantizationSimModel:
     """Quadapter's matched baseline: CLE's sim, then the recipe's phase 2 with the ranges trained, alphas fixed."""
     sim, qset = _cle_then_phase2(ctx, "cle_phase2")
-    _save(ctx, "cle_phase2", QuadapterState.from_sim(sim, qset.total_alpha()))
+    ctx.records.state("cle_phase2", QuadapterState.from_sim(sim, qset.total_alpha()))
     return sim
 
 
@@ -362,7 +339,7 @@ def _on_transformed(ctx: MethodContext, name: str, transform) -> tuple[PreparedL
 def _fp_model_parked(ctx: MethodContext, transformed: PreparedLM) -> Iterator[None]:
     """The FP model's weights wait on disk while a cell works on its transformed copy, the cell's FP reference
     and teacher: nothing reads them until the cell saves its state. What the copy still shares stays."""
-    folder = _write_dir(ctx)
+    folder = ctx.out_dir if distributed.is_main() else None
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
     # a folder of its own (processes under torchrun park side by side); weights_parked removes it
@@ -377,7 +354,7 @@ def _quadapter_on(ctx: MethodContext, name: str, transform) -> QuantizationSimMo
     with _fp_model_parked(ctx, transformed):
         sim, result = _run_quadapter(inner, name, None)
     ctx.info[name] = inner.info.get(BC, {})
-    _save(ctx, name, result.state.with_weights(transformed, ctx.model))
+    ctx.records.state(name, result.state.with_weights(transformed, ctx.model))
     return sim
 
 
@@ -387,8 +364,7 @@ def _cle_phase2_on(ctx: MethodContext, name: str, transform) -> QuantizationSimM
     with _fp_model_parked(ctx, transformed):
         sim, qset = _cle_then_phase2(inner, name)
     # the transformed weights, unfolded: the state folds its alphas into them as into any FP weights
-    state = QuadapterState.from_sim(sim, qset.total_alpha()).with_weights(transformed, ctx.model)
-    _save(ctx, name, state)
+    ctx.records.state(name, QuadapterState.from_sim(sim, qset.total_alpha()).with_weights(transformed, ctx.model))
     return sim
 
 
@@ -423,7 +399,7 @@ def _after_quadapter(ctx: MethodContext, name: str, technique) -> QuantizationSi
         sim, result = _run_quadapter(ctx, name, None)
         state = result.state
     ctx.info[name] = technique(sim, state.folded_model(ctx.model, share_weights=True))
-    _save(ctx, name, QuadapterState.from_sim(sim, {}).with_weights(sim.model, ctx.model))
+    ctx.records.state(name, QuadapterState.from_sim(sim, {}).with_weights(sim.model, ctx.model))
     return sim
 
 
@@ -458,7 +434,7 @@ def _fp_finetuned(ctx: MethodContext) -> PreparedLM:
     model = copy.deepcopy(ctx.model)
     data, options = _finetune_data(ctx, name), _phase2_options(ctx, name)
     result = run_phase2(model, None, data, params, progress=ctx.progress, desc="FP fine-tuning", options=options)
-    _write_losses(ctx, name, result.losses)
+    ctx.records.curve(name, result.losses)
     return model
 
 
@@ -473,44 +449,7 @@ def run_method(name: str, ctx: MethodContext):
     start = time.time()
     out = REGISTRY[name](ctx)
     ctx.timings[name] = time.time() - start
-    if isinstance(out, QuantizationSimModel) and _write_dir(ctx) is not None and name not in ctx.saved:
-        # every quantized row can be exported: its ranges, and the weights it changed (AdaRound's, QAT's); saved by
-        # this run whatever a file of that name holds (an earlier run's, under other settings)
-        _save(ctx, name, QuadapterState.from_sim(out, {}).with_weights(out.model, ctx.model))
+    if isinstance(out, QuantizationSimModel) and name not in ctx.records.states:
+        # every quantized row can be exported: its ranges, and the weights it changed (AdaRound's, QAT's)
+        ctx.records.state(name, QuadapterState.from_sim(out, {}).with_weights(out.model, ctx.model))
     return out
-
-
-def _write_dir(ctx: MethodContext) -> Path | None:
-    """Where this process writes files: ctx.out_dir, on the first process under torchrun; else None."""
-    return ctx.out_dir if distributed.is_main() else None
-
-
-def _save(ctx: MethodContext, name: str, state: QuadapterState) -> None:
-    folder = _write_dir(ctx)
-    if folder is not None:
-        # the method that made it, set here for every state the registry saves (a composition continues a state
-        # that says "quadapter"): the export's manifest and `eval` name it from this
-        model = {"model": ctx.model_name} if ctx.model_name else {}
-        stamp = {"fingerprint": ctx.fingerprint} if ctx.fingerprint else {}
-        state = dataclasses.replace(state, metadata={**state.metadata, "method": name, **model, **stamp})
-        state.save(folder / f"{name}.safetensors")
-    ctx.saved.add(name)
-
-
-def _write_losses(ctx: MethodContext, name: str, losses: list[float]) -> None:
-    folder = _write_dir(ctx)
-    if folder is not None:
-        folder.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(folder / f"{name}_phase2_losses.json", json.dumps(losses))
-
-
-def _plot_head_site(ctx: MethodContext, state: QuadapterState, path: Path) -> None:
-    """Fig. 4: the last site's activation per channel, FP model before and after folding its alpha (the other
-    sites' folds leave the FP function, and so this site's input, as it is: the model is not copied for them)."""
-    site = ctx.model.sites(extra=ctx.params.extra_sites)[-1]
-    batches = ctx.calibration[:2]
-    before = channel_min_max(ctx.model, site, batches)
-    folded = cast(PreparedLM, weight_sharing_copy(ctx.model))
-    fold_alphas(folded, [site], state.alphas)
-    after = channel_min_max(folded, site, batches)
-    plot_channel_ranges(before, after, path, site.name)

@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
-from aimet_quadapter.methods.plots import save_figure  # noqa: E402
+from aimet_quadapter.running.plots import save_figure  # noqa: E402
 
 # Methods of the FP vs FP-fine-tuned comparison, in the order of the paper's Fig. 6.
 COMPARISON = ("fp", "fp_finetuned", "qat", "quadapter_bc_qat", "quadapter")

@@ -14,6 +14,8 @@ from aimet_quadapter import distributed
 from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.memory import PeakRSS, release_freed_memory
 from aimet_quadapter.methods.catalog import BC, CATALOG
+from aimet_quadapter.methods.records import Records
+from aimet_quadapter.running.cell_files import PHASE2_CURVE, CellFiles
 from aimet_quadapter.running.cells import Cell, safe_name
 from aimet_quadapter.running.data import RunData
 from aimet_quadapter.running.fingerprints import Fingerprints
@@ -23,9 +25,6 @@ from aimet_quadapter.running.recorder import Recorder
 if TYPE_CHECKING:  # imported when a run starts: the model code pulls in AIMET
     from aimet_quadapter.methods.registry import MethodContext
     from aimet_quadapter.quadapter.state import QuadapterState
-
-# the file of a phase-2 loss curve a method writes into its cell's folder: ``[<method>_]phase2_losses.json``
-PHASE2_CURVE = "phase2_losses.json"
 
 
 class Executor:
@@ -130,28 +129,34 @@ class Executor:
         return before.key, state
 
     def _context(
-        self, cell_dir: Path | None, cal: str | None, fid: str | None, size: int | None, fingerprint: str
+        self, cell_dir: Path, cal: str | None, fid: str | None, size: int | None, fingerprint: str
     ) -> MethodContext:
-        """What a method computes from; ``fingerprint``: the stamp of every state it saves."""
+        """What a method computes from; ``fingerprint``: the stamp of every state it hands over, which the first
+        process writes into ``cell_dir``."""
         from aimet_quadapter.methods.registry import MethodContext
 
-        data, options = self.data, self.recipe.execution
-        ctx = MethodContext(
-            data.load_model(),
+        data, options, params = self.data, self.recipe.execution, self.recipe.quadapter_parameters()
+        model = data.load_model()  # first: the model's own text (`generated`) is sampled by it
+        calibration = data.calibration_batches(cal) if cal else []
+        records = (
+            CellFiles(cell_dir, data.plan.model_name, fingerprint, calibration, params.extra_sites)
+            if self.output.main
+            else Records()
+        )
+        return MethodContext(
+            model,
             self.recipe.quant_policy(),
-            data.calibration_batches(cal) if cal else [],
+            calibration,
             data.finetune_batches(fid, size) if fid else None,
-            self.recipe.quadapter_parameters(),
+            params,
             options,
             cell_dir,
             self.output.progress,
             baselines=self.recipe.baseline_parameters(),
             checkpoints=options.checkpoint_every < self.recipe.phase2.steps,
             validation=data.validation_batches(cal) if cal else None,
-            model_name=data.plan.model_name,
-            fingerprint=fingerprint,
+            records=records,
         )
-        return ctx
 
     def _bc_dir(self, cal: str) -> Path:
         out_dir = self.output.out_dir

@@ -1,0 +1,31 @@
+"""What a method hands over while it runs; a run's harness passes its own (``running/cell_files.py``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a run imports AIMET only once its recipe has been checked
+    from aimet_quadapter.models import PreparedLM
+    from aimet_quadapter.quadapter.phase1 import Phase1Result
+    from aimet_quadapter.quadapter.state import QuadapterState
+
+
+class Records:
+    """What a method hands over as it makes it: a state to keep (at once, so that a killed run starts again from
+    it), phase 1's record, a training curve, a Quadapter state whose head site is worth a figure. These keep only
+    the names of the states handed over: a method called as a library writes no file; a run passes its own."""
+
+    def __init__(self) -> None:
+        self.states: set[str] = set()
+
+    def state(self, name: str, state: QuadapterState) -> None:
+        self.states.add(name)
+
+    def phase1(self, result: Phase1Result) -> None:
+        pass
+
+    def curve(self, name: str, losses: list[float]) -> None:
+        pass
+
+    def channel_ranges(self, name: str, model: PreparedLM, state: QuadapterState) -> None:
+        pass
