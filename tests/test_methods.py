@@ -309,3 +309,37 @@ def test_cle_phase2_trains_the_ranges_of_cles_sim_under_the_same_phase_2(toy, tm
     cle_state = QuadapterState.load(tmp_path / "cle" / "cle.safetensors")
     assert state.alphas.keys() == cle_state.alphas.keys()
     assert all(torch.equal(state.alphas[k], cle_state.alphas[k]) for k in state.alphas)
+
+
+class _Phase2Seen(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "name",
+    [m for m, info in CATALOG.items() if info.finetunes and not info.aimet and not info.continues],
+)
+def test_each_method_runs_the_phase2_its_catalog_entry_states(toy, name, monkeypatch):
+    """The catalog's ``phase2`` of a method is what its function runs (and what its fingerprint leaves out): every
+    other field of phase 2 is the recipe's. The recipe's values here are the opposite of what any method sets."""
+    import aimet_quadapter.methods.registry as methods
+
+    seen = {}
+
+    def phase2(*args, **kwargs):
+        seen["params"] = next(a for a in [*args, *kwargs.values()] if isinstance(a, Phase2Parameters))
+        raise _Phase2Seen
+
+    monkeypatch.setattr(methods, "run_phase2", phase2)
+    monkeypatch.setattr(methods, "apply_phase2", phase2)
+    recipe = Phase2Parameters(steps=3, batch_size=2, learn_ranges=name == "qat_fixed_ranges", lr_weights=0.5, loss="kd")
+    ctx = _ctx(toy, baselines=BaselineParameters(qat_lr_weights=1e-4))
+    ctx.params = ctx.params.replace(phase2=recipe)
+    with pytest.raises(_Phase2Seen):
+        run_method(name, ctx)
+    info = CATALOG[name]
+    ran = seen["params"].model_dump()
+    changed = {k for k, v in recipe.model_dump().items() if ran[k] != v}
+    assert changed == {k for k, v in info.phase2 if recipe.model_dump()[k] != info.phase2_changes(ctx.baselines)[k]}
+    assert all(ran[k] == v for k, v in info.phase2_changes(ctx.baselines).items())
+    assert {f"phase2.{k}" for k in changed} <= set(info.unused)

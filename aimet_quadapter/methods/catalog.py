@@ -7,7 +7,8 @@ method names and needs are checked in the first seconds of a command.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from aimet_quadapter.quadapter.config import BC_STATE
 from aimet_quadapter.quant.config import (
@@ -26,6 +27,19 @@ SECTIONS = ("phase1", "phase2", "quadapter", "baselines")
 
 
 @dataclass(frozen=True)
+class FromSetting:
+    """A phase-2 field a method sets to another section's setting (``"baselines.qat_lr_weights"``)."""
+
+    key: str
+
+
+# Phase 2's fields a QAT-style row sets itself: the weights learn at baselines.qat_lr_weights
+_QAT_WEIGHTS = ("lr_weights", FromSetting("baselines.qat_lr_weights"))
+_RANGES_LEARN = (("learn_ranges", True),)
+_RANGES_FIXED = (("learn_ranges", False),)
+
+
+@dataclass(frozen=True)
 class MethodInfo:
     label: str  # the paper's row name
     # False: the FP model's own function, no calibration set and no setting involved
@@ -39,8 +53,12 @@ class MethodInfo:
     # not; merge compares only what some method reads. The default, every section, is for a method added without
     # saying: computed again too often, never stale.
     reads: tuple[str | type[Settings], ...] = SECTIONS
-    # fields ("section.field") of a section read whole that the method never reads after all (it sets them itself)
-    unused: tuple[str, ...] = ()
+    # the fields of phase 2 the method sets itself, whatever the recipe says: (field, value or FromSetting)
+    phase2: tuple[tuple[str, Any], ...] = ()
+    # False: phase 2 trains no alpha (a baseline without the adapter, or alphas folded before it)
+    trains_alpha: bool = True
+    # derived: the fields of a section read whole that cannot change the result (see _unused)
+    unused: tuple[str, ...] = field(default=(), init=False)
     # what the same training buys without the method (same data, steps, rates, loss): the report sets the
     # method against each of these
     matched: tuple[str, ...] = ()
@@ -54,12 +72,30 @@ class MethodInfo:
         # a parameter class stands for its fields: from here on every entry is a "section[.field]" name
         names = tuple(n for r in self.reads for n in ((r,) if isinstance(r, str) else _field_names(r)))
         object.__setattr__(self, "reads", names)
+        object.__setattr__(self, "unused", self._unused())
         for name in (*names, *self.unused):
             if name.partition(".")[0] not in SECTIONS:
                 raise ValueError(f"method {self.label!r}: {name!r} is not in a recipe section ({', '.join(SECTIONS)})")
         for name in self.unused:
             if name.partition(".")[0] not in self.reads or not name.partition(".")[2]:
                 raise ValueError(f"method {self.label!r}: unused {name!r} is no field of a section it reads whole")
+
+    def _unused(self) -> tuple[str, ...]:
+        """The fields of phase 2, read whole, that cannot change the result: those the method sets itself, the
+        alphas' rate where none trains, the ranges' rates where they stay fixed."""
+        if "phase2" not in self.reads:
+            return ()
+        sets = dict(self.phase2)
+        unused = [*sets, *([] if self.trains_alpha else ["lr_alpha"])]
+        if sets.get("learn_ranges") is False:
+            unused += ["lr_ranges", "lr_ranges_relative"]
+        return tuple(f"phase2.{name}" for name in unused)
+
+    def phase2_changes(self, settings: Any) -> dict[str, Any]:
+        """:attr:`phase2` with each :class:`FromSetting` taken from ``settings`` (the section it names)."""
+        return {
+            k: getattr(settings, v.key.partition(".")[2]) if isinstance(v, FromSetting) else v for k, v in self.phase2
+        }
 
     def read_fields(self) -> dict[str, frozenset[str] | None]:
         """Each section the method reads: the fields it reads of it, or None for all (less its ``unused``)."""
@@ -98,11 +134,6 @@ def reads_setting(methods: list[str], key: str) -> bool:
 
 # Phase 1 reads the adapter's section whole: its start (init), its sites and its held-out check (holdout).
 _PHASE1 = ("phase1", "quadapter")
-# rates a QAT-style row sets itself: no alpha trains, the ranges learn or not by the row, the weights' rate is
-# baselines.qat_lr_weights
-_QAT = ("phase2.lr_alpha", "phase2.learn_ranges", "phase2.lr_weights")
-_FIXED_RANGES = ("phase2.lr_ranges", "phase2.lr_ranges_relative")  # read only where the ranges learn
-_NO_ALPHA = ("phase2.lr_alpha", "phase2.learn_ranges")  # CLE's alphas fixed, the ranges learning
 
 
 def _after_quadapter(label: str, reads: type[Settings]) -> MethodInfo:
@@ -129,7 +160,8 @@ def _on_transform(technique: str, label: str, reads: type[Settings]) -> dict[str
             finetunes=True,
             aimet=technique,
             reads=("quadapter.extra_sites", "phase2", reads),
-            unused=_NO_ALPHA,
+            phase2=_RANGES_LEARN,
+            trains_alpha=False,
         ),
         # the paper's BC+QAT on the transformed model, and its matched baseline: the same QAT from PTQ's sim
         f"{technique}_quadapter_bc_qat": MethodInfo(
@@ -138,10 +170,16 @@ def _on_transform(technique: str, label: str, reads: type[Settings]) -> dict[str
             aimet=technique,
             matched=(f"{technique}_qat", "quadapter_bc_qat"),
             reads=(*_PHASE1, "phase2", QatParameters, reads),
-            unused=_QAT,
+            phase2=(_QAT_WEIGHTS, *_RANGES_LEARN),
+            trains_alpha=False,
         ),
         f"{technique}_qat": MethodInfo(
-            f"{label} + QAT", finetunes=True, aimet=technique, reads=("phase2", QatParameters, reads), unused=_QAT
+            f"{label} + QAT",
+            finetunes=True,
+            aimet=technique,
+            reads=("phase2", QatParameters, reads),
+            phase2=(_QAT_WEIGHTS, *_RANGES_LEARN),
+            trains_alpha=False,
         ),
     }
 
@@ -154,7 +192,9 @@ CATALOG: dict[str, MethodInfo] = {
         quantized=False,
         finetunes=True,
         reads=("phase2", QatParameters),
-        unused=(*_QAT, *_FIXED_RANGES, "phase2.loss"),
+        # distilling the FP model into itself would not move it
+        phase2=(_QAT_WEIGHTS, *_RANGES_FIXED, ("loss", "lm")),
+        trains_alpha=False,
     ),
     "ptq": MethodInfo("PTQ", reads=()),
     "adaround": MethodInfo("AdaRound", reads=(AdaroundParameters,)),
@@ -162,9 +202,19 @@ CATALOG: dict[str, MethodInfo] = {
     "cle": MethodInfo("CLE", reads=("quadapter.extra_sites",)),
     "quadapter_bc": MethodInfo("Quadapter BC", reads=_PHASE1),
     # QAT starts from PTQ's sim: phase 1, the sites and the alphas' rate never enter it
-    "qat": MethodInfo("QAT", finetunes=True, reads=("phase2", QatParameters), unused=_QAT),
+    "qat": MethodInfo(
+        "QAT",
+        finetunes=True,
+        reads=("phase2", QatParameters),
+        phase2=(_QAT_WEIGHTS, *_RANGES_LEARN),
+        trains_alpha=False,
+    ),
     "qat_fixed_ranges": MethodInfo(
-        "QAT w/o LSQ+", finetunes=True, reads=("phase2", QatParameters), unused=(*_QAT, *_FIXED_RANGES)
+        "QAT w/o LSQ+",
+        finetunes=True,
+        reads=("phase2", QatParameters),
+        phase2=(_QAT_WEIGHTS, *_RANGES_FIXED),
+        trains_alpha=False,
     ),
     "quadapter_bc_qat": MethodInfo(
         "Quadapter BC+QAT",
@@ -172,19 +222,25 @@ CATALOG: dict[str, MethodInfo] = {
         from_bc=True,
         matched=("qat",),
         reads=(*_PHASE1, "phase2", QatParameters),
-        unused=_QAT,
+        phase2=(_QAT_WEIGHTS, *_RANGES_LEARN),
+        trains_alpha=False,
     ),
     "quadapter_bc_qat_fixed_ranges": MethodInfo(
         "Quadapter BC+QAT w/o LSQ+",
         finetunes=True,
         from_bc=True,
         reads=(*_PHASE1, "phase2", QatParameters),
-        unused=(*_QAT, *_FIXED_RANGES),
+        phase2=(_QAT_WEIGHTS, *_RANGES_FIXED),
+        trains_alpha=False,
     ),
     # Quadapter's matched baseline: the same phase 2 (loss, data, steps, rates) on CLE's sim with no alpha to
     # train, the quantizer ranges learning instead; what the training budget buys without the adapter.
     "cle_phase2": MethodInfo(
-        "CLE + phase 2 (ranges)", finetunes=True, reads=("quadapter.extra_sites", "phase2"), unused=_NO_ALPHA
+        "CLE + phase 2 (ranges)",
+        finetunes=True,
+        reads=("quadapter.extra_sites", "phase2"),
+        phase2=_RANGES_LEARN,
+        trains_alpha=False,
     ),
     "quadapter": MethodInfo(
         "Quadapter", finetunes=True, from_bc=True, matched=("cle_phase2", "qat"), reads=(*_PHASE1, "phase2")
@@ -194,7 +250,7 @@ CATALOG: dict[str, MethodInfo] = {
         finetunes=True,
         from_bc=True,
         reads=(*_PHASE1, "phase2"),
-        unused=("phase2.learn_ranges", *_FIXED_RANGES),
+        phase2=_RANGES_FIXED,
     ),
     # AIMET's LLM techniques, each through its own entry point (quant/llm_techniques.py), then static calibration
     "spinquant": MethodInfo("SpinQuant", reads=(SpinQuantParameters,), aimet="spinquant"),

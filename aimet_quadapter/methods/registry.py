@@ -225,9 +225,10 @@ def _finetune_data(ctx: MethodContext, name: str) -> list[torch.Tensor]:
     return ctx.finetune
 
 
-def _phase2(ctx: MethodContext, name: str, **changes) -> Phase2Parameters:
+def _phase2(ctx: MethodContext, name: str) -> Phase2Parameters:
+    """The recipe's phase 2 with what method ``name`` sets of it itself (its catalog entry's ``phase2``)."""
     _finetune_data(ctx, name)
-    return ctx.params.phase2.replace(**changes)
+    return ctx.params.phase2.replace(**CATALOG[name].phase2_changes(ctx.baselines))
 
 
 def _phase2_options(ctx: MethodContext, checkpoint_sub: str | None) -> RunOptions:
@@ -238,15 +239,8 @@ def _phase2_options(ctx: MethodContext, checkpoint_sub: str | None) -> RunOption
     return ctx.options.replace(checkpoint_dir=str(folder / checkpoint_sub if checkpoint_sub else folder))
 
 
-def _quadapter_phase2(ctx: MethodContext, name: str, learn_ranges: bool | None) -> QuantizationSimModel:
-    return _run_quadapter(ctx, name, learn_ranges)[0]
-
-
-def _run_quadapter(
-    ctx: MethodContext, name: str, learn_ranges: bool | None
-) -> tuple[QuantizationSimModel, QuadapterResult]:
-    changes = {} if learn_ranges is None else {"learn_ranges": learn_ranges}
-    params = _phase2(ctx, name, **changes)
+def _run_quadapter(ctx: MethodContext, name: str) -> tuple[QuantizationSimModel, QuadapterResult]:
+    params = _phase2(ctx, name)
     # "quadapter" keeps the checkpoint folder the eval command has always used
     options = _phase2_options(ctx, None if name == "quadapter" else name)
     sim, bc = quadapter_bc_start(ctx)
@@ -260,22 +254,18 @@ def _run_quadapter(
 
 @method("quadapter")
 def _quadapter(ctx: MethodContext) -> QuantizationSimModel:
-    return _quadapter_phase2(ctx, "quadapter", None)
+    return _run_quadapter(ctx, "quadapter")[0]
 
 
 @method("quadapter_fixed_ranges")
 def _quadapter_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
-    return _quadapter_phase2(ctx, "quadapter_fixed_ranges", False)
+    return _run_quadapter(ctx, "quadapter_fixed_ranges")[0]
 
 
-def _qat_on(ctx: MethodContext, sim: QuantizationSimModel, name: str, learn_ranges: bool) -> QuantizationSimModel:
-    """The paper's QAT: every weight (lr 1e-5) and, with LSQ+, every quantizer range (lr 1e-3)."""
-    return _train_sim(ctx, sim, name, lr_weights=ctx.baselines.qat_lr_weights, learn_ranges=learn_ranges)
-
-
-def _train_sim(ctx: MethodContext, sim: QuantizationSimModel, name: str, **changes) -> QuantizationSimModel:
-    """Phase 2's loop on ``sim`` with no Quadapter: what ``changes`` of the recipe's phase 2 leave trainable."""
-    params = _phase2(ctx, name, **changes)
+def _train_sim(ctx: MethodContext, sim: QuantizationSimModel, name: str) -> QuantizationSimModel:
+    """Phase 2's loop on ``sim`` with no Quadapter: what the method's phase 2 leaves trainable (the paper's QAT:
+    every weight and, with LSQ+, every quantizer range)."""
+    params = _phase2(ctx, name)
     loss_fn = phase2_loss(params, ctx.model)
     data = _finetune_data(ctx, name)
     options = _phase2_options(ctx, name)
@@ -288,7 +278,7 @@ def _cle_then_phase2(ctx: MethodContext, name: str) -> tuple[QuantizationSimMode
     _phase2(ctx, name)  # fail before calibrating when there is no fine-tuning data
     sim = build_sim(ctx.model, ctx.policy, share_weights=True)
     qset = apply_cle(sim, ctx.model, ctx.calibration, ctx.params.extra_sites)
-    _train_sim(ctx, sim, name, learn_ranges=True)
+    _train_sim(ctx, sim, name)
     return sim, qset
 
 
@@ -303,25 +293,25 @@ def _cle_phase2(ctx: MethodContext) -> QuantizationSimModel:
 @method("qat")
 def _qat(ctx: MethodContext) -> QuantizationSimModel:
     _phase2(ctx, "qat")  # fail before calibrating when there is no fine-tuning data
-    return _qat_on(ctx, _ptq(ctx), "qat", True)
+    return _train_sim(ctx, _ptq(ctx), "qat")
 
 
 @method("qat_fixed_ranges")
 def _qat_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
     _phase2(ctx, "qat_fixed_ranges")
-    return _qat_on(ctx, _ptq(ctx), "qat_fixed_ranges", False)
+    return _train_sim(ctx, _ptq(ctx), "qat_fixed_ranges")
 
 
 @method("quadapter_bc_qat")
 def _quadapter_bc_qat(ctx: MethodContext) -> QuantizationSimModel:
     _phase2(ctx, "quadapter_bc_qat")
-    return _qat_on(ctx, quadapter_bc_start(ctx)[0], "quadapter_bc_qat", True)
+    return _train_sim(ctx, quadapter_bc_start(ctx)[0], "quadapter_bc_qat")
 
 
 @method("quadapter_bc_qat_fixed_ranges")
 def _quadapter_bc_qat_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
     _phase2(ctx, "quadapter_bc_qat_fixed_ranges")
-    return _qat_on(ctx, quadapter_bc_start(ctx)[0], "quadapter_bc_qat_fixed_ranges", False)
+    return _train_sim(ctx, quadapter_bc_start(ctx)[0], "quadapter_bc_qat_fixed_ranges")
 
 
 def _on_transformed(ctx: MethodContext, name: str, transform) -> tuple[PreparedLM, MethodContext]:
@@ -352,7 +342,7 @@ def _quadapter_on(ctx: MethodContext, name: str, transform) -> QuantizationSimMo
     function), and its weights are what the alphas fold into."""
     transformed, inner = _on_transformed(ctx, name, transform)
     with _fp_model_parked(ctx, transformed):
-        sim, result = _run_quadapter(inner, name, None)
+        sim, result = _run_quadapter(inner, name)
     ctx.info[name] = inner.info.get(BC, {})
     ctx.records.state(name, result.state.with_weights(transformed, ctx.model))
     return sim
@@ -375,7 +365,7 @@ def _qat_on_transform(ctx: MethodContext, name: str, transform, from_bc: bool) -
     sim = quadapter_bc_start(inner)[0] if from_bc else cast(QuantizationSimModel, _ptq(inner))
     if from_bc:
         ctx.info[name] = inner.info.get(BC, {})
-    return _qat_on(inner, sim, name, True)
+    return _train_sim(inner, sim, name)
 
 
 # each AIMET transform's compositions with Quadapter and their matched baselines (catalog ``_on_transform``)
@@ -396,7 +386,7 @@ def _after_quadapter(ctx: MethodContext, name: str, technique) -> QuantizationSi
         state = ctx.start
         sim = state.build_sim(ctx.model, share_weights=True)
     else:
-        sim, result = _run_quadapter(ctx, name, None)
+        sim, result = _run_quadapter(ctx, name)
         state = result.state
     ctx.info[name] = technique(sim, state.folded_model(ctx.model, share_weights=True))
     ctx.records.state(name, QuadapterState.from_sim(sim, {}).with_weights(sim.model, ctx.model))
@@ -429,8 +419,7 @@ def _quadapter_adaround(ctx: MethodContext) -> QuantizationSimModel:
 def _fp_finetuned(ctx: MethodContext) -> PreparedLM:
     """The FP upper bound (the paper's Fig. 6): the FP weights fine-tuned on the same loop, no quantizer."""
     name = "fp_finetuned"
-    # the LM loss whatever phase2.loss says: distilling the FP model into itself would not move it
-    params = _phase2(ctx, name, lr_weights=ctx.baselines.qat_lr_weights, learn_ranges=False, loss="lm")
+    params = _phase2(ctx, name)
     model = copy.deepcopy(ctx.model)
     data, options = _finetune_data(ctx, name), _phase2_options(ctx, name)
     result = run_phase2(model, None, data, params, progress=ctx.progress, desc="FP fine-tuning", options=options)
