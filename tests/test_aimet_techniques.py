@@ -16,6 +16,7 @@ from aimet_quadapter.cli import main
 from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quant.config import BaselineParameters, FPTQuantParameters, OmniQuantParameters, QuantPolicy
 from aimet_quadapter.quant.llm_techniques import AIMET_SUPPORT, refusal, spinquant_model
+from aimet_quadapter.running.cell_files import CellFiles
 from aimet_quadapter.testing import sample_corpus, toy_model
 
 quiet_libraries()
@@ -131,7 +132,7 @@ def test_a_technique_state_exports_and_verifies(name, tmp_path):
     model = toy_model("llama")
     corpus = sample_corpus(model, 6, 32, seed=1)
     policy = QuantPolicy(symmetric_weights=True)
-    ctx = MethodContext(model, policy, [corpus[:2]], out_dir=tmp_path, progress=False)
+    ctx = MethodContext(model, policy, [corpus[:2]], out_dir=tmp_path, progress=False, records=CellFiles(tmp_path))
     ctx.baselines = BaselineParameters(adascale_iterations=2, omniquant_iterations=2, fptquant_iterations=2)
     sim = run_method(name, ctx)
     state = QuadapterState.load(tmp_path / f"{name}.safetensors")
@@ -206,6 +207,7 @@ def test_a_rotated_training_state_rebuilds_the_sim_it_trained(name, tmp_path):
     )
     ctx = MethodContext(model, QuantPolicy(), [corpus[:2]], [corpus[2:4]], params, out_dir=tmp_path, progress=False)
     ctx.baselines = BaselineParameters(fptquant_iterations=2)
+    ctx.records = CellFiles(tmp_path)
     sim = run_method(name, ctx)
     state = QuadapterState.load(tmp_path / f"{name}.safetensors")
     assert state.weights and bool(state.alphas) == ("qat" not in name)
@@ -216,7 +218,8 @@ def test_a_rotated_training_state_rebuilds_the_sim_it_trained(name, tmp_path):
         perplexity(sim.model, windows, progress=False).ppl, rel=1e-5
     )
     if name == "spinquant_quadapter_bc_qat":  # phase 1's alphas are in the weights QAT started from: not QAT's
-        run_method("spinquant_qat", dataclasses.replace(ctx, out_dir=tmp_path / "qat", info={}, saved=set()))
+        qat_files = CellFiles(tmp_path / "qat")
+        run_method("spinquant_qat", dataclasses.replace(ctx, out_dir=tmp_path / "qat", info={}, records=qat_files))
         qat = QuadapterState.load(tmp_path / "qat" / "spinquant_qat.safetensors").weights
         assert qat.keys() == state.weights.keys()
         assert any(not torch.equal(w, qat[n]) for n, w in state.weights.items() if "proj" in n)
@@ -277,6 +280,7 @@ def test_a_state_rebuilds_the_prefix_cache_its_run_scored_with(name, target, tmp
     policy = QuantPolicy(target="htp", bit_overrides=["*.residual_adds.*=16"]) if target == "htp" else QuantPolicy()
     params = QuadapterParameters(phase1=Phase1Parameters(steps=2), phase2=Phase2Parameters(steps=2, batch_size=2))
     ctx = MethodContext(model, policy, [corpus[:2]], [corpus[2:4]], params, out_dir=tmp_path, progress=False)
+    ctx.records = CellFiles(tmp_path)
     sim = run_method(name, ctx)
     rebuilt = QuadapterState.load(tmp_path / f"{name}.safetensors").build_sim(model)
     _assert_same_prefix_and_logits(sim, rebuilt, corpus[4:6])
@@ -300,6 +304,7 @@ def test_a_technique_that_changes_weights_calibrates_on_their_prefix_cache(name,
     ctx = MethodContext(
         model, policy, [corpus[:2]], [corpus[2:4]], QuadapterParameters(), out_dir=tmp_path, progress=False
     )
+    ctx.records = CellFiles(tmp_path)
     ctx.baselines = BaselineParameters(adaround_iterations=2, adascale_iterations=2, omniquant_iterations=2)
     sim = run_method(name, ctx)
     state = QuadapterState.load(tmp_path / f"{name}.safetensors")
