@@ -17,6 +17,7 @@ from conftest import hf_tiny
 
 import aimet_quadapter.methods.registry as methods
 from aimet_quadapter.cli import main
+from aimet_quadapter.methods.records import PARKED_FP
 from aimet_quadapter.models import quiet_libraries
 from aimet_quadapter.quadapter.state import QuadapterState
 from aimet_quadapter.quant.config import PLACEMENT_REVISION, QuantPolicy
@@ -246,11 +247,15 @@ def test_changed_settings_recompute_only_the_cells_they_affect(base_run, world, 
     stale.mkdir(parents=True)
     (stale / "phase2.pt").write_text("not a checkpoint")
     (stale / "fingerprint.txt").write_text("other settings")
+    # the FP weights a killed computation of the cell left parked beside it
+    parked = run / "a" / "quadapter" / f"{PARKED_FP}killed"
+    parked.mkdir()
+    (parked / "0.pt").write_text("weights")
     calls = _count_calls(monkeypatch)
     args = ["run", str(world / "r.yaml"), "--out", str(run), "--no-progress", "--set", "phase1.steps=3"]
     assert main(args) == 0
     assert calls == {"quadapter_bc": 1, "quadapter": 1}  # ptq, cle and fp do not depend on phase 1
-    assert not stale.exists()
+    assert not stale.exists() and not parked.exists()
     calls.clear()
     assert main(args) == 0
     assert calls == {}

@@ -9,6 +9,10 @@ if TYPE_CHECKING:  # a run imports AIMET only once its recipe has been checked
     from aimet_quadapter.quadapter.phase1 import Phase1Result
     from aimet_quadapter.quadapter.state import QuadapterState
 
+# the prefix of the folders in a cell's folder where the FP model's weights wait while a method works on a copy;
+# a killed run leaves them, the cell's next computation removes them
+PARKED_FP = ".parked-fp-"
+
 
 class Records:
     """What a method hands over as it makes it: a state to keep (at once, so that a killed run starts again from

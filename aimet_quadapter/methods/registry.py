@@ -29,7 +29,7 @@ from aimet_torch.quantsim import QuantizationSimModel
 from aimet_quadapter import distributed
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.methods.catalog import BC, CATALOG, MethodInfo
-from aimet_quadapter.methods.records import Records
+from aimet_quadapter.methods.records import PARKED_FP, Records
 from aimet_quadapter.models import PreparedLM
 from aimet_quadapter.models.storage import weights_parked
 from aimet_quadapter.quadapter.adapter import QuadapterSet
@@ -333,7 +333,7 @@ def _fp_model_parked(ctx: MethodContext, transformed: PreparedLM) -> Iterator[No
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
     # a folder of its own (processes under torchrun park side by side); weights_parked removes it
-    with weights_parked(ctx.model, Path(tempfile.mkdtemp(prefix=".parked-fp-", dir=folder)), besides=[transformed]):
+    with weights_parked(ctx.model, Path(tempfile.mkdtemp(prefix=PARKED_FP, dir=folder)), besides=[transformed]):
         yield
 
 

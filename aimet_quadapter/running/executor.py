@@ -14,7 +14,7 @@ from aimet_quadapter import distributed
 from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.memory import PeakRSS, release_freed_memory
 from aimet_quadapter.methods.catalog import BC, CATALOG
-from aimet_quadapter.methods.records import Records
+from aimet_quadapter.methods.records import PARKED_FP, Records
 from aimet_quadapter.running.cell_files import PHASE2_CURVE, CellFiles
 from aimet_quadapter.running.cells import Cell, safe_name
 from aimet_quadapter.running.data import RunData
@@ -106,6 +106,9 @@ class Executor:
             # beside the new row
             for old in [*cell_dir.glob("*.safetensors"), *cell_dir.glob(f"*{PHASE2_CURVE}")]:
                 old.unlink()
+            # FP weights a killed computation left parked: no process of this run has parked any yet
+            for parked in cell_dir.glob(f"{PARKED_FP}*"):
+                shutil.rmtree(parked, ignore_errors=True)
         distributed.barrier()  # under torchrun: no process resumes from a checkpoint the first one removes
 
     def _start_of(self, cell: Cell, results: dict) -> tuple[str, QuadapterState] | None:
