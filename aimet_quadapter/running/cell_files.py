@@ -1,4 +1,4 @@
-"""A cell's folder, written as its method hands things over (``methods.registry.Records``): each state, stamped
+"""A cell's folder, written as its method hands things over (``methods.records.Records``): each state, stamped
 with what made it; phase 1's record and curves; each phase-2 curve; the head site's channel ranges (Fig. 4)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ PHASE2_CURVE = "phase2_losses.json"
 
 
 def curve_file(name: str) -> str:
-    """The file of method ``name``'s phase-2 curve; Quadapter's keeps the name the eval command has always read."""
+    """The file of method ``name``'s phase-2 curve; Quadapter's has no method prefix."""
     return PHASE2_CURVE if name == "quadapter" else f"{name}_{PHASE2_CURVE}"
 
 
