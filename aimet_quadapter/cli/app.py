@@ -223,15 +223,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _eval_state(args: argparse.Namespace) -> int:
     """A saved state's perplexity on ``--dataset``: the sim rebuilt from it, as the training run scored it."""
-    from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
-    from aimet_quadapter.running.provenance import check_model, check_row
+    from aimet_quadapter.quadapter.state import resolve_state
+    from aimet_quadapter.running.provenance import load_checked
 
     if args.methods:
         raise QuadapterError("--state and --methods exclude each other: a state is scored as it was saved")
     path = resolve_state(args.state)
-    state = QuadapterState.load(path)
-    check_model(state, args.model)
-    check_row(state)
+    state = load_checked(path, args.model)
     args.methods = "fp"  # the recipe's eval section and model are all that is used
     recipe = _eval_recipe(args)
     from aimet_quadapter.running.runner import score_state
@@ -462,16 +460,14 @@ def _sensitivity_state(args: argparse.Namespace, policy: dict[str, Any]) -> Quad
     them."""
     if not args.state:
         return None
-    from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
-    from aimet_quadapter.running.provenance import check_model
+    from aimet_quadapter.quadapter.state import resolve_state
+    from aimet_quadapter.running.provenance import load_checked
 
     given = [f"--policy-{k.replace('_', '-')}" for k in policy]
     given += [n for n, v in (("--calib-samples", args.calib_samples), ("--prefix", args.prefix)) if v is not None]
     if given:
         raise QuadapterError(f"--state and {given[0]} exclude each other: a state holds its policy and its ranges")
-    state = QuadapterState.load(resolve_state(args.state))
-    check_model(state, args.model)
-    return state
+    return load_checked(resolve_state(args.state), args.model)
 
 
 def _add_sensitivity_command(sub: SubParsers) -> None:

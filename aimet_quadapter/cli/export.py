@@ -120,15 +120,13 @@ def _add_format_options(p) -> None:
 
 def _cmd_export(args) -> int:
     from aimet_quadapter.models.loading import check_model_source
-    from aimet_quadapter.quadapter.state import QuadapterState, resolve_state
-    from aimet_quadapter.running.provenance import check_model, check_row
+    from aimet_quadapter.quadapter.state import resolve_state
+    from aimet_quadapter.running.provenance import load_checked
 
     start = time.time()
     state_path = resolve_state(args.state)
-    state = QuadapterState.load(state_path)
     check_model_source(args.model)
-    check_model(state, args.model)
-    check_row(state)
+    state = load_checked(state_path, args.model)
     job = export_job(args, state_path)
     kv = job.check(state)
     result = job.run(state, kv)

@@ -1,7 +1,7 @@
 """Where a saved state comes from: the model it was computed for, and the row of the run folder it lies in.
 
-``export`` and ``eval --state`` refuse, before any model loads, a state whose model is not ``--model`` or which
-is not the state its row was computed with (a file left by an earlier setting)."""
+``export``, ``eval --state`` and ``sensitivity --state`` refuse, before any model loads, a state whose model is
+not ``--model`` or which is not the state its row was computed with (a file left by an earlier setting)."""
 
 from __future__ import annotations
 
@@ -111,3 +111,12 @@ def _same_model(a: str, b: str) -> bool:
         return True
     first, second = Path(a).expanduser(), Path(b).expanduser()
     return first.exists() and second.exists() and first.resolve() == second.resolve()
+
+
+def load_checked(path: Path, model: str) -> QuadapterState:
+    """The state at ``path``, refused if it was computed for another model than ``model`` (a name ``--model``
+    takes) or is not the state its run folder's row was computed with."""
+    state = QuadapterState.load(path)
+    check_model(state, model)
+    check_row(state)
+    return state
