@@ -136,6 +136,13 @@ def reads_setting(methods: list[str], key: str) -> bool:
 _PHASE1 = ("phase1", "quadapter")
 
 
+def _qat(label: str, learn_ranges: bool, **fields: Any) -> MethodInfo:
+    """A QAT-style row: phase 2 trains every weight at baselines.qat_lr_weights and no alpha, the quantizer ranges
+    learning or fixed by ``learn_ranges``."""
+    ranges = _RANGES_LEARN if learn_ranges else _RANGES_FIXED
+    return MethodInfo(label, finetunes=True, phase2=(_QAT_WEIGHTS, *ranges), trains_alpha=False, **fields)
+
+
 def _after_quadapter(label: str, reads: type[Settings]) -> MethodInfo:
     """AIMET's weight technique on Quadapter's folded model, its activation ranges kept; ``reads``: the technique's
     parameters. It starts from Quadapter's saved cell where the run holds one."""
@@ -164,23 +171,14 @@ def _on_transform(technique: str, label: str, reads: type[Settings]) -> dict[str
             trains_alpha=False,
         ),
         # the paper's BC+QAT on the transformed model, and its matched baseline: the same QAT from PTQ's sim
-        f"{technique}_quadapter_bc_qat": MethodInfo(
+        f"{technique}_quadapter_bc_qat": _qat(
             f"{label} + Quadapter BC+QAT",
-            finetunes=True,
+            True,
             aimet=technique,
             matched=(f"{technique}_qat", "quadapter_bc_qat"),
             reads=(*_PHASE1, "phase2", QatParameters, reads),
-            phase2=(_QAT_WEIGHTS, *_RANGES_LEARN),
-            trains_alpha=False,
         ),
-        f"{technique}_qat": MethodInfo(
-            f"{label} + QAT",
-            finetunes=True,
-            aimet=technique,
-            reads=("phase2", QatParameters, reads),
-            phase2=(_QAT_WEIGHTS, *_RANGES_LEARN),
-            trains_alpha=False,
-        ),
+        f"{technique}_qat": _qat(f"{label} + QAT", True, aimet=technique, reads=("phase2", QatParameters, reads)),
     }
 
 
@@ -202,36 +200,13 @@ CATALOG: dict[str, MethodInfo] = {
     "cle": MethodInfo("CLE", reads=("quadapter.extra_sites",)),
     "quadapter_bc": MethodInfo("Quadapter BC", reads=_PHASE1),
     # QAT starts from PTQ's sim: phase 1, the sites and the alphas' rate never enter it
-    "qat": MethodInfo(
-        "QAT",
-        finetunes=True,
-        reads=("phase2", QatParameters),
-        phase2=(_QAT_WEIGHTS, *_RANGES_LEARN),
-        trains_alpha=False,
+    "qat": _qat("QAT", True, reads=("phase2", QatParameters)),
+    "qat_fixed_ranges": _qat("QAT w/o LSQ+", False, reads=("phase2", QatParameters)),
+    "quadapter_bc_qat": _qat(
+        "Quadapter BC+QAT", True, from_bc=True, matched=("qat",), reads=(*_PHASE1, "phase2", QatParameters)
     ),
-    "qat_fixed_ranges": MethodInfo(
-        "QAT w/o LSQ+",
-        finetunes=True,
-        reads=("phase2", QatParameters),
-        phase2=(_QAT_WEIGHTS, *_RANGES_FIXED),
-        trains_alpha=False,
-    ),
-    "quadapter_bc_qat": MethodInfo(
-        "Quadapter BC+QAT",
-        finetunes=True,
-        from_bc=True,
-        matched=("qat",),
-        reads=(*_PHASE1, "phase2", QatParameters),
-        phase2=(_QAT_WEIGHTS, *_RANGES_LEARN),
-        trains_alpha=False,
-    ),
-    "quadapter_bc_qat_fixed_ranges": MethodInfo(
-        "Quadapter BC+QAT w/o LSQ+",
-        finetunes=True,
-        from_bc=True,
-        reads=(*_PHASE1, "phase2", QatParameters),
-        phase2=(_QAT_WEIGHTS, *_RANGES_FIXED),
-        trains_alpha=False,
+    "quadapter_bc_qat_fixed_ranges": _qat(
+        "Quadapter BC+QAT w/o LSQ+", False, from_bc=True, reads=(*_PHASE1, "phase2", QatParameters)
     ),
     # Quadapter's matched baseline: the same phase 2 (loss, data, steps, rates) on CLE's sim with no alpha to
     # train, the quantizer ranges learning instead; what the training budget buys without the adapter.
