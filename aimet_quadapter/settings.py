@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, ClassVar, Literal, TypeVar
@@ -157,3 +157,22 @@ def result_view(source: type[BaseModel], values: Mapping[str, Any]) -> dict[str,
             continue
         out[name] = value
     return out
+
+
+def pattern_entries(
+    entries: tuple[str, ...], field: str, form: str, value: Callable[[str], Any]
+) -> list[tuple[str, Any]]:
+    """``PATTERN=VALUE`` entries as (pattern, value) pairs, in order; ``value`` converts the text after the last
+    ``=`` (a ValueError from it names the entry); ``form`` (e.g. ``'PATTERN=BITS'``) and an example name the
+    form a malformed entry lacks."""
+    pairs = []
+    for i, entry in enumerate(entries):
+        pattern, sep, text = str(entry).rpartition("=")
+        where = f"{field}[{i}]"
+        if not sep or not pattern.strip():
+            raise ValueError(f"{where}: {entry!r} is not {form}")
+        try:
+            pairs.append((pattern.strip(), value(text.strip())))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    return pairs

@@ -716,6 +716,50 @@ def test_range_learning_rate_relative_to_each_width(setup, relative):
         assert step == pytest.approx(lr * width if relative else lr, rel=1e-3)
 
 
+@pytest.mark.parametrize("relative", [False, True])
+def test_range_rate_overrides_reach_the_ranges_they_name(setup, relative):
+    """``lr_ranges_overrides`` multiplies the first step of the ranges whose quantizer's name matches, and only
+    theirs; a pattern that matches no quantizer is refused, naming the entry."""
+    from aimet_quadapter.quant.quantizers import quantizers
+
+    model, calib, train = setup["model"], setup["calib"], setup["train"]
+    sim = build_sim(model)
+    calibrate(sim, calib)
+    named = {}
+    for path, role, q in quantizers(sim.model):
+        if q.is_initialized() and hasattr(q, "min"):
+            named[f"{path}.{role}"] = (q.min, q.max, float((q.max - q.min).mean()))
+    before = {k: (lo.detach().clone(), hi.detach().clone()) for k, (lo, hi, _) in named.items()}
+    lr = 0.01
+    params = Phase2Parameters(
+        steps=1, lr_alpha=0.0, lr_ranges=lr, lr_ranges_relative=relative, lr_ranges_overrides=("*.mlp.*=3",)
+    )
+    run_phase2(sim.model, None, train, params, progress=False)
+    seen = set()
+    for key, (lo, hi, width) in named.items():
+        for p, b in ((lo, before[key][0]), (hi, before[key][1])):
+            if p.grad is None or p.grad.abs().max() <= 1e-4:
+                continue
+            factor = 3.0 if ".mlp." in key else 1.0
+            seen.add(factor)
+            expected = lr * factor * (width if relative else 1.0)
+            assert float((p - b).abs().max()) == pytest.approx(expected, rel=1e-3), key
+    assert seen == {1.0, 3.0}
+
+    with pytest.raises(QuadapterError, match=r"lr_ranges_overrides\[0\]: 'nowhere\.\*' matches no quantizer"):
+        run_phase2(
+            sim.model, None, train, Phase2Parameters(steps=1, lr_ranges_overrides=("nowhere.*=2",)), progress=False
+        )
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"), [("no-equals", "PATTERN=FACTOR"), ("*.x=-1", ">= 0"), ("*.x=fast", ">= 0")]
+)
+def test_range_rate_overrides_refuse_a_malformed_entry(entry, message):
+    with pytest.raises(QuadapterError, match=rf"lr_ranges_overrides.*\[1\].*{message}"):
+        Phase2Parameters(lr_ranges_overrides=("*.mlp.*=2", entry))
+
+
 def test_plain_tensors_change_no_result(setup, monkeypatch):
     """Phases 1 and 2 with AIMET's DequantizedTensor outputs switched off (a speed-up) give the same losses."""
     import contextlib

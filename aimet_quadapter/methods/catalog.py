@@ -88,7 +88,7 @@ class MethodInfo:
         sets = dict(self.phase2)
         unused = [*sets, *([] if self.trains_alpha else ["lr_alpha"])]
         if sets.get("learn_ranges") is False:
-            unused += ["lr_ranges", "lr_ranges_relative"]
+            unused += ["lr_ranges", "lr_ranges_relative", "lr_ranges_overrides"]
         return tuple(f"phase2.{name}" for name in unused)
 
     def phase2_changes(self, settings: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from aimet_quadapter.models import EXTRA_SITE_GROUPS, SITE_ROLES
-from aimet_quadapter.settings import Settings, setting
+from aimet_quadapter.settings import Settings, pattern_entries, setting
 
 # the name of phase 1's state (Quadapter BC) in a run folder; the method catalog names its row after it
 BC_STATE = "quadapter_bc"
@@ -112,8 +112,46 @@ class Phase2Parameters(Settings):
         help="lr_ranges is a fraction of each quantizer's calibrated width (max - min) instead of a step in its "
         "own units (the paper)",
     )
+    # One kind of range (a device graph's residual stream) may need another rate than the rest: raising the rate
+    # of all throws the narrow ones about.
+    lr_ranges_overrides: tuple[str, ...] = setting(
+        (),
+        before=(),
+        help="PATTERN=FACTOR entries: the ranges of the quantizers whose name matches PATTERN (wildcards * and ?, "
+        "as policy.bit_overrides names them) learn at FACTOR x lr_ranges (e.g. '*.residual_adds.*=3'); a later "
+        "entry wins",
+    )
     learn_ranges: bool = setting(True, help="train the quantizer ranges; False: the paper's 'without LSQ+'")
     lr_weights: float = setting(0.0, ge=0, help="> 0 trains the model weights too (QAT)")
+
+    @field_validator("lr_ranges_overrides", mode="before")
+    @classmethod
+    def _entries(cls, value):
+        return (value,) if isinstance(value, str) else value  # one entry given as a string
+
+    @field_validator("lr_ranges_overrides")
+    @classmethod
+    def _factors_parse(cls, entries: tuple[str, ...]) -> tuple[str, ...]:
+        _range_rate_factors(entries)
+        return entries
+
+    def range_rate_factors(self) -> list[tuple[str, float]]:
+        """``lr_ranges_overrides`` as (pattern, factor) pairs, in order."""
+        return _range_rate_factors(self.lr_ranges_overrides)
+
+
+def _factor(text: str) -> float:
+    try:
+        factor = float(text)
+    except ValueError:
+        factor = math.nan
+    if not math.isfinite(factor) or factor < 0:
+        raise ValueError(f"the factor must be a number >= 0, got {text!r}")
+    return factor
+
+
+def _range_rate_factors(entries: tuple[str, ...]) -> list[tuple[str, float]]:
+    return pattern_entries(entries, "lr_ranges_overrides", "PATTERN=FACTOR (e.g. '*.residual_adds.*=3')", _factor)
 
 
 class RunOptions(Settings):

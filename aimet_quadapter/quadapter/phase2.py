@@ -39,6 +39,7 @@ from aimet_quadapter.quant.quantizers import (
     batched_range_encodings,
     elementwise_fake_quant,
     gathered_embedding_quantization,
+    matching_quantizers,
     plain_tensors,
     quantizers_in,
     range_parameter_widths,
@@ -254,15 +255,30 @@ def _trained_groups(sim_model: nn.Module, qset: QuadapterSet | None, params: Pha
     groups: list[dict[str, Any]] = []
     if qset is not None and len(qset):
         groups.append({"params": [q.theta for q in qset], "lr": params.lr_alpha})
+    factors = _range_rate_factors(sim_model, params) if params.learn_ranges else {}
     if params.learn_ranges and params.lr_ranges_relative:
-        groups += [{"params": [p], "lr": params.lr_ranges * width} for p, width in widths]
+        groups += [{"params": [p], "lr": params.lr_ranges * width * factors.get(id(p), 1.0)} for p, width in widths]
     elif params.learn_ranges:
-        groups.append({"params": ranges, "lr": params.lr_ranges})
+        by_factor: dict[float, list[nn.Parameter]] = {}
+        for p in ranges:
+            by_factor.setdefault(factors.get(id(p), 1.0), []).append(p)
+        groups += [{"params": ps, "lr": params.lr_ranges * factor} for factor, ps in by_factor.items()]
     if params.lr_weights > 0:
         groups.append({"params": weights, "lr": params.lr_weights})
     if not groups:
         raise QuadapterError("phase 2 has nothing to train: no Quadapter sites, ranges fixed and weights frozen")
     return groups
+
+
+def _range_rate_factors(sim_model: nn.Module, params: Phase2Parameters) -> dict[int, float]:
+    """The factor ``lr_ranges_overrides`` gives each range parameter it reaches, by the parameter's id."""
+    factors: dict[int, float] = {}
+    for factor, hits in matching_quantizers(sim_model, params.range_rate_factors(), "phase2.lr_ranges_overrides"):
+        for q in hits.values():
+            for name, p in q.named_parameters():
+                if name in ("min", "max"):
+                    factors[id(p)] = factor
+    return factors
 
 
 def _write_checkpoint(ckpt: Path, state: dict, optimizer: GroupedAdam, schedule: Any, trained: dict) -> None:

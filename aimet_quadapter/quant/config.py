@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Strict, field_validator, model_validator
 
-from aimet_quadapter.settings import Settings, setting
+from aimet_quadapter.settings import Settings, pattern_entries, setting
 
 # quant_scheme's names -> the member of AIMET's QuantScheme each stands for (resolved in quant.policy)
 QUANT_SCHEMES: dict[str, str] = {
@@ -44,6 +44,12 @@ LPBQ_SCALE_BITS = 8
 PRECISIONS: dict[str, dict[str, Any]] = {
     "w4a16-lpbq": {"activation_bits": 16, "lpbq_block_size": 64},
 }
+
+
+def _bits(text: str) -> int:
+    if not text.isdigit() or not 2 <= int(text) <= 16:
+        raise ValueError(f"bits must be an integer from 2 to 16, got {text!r}")
+    return int(text)
 
 
 _PAPER_ONLY = ("per_channel_weights", "symmetric_weights", "quantize_norm_weights", "quantize_logits")
@@ -138,16 +144,9 @@ class QuantPolicy(Settings):
 
     def overrides(self) -> list[tuple[str, int]]:
         """``bit_overrides`` as (pattern, bits) pairs, in order; a malformed entry is refused by its index."""
-        pairs = []
-        for i, entry in enumerate(self.bit_overrides):
-            pattern, sep, bits = str(entry).rpartition("=")
-            where = f"bit_overrides[{i}]"
-            if not sep or not pattern.strip():
-                raise ValueError(f"{where}: {entry!r} is not PATTERN=BITS (e.g. '*.mlp.down_proj.input*=16')")
-            if not bits.strip().isdigit() or not 2 <= int(bits) <= 16:
-                raise ValueError(f"{where}: bits must be an integer from 2 to 16, got {bits.strip()!r}")
-            pairs.append((pattern.strip(), int(bits)))
-        return pairs
+        return pattern_entries(
+            self.bit_overrides, "bit_overrides", "PATTERN=BITS (e.g. '*.mlp.down_proj.input*=16')", _bits
+        )
 
     def to_dict(self) -> dict:
         return self.model_dump()

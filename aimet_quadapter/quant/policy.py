@@ -20,7 +20,6 @@ is already quantized, and makes the attention mask finite.
 from __future__ import annotations
 
 import copy
-import re
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -50,6 +49,7 @@ from aimet_quadapter.quant.config import LPBQ_BITS, LPBQ_SCALE_BITS, QUANT_SCHEM
 from aimet_quadapter.quant.quantizers import (
     DynamicRanges,
     calibration_passes,
+    matching_quantizers,
     quantizers,
     quantizers_in,
     refresh_prefix,
@@ -276,12 +276,6 @@ def apply_lpbq(sim: QuantizationSimModel, policy: QuantPolicy) -> list[str]:
     return [path for path, _ in chosen]
 
 
-def name_matches(name: str, pattern: str) -> bool:
-    """``*`` (any text) and ``?`` (one character) wildcards, everything else literal: quantizer names hold
-    brackets (``input[0]``) that fnmatch would read as a character class."""
-    return re.fullmatch(re.escape(pattern).replace(r"\*", ".*").replace(r"\?", "."), name) is not None
-
-
 def apply_bit_overrides(sim_model: nn.Module, policy: QuantPolicy) -> dict[str, int]:
     """Give the quantizers ``policy.bit_overrides`` names their bit-width (in place, before calibration).
 
@@ -294,14 +288,7 @@ def apply_bit_overrides(sim_model: nn.Module, policy: QuantPolicy) -> dict[str, 
         return {}
     found = {f"{path}.{role}": q for path, role, q in quantizers(sim_model)}
     bits: dict[str, int] = {}
-    for i, (pattern, width) in enumerate(pairs):
-        hits = [key for key in found if name_matches(key, pattern)]
-        if not hits:
-            example = next((k for k in found if ".input" in k), next(iter(found), ""))
-            raise QuadapterError(
-                f"policy.bit_overrides[{i}]: {pattern!r} matches no quantizer of this model (names look like "
-                f"{example!r}; `aimet-quadapter describe` lists them)"
-            )
+    for width, hits in matching_quantizers(sim_model, pairs, "policy.bit_overrides"):
         bits.update(dict.fromkeys(hits, width))
     for group in shared_activation_groups(sim_model):
         widths = {bits[k] for k in group if k in bits}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -16,6 +17,7 @@ from aimet_torch.quantization.affine import QuantizeDequantize
 from aimet_torch.utils import remove_all_quantizers, remove_param_quantizers, ste_round
 from torch import nn
 
+from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.memory import LARGE_WEIGHTS_BYTES, heap_reused
 from aimet_quadapter.models import PreparedLM, device_of, head_of, shares_storage
 from aimet_quadapter.quant.aimet_private import (
@@ -46,6 +48,29 @@ def quantizers(model: nn.Module) -> Iterator[tuple[str, str, QuantizeDequantize]
             if q is not None and id(q) not in seen:
                 seen.add(id(q))
                 yield path, role, q
+
+
+def name_matches(name: str, pattern: str) -> bool:
+    """``*`` (any text) and ``?`` (one character) wildcards, everything else literal: quantizer names hold
+    brackets (``input[0]``) that fnmatch would read as a character class."""
+    return re.fullmatch(re.escape(pattern).replace(r"\*", ".*").replace(r"\?", "."), name) is not None
+
+
+def matching_quantizers(
+    model: nn.Module, pairs: list[tuple[str, Any]], field: str
+) -> Iterator[tuple[Any, dict[str, QuantizeDequantize]]]:
+    """For each (pattern, value) of a ``PATTERN=VALUE`` setting, in order: the value and the quantizers whose
+    name matches, by name. A pattern that matches nothing is refused, naming ``field`` and the entry."""
+    found = {f"{path}.{role}": q for path, role, q in quantizers(model)}
+    for i, (pattern, value) in enumerate(pairs):
+        hits = {key: q for key, q in found.items() if name_matches(key, pattern)}
+        if not hits:
+            example = next((k for k in found if ".input" in k), next(iter(found), ""))
+            raise QuadapterError(
+                f"{field}[{i}]: {pattern!r} matches no quantizer of this model (names look like {example!r}; "
+                "`aimet-quadapter describe` lists them)"
+            )
+        yield value, hits
 
 
 def quantizers_in(modules: Iterable[nn.Module]) -> list[QuantizeDequantize]:
