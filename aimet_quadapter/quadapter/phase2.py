@@ -41,6 +41,7 @@ from aimet_quadapter.quant.quantizers import (
     gathered_embedding_quantization,
     matching_quantizers,
     plain_tensors,
+    quantizers,
     quantizers_in,
     range_parameter_widths,
     refresh_prefix,
@@ -255,7 +256,7 @@ def _trained_groups(sim_model: nn.Module, qset: QuadapterSet | None, params: Pha
     groups: list[dict[str, Any]] = []
     if qset is not None and len(qset):
         groups.append({"params": [q.theta for q in qset], "lr": params.lr_alpha})
-    factors = _range_rate_factors(sim_model, params) if params.learn_ranges else {}
+    factors = _factor_of_each_range(sim_model, params) if params.learn_ranges else {}
     if params.learn_ranges and params.lr_ranges_relative:
         groups += [{"params": [p], "lr": params.lr_ranges * width * factors.get(id(p), 1.0)} for p, width in widths]
     elif params.learn_ranges:
@@ -270,10 +271,14 @@ def _trained_groups(sim_model: nn.Module, qset: QuadapterSet | None, params: Pha
     return groups
 
 
-def _range_rate_factors(sim_model: nn.Module, params: Phase2Parameters) -> dict[int, float]:
+def _factor_of_each_range(sim_model: nn.Module, params: Phase2Parameters) -> dict[int, float]:
     """The factor ``lr_ranges_overrides`` gives each range parameter it reaches, by the parameter's id."""
+    pairs = params.range_rate_factors()
+    if not pairs:
+        return {}
+    found = {f"{path}.{role}": q for path, role, q in quantizers(sim_model)}
     factors: dict[int, float] = {}
-    for factor, hits in matching_quantizers(sim_model, params.range_rate_factors(), "phase2.lr_ranges_overrides"):
+    for factor, hits in matching_quantizers(found, pairs, "phase2.lr_ranges_overrides"):
         for q in hits.values():
             for name, p in q.named_parameters():
                 if name in ("min", "max"):

@@ -288,7 +288,7 @@ def apply_bit_overrides(sim_model: nn.Module, policy: QuantPolicy) -> dict[str, 
         return {}
     found = {f"{path}.{role}": q for path, role, q in quantizers(sim_model)}
     bits: dict[str, int] = {}
-    for width, hits in matching_quantizers(sim_model, pairs, "policy.bit_overrides"):
+    for width, hits in matching_quantizers(found, pairs, "policy.bit_overrides"):
         bits.update(dict.fromkeys(hits, width))
     for group in shared_activation_groups(sim_model):
         widths = {bits[k] for k in group if k in bits}

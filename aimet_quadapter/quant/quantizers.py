@@ -57,11 +57,11 @@ def name_matches(name: str, pattern: str) -> bool:
 
 
 def matching_quantizers(
-    model: nn.Module, pairs: list[tuple[str, Any]], field: str
+    found: dict[str, QuantizeDequantize], pairs: list[tuple[str, Any]], field: str
 ) -> Iterator[tuple[Any, dict[str, QuantizeDequantize]]]:
-    """For each (pattern, value) of a ``PATTERN=VALUE`` setting, in order: the value and the quantizers whose
-    name matches, by name. A pattern that matches nothing is refused, naming ``field`` and the entry."""
-    found = {f"{path}.{role}": q for path, role, q in quantizers(model)}
+    """For each (pattern, value) of a ``PATTERN=VALUE`` setting, in order: the value and the quantizers of
+    ``found`` (by name) whose name matches. A pattern that matches nothing is refused, naming ``field`` and the
+    entry."""
     for i, (pattern, value) in enumerate(pairs):
         hits = {key: q for key, q in found.items() if name_matches(key, pattern)}
         if not hits:
