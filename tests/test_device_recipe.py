@@ -107,8 +107,8 @@ def test_the_device_recipe_takes_any_family_to_a_checked_export(family, tmp_path
 def test_a_family_without_aimets_rotation_runs_the_recipes_fallbacks(tiny_gpt2_dir):
     llama = load_recipe(RECIPE).for_family("llama")
     gpt2 = load_recipe(RECIPE).for_family("gpt2")
-    assert llama.methods == ["fp", "ptq", "spinquant", "spinquant_quadapter", "spinquant_cle_phase2"]
-    assert gpt2.methods == ["fp", "ptq", "cle", "quadapter", "cle_phase2"]
+    assert llama.methods == ["fp", "ptq", "spinquant", "spinquant_quadapter_bc_qat", "spinquant_qat"]
+    assert gpt2.methods == ["fp", "ptq", "cle", "quadapter_bc_qat", "qat"]
     assert load_recipe(RECIPE).for_family(None).methods == llama.methods  # not known before the model loads
 
 
