@@ -3,10 +3,9 @@
 SpinQuant then Quadapter (``spinquant_quadapter``) under the device recipe's settings (``policy.target: htp``) and
 the demo's ``quadapter`` cell (the paper's placement): the same method at the same training budget (the demo's
 sampled text, phase 1 and phase 2), each alone in its own run from an empty folder, so that each cell computes its
-own phase 1. Prints each cell's method time (phase 1,
-phase 2 and what the method computes before them; the demo's Quadapter runs its phase 1 before the method proper
-and records it apart), evaluation time, wall time and peak RSS, and the ratios; the two recipes evaluate different
-amounts of text, so the method times are the like-for-like pair.
+own phase 1. Prints each cell's method time (phase 1, phase 2 and what the method computes before them; the demo's
+Quadapter runs its phase 1 before the method proper and records it apart), evaluation time, wall time and peak RSS,
+and the ratios; the two recipes evaluate different amounts of text, so the method times are the like-for-like pair.
 
     python benchmarks/htp_cell.py --work runs/htp-cell --json benchmarks/results/cpu-htp-cell.json
 """
