@@ -72,7 +72,7 @@ from aimet_quadapter.memory import release_freed_memory
 from aimet_quadapter.models import device_of, parameter_bytes
 from aimet_quadapter.models.storage import weights_parked
 from aimet_quadapter.quant.policy import sim_policy
-from aimet_quadapter.quant.quantizers import fast_inference, quantizers, shared_activation_groups
+from aimet_quadapter.quant.quantizers import fast_inference, quantizers, quantizers_by_name, shared_activation_groups
 from aimet_quadapter.text.data import Window
 from aimet_quadapter.text.perplexity import window_nll
 from aimet_quadapter.versions import library_versions
@@ -124,7 +124,7 @@ def reconcile_shared_ranges(sim: QuantizationSimModel, merge: bool = False) -> l
     group to the union of its ranges (nothing one of them kept is clipped) and changes ``sim`` in place.
     Returns one row per disagreeing group (its quantizers and their ranges before any merge).
     """
-    found = {f"{path}.{role}": q for path, role, q in quantizers(sim.model)}
+    found = quantizers_by_name(sim.model)
     conflicts: list[dict[str, Any]] = []
     for keys in shared_activation_groups(sim.model):
         group = [found[k] for k in keys]

@@ -41,7 +41,7 @@ from aimet_quadapter.quant.quantizers import (
     gathered_embedding_quantization,
     matching_quantizers,
     plain_tensors,
-    quantizers,
+    quantizers_by_name,
     quantizers_in,
     range_parameter_widths,
     refresh_prefix,
@@ -276,7 +276,7 @@ def _factor_of_each_range(sim_model: nn.Module, params: Phase2Parameters) -> dic
     pairs = params.range_rate_factors()
     if not pairs:
         return {}
-    found = {f"{path}.{role}": q for path, role, q in quantizers(sim_model)}
+    found = quantizers_by_name(sim_model)
     factors: dict[int, float] = {}
     for factor, hits in matching_quantizers(found, pairs, "phase2.lr_ranges_overrides"):
         for q in hits.values():

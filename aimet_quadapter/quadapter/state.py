@@ -206,9 +206,9 @@ def load_ranges(
     did may hold different ranges for them: refused, or with ``merge_shared_ranges`` given the union of them
     (nothing any of them kept is clipped). Returns one row per merged tensor, its quantizers and their ranges.
     """
-    from aimet_quadapter.quant.quantizers import quantizers
+    from aimet_quadapter.quant.quantizers import quantizers_by_name
 
-    found = {f"{path}.{role}": q for path, role, q in quantizers(sim.model)}
+    found = quantizers_by_name(sim.model)
     unknown = sorted(set(ranges) - set(found))
     if unknown:
         raise QuadapterError(f"{source} has ranges for quantizers this sim does not have: {', '.join(unknown[:3])}")

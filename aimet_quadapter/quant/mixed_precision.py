@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from aimet_quadapter.quant.quantizers import fast_inference, quantizers, shared_activation_groups
+from aimet_quadapter.quant.quantizers import fast_inference, quantizers, quantizers_by_name, shared_activation_groups
 
 # the index of a repeated block in a module path: "lm.model.layers.3.mlp" / "lm.transformer.h.11.attn"
 _BLOCK = re.compile(r"^.*?\.\d+\.")
@@ -67,7 +67,7 @@ def bit_sensitivity(
     Each kind is set to ``bits`` alone (its ranges kept: a min-max range does not depend on the bit-width)
     and put back. ``fp_loss`` is the FP model's loss on ``held_out``, the floor a kind's row is compared with.
     """
-    found = {f"{path}.{role}": q for path, role, q in quantizers(sim_model)}
+    found = quantizers_by_name(sim_model)
 
     def loss() -> float:
         with torch.no_grad(), fast_inference(sim_model):

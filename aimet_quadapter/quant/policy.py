@@ -51,6 +51,7 @@ from aimet_quadapter.quant.quantizers import (
     calibration_passes,
     matching_quantizers,
     quantizers,
+    quantizers_by_name,
     quantizers_in,
     refresh_prefix,
     shared_activation_groups,
@@ -229,7 +230,7 @@ def tie_shared_ranges(sim_model: nn.Module) -> list[list[str]]:
     exports as it is. Under ``htp`` AIMET's placement already leaves one quantizer on such tensors.
     Returns the tied groups.
     """
-    found = {f"{path}.{role}": q for path, role, q in quantizers(sim_model)}
+    found = quantizers_by_name(sim_model)
     groups = shared_activation_groups(sim_model)
     for keys in groups:
         first, *others = (found[k] for k in keys)
@@ -286,7 +287,7 @@ def apply_bit_overrides(sim_model: nn.Module, policy: QuantPolicy) -> dict[str, 
     pairs = policy.overrides()
     if not pairs:
         return {}
-    found = {f"{path}.{role}": q for path, role, q in quantizers(sim_model)}
+    found = quantizers_by_name(sim_model)
     bits: dict[str, int] = {}
     for width, hits in matching_quantizers(found, pairs, "policy.bit_overrides"):
         bits.update(dict.fromkeys(hits, width))

@@ -50,6 +50,11 @@ def quantizers(model: nn.Module) -> Iterator[tuple[str, str, QuantizeDequantize]
                 yield path, role, q
 
 
+def quantizers_by_name(model: nn.Module) -> dict[str, QuantizeDequantize]:
+    """Every quantizer of ``model`` by the name its settings and saved states use: ``<module path>.<role>``."""
+    return {f"{path}.{role}": q for path, role, q in quantizers(model)}
+
+
 def name_matches(name: str, pattern: str) -> bool:
     """``*`` (any text) and ``?`` (one character) wildcards, everything else literal: quantizer names hold
     brackets (``input[0]``) that fnmatch would read as a character class."""
