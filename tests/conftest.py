@@ -230,6 +230,7 @@ TWINS = (
     # the device graph of the llama toy with a prefix stays quick: the same graph and more (the prefix's cache)
     "test_device_check.py::test_the_device_graph_holds_the_residual_streams_encodings_and_names_the_rest[llama]",
     "test_device_check.py::test_the_device_graph_scores_near_the_sim[llama]",
+    "test_device_check.py::test_the_verdict_is_the_exports_own_band[llama]",
     "test_device_check.py::test_the_loaded_encodings_are_the_ones_it_runs_with[llama]",
     "test_device_check.py::test_every_tensor_it_counts_as_covered_runs_quantized[llama]",
     "test_device_check.py::test_the_loaded_graph_goes_once_the_simulation_holds_its_own[llama]",

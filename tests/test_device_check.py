@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import re
 import shutil
+import types
 
 import numpy as np
 import pytest
@@ -132,6 +134,18 @@ def test_the_device_graph_scores_near_the_sim(checked):
     assert abs(report["ppl"] / fp - 1) > QUANTIZED  # a quantized graph, not the FP one
 
 
+def test_the_verdict_is_the_exports_own_band(checked, tmp_path, caplog):
+    _, corpus, out, report = checked
+    assert report["within_band"] == (report["ppl_rel_diff"] <= report["allowed_rel_diff"])
+    assert report["within_band"]  # an htp sim's export: every tensor the sim quantizes carries its encoding
+    # the same graph against a sim that scored twice its perplexity: outside the band, said in a warning
+    sim = _Report(2 * report["sim_ppl"], report["allowed_rel_diff"])
+    with caplog.at_level(logging.WARNING, logger="aimet_quadapter"):
+        far = DeviceGraphCheck(list(corpus[:4])).verify(None, tmp_path, _windows(corpus[8:10]), sim, out)
+    assert not far["within_band"] and far["ppl_rel_diff"] == pytest.approx(0.5, abs=0.05)
+    assert "outside the band" in caplog.text
+
+
 def test_the_loaded_encodings_are_the_ones_it_runs_with(checked, tmp_path):
     """A residual sum's encoding made 50 times coarser in the export moves the device graph's perplexity: the
     encodings are loaded and stay frozen through the simulation's own calibration."""
@@ -149,9 +163,12 @@ def test_the_loaded_encodings_are_the_ones_it_runs_with(checked, tmp_path):
 
 
 class _Report:
-    def __init__(self, sim_ppl: float):
+    """The export's verification as the device check reads it."""
+
+    def __init__(self, sim_ppl: float, ppl_bound: float = 0.0):
         self.sim_ppl = sim_ppl
-        self.sim_floor = type("Floor", (), {"ppl_rel_diff": 0.0})()
+        self.sim_floor = types.SimpleNamespace(ppl_rel_diff=0.0)
+        self.ppl_bound = ppl_bound
 
 
 def _windows(rows):

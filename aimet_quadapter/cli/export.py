@@ -231,7 +231,8 @@ def _print_device_check(d: dict) -> None:
         )
     print(
         f"  perplexity {d['ppl']:.4f} vs sim {d['sim_ppl']:.4f} (rel. diff {d['ppl_rel_diff']:.1e}; the sim's own "
-        f"float32 noise {d['sim_float_noise']:.1e}); all encodings it ran with: device_check/device.encodings"
+        f"float32 noise {d['sim_float_noise']:.1e}): {'within' if d['within_band'] else 'OUTSIDE'} the export's "
+        f"band {d['allowed_rel_diff']:.1e}; all encodings it ran with: device_check/device.encodings"
     )
     if "sim_ppl_aimet_onnx_rounding" in d:
         print(

@@ -31,6 +31,7 @@ import torch
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.formats import ENCODINGS, FP_ONNX, INPUT_NAME
 from aimet_quadapter.export.onnx_eval import read_encodings
+from aimet_quadapter.logs import log
 from aimet_quadapter.memory import release_freed_memory, trim_heap
 from aimet_quadapter.quant.aimet_private import (
     HTP_VERSION,
@@ -265,7 +266,23 @@ class DeviceGraphCheck:
             "sim_ppl": report.sim_ppl,
             "ppl_rel_diff": abs(ppl / report.sim_ppl - 1),
             "sim_float_noise": report.sim_floor.ppl_rel_diff,  # the sim against itself, one ulp apart
+            # the band the export holds its own ONNX graphs to: a device graph outside it is not what the sim scored
+            "allowed_rel_diff": report.ppl_bound,
         }
+        entry["within_band"] = entry["ppl_rel_diff"] <= report.ppl_bound
+        if not entry["within_band"]:
+            log.warning(
+                "the device graph's perplexity %.4f is %.1e from the sim's %.4f, outside the band %.1e: the device "
+                "will not compute what the sim scored%s",
+                ppl,
+                entry["ppl_rel_diff"],
+                report.sim_ppl,
+                report.ppl_bound,
+                f" ({len(coverage.missing)} activation tensor(s) without this package's encoding: a target whose "
+                "sim quantizes them, such as htp, covers them)"
+                if coverage.missing
+                else "",
+            )
         if self.prompts:
             entry["prompts"] = answers
         if rounded is not None:

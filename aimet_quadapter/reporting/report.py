@@ -452,6 +452,11 @@ def export_section(results: dict) -> list[str]:
     v = e["verification"]
     share = d["with_encoding"] / max(d["activation_tensors"], 1)
     rounded = d.get("sim_ppl_aimet_onnx_rounding")
+    verdict = (  # the band the export holds its own ONNX graphs to; a check of 0.1.0 before it recorded none
+        f", {'within' if d['within_band'] else '**outside**'} the export's band {d['allowed_rel_diff']:.1e}"
+        if "within_band" in d
+        else ""
+    )
     parts += [
         f"The device graph in {d['simulator']}: {d['with_encoding']} of {d['activation_tensors']} quantized "
         f"activation tensors carry this package's encoding ({share:.1%}); the rest were calibrated on "
@@ -466,25 +471,28 @@ def export_section(results: dict) -> list[str]:
             if rounded
             else []
         ),
-        f"| **the device graph** | {_fmt(d['ppl'])} | {d['ppl'] / d['sim_ppl'] - 1:+.1e} |",
+        f"| **the device graph** | {_fmt(d['ppl'])} | {d['ppl'] / d['sim_ppl'] - 1:+.1e}{verdict} |",
         "",
     ]
-    answers = d.get("prompts") or []
-    if answers:
-        parts += [
-            "Prompts answered greedily, the FP model beside the device graph; top-1: how often the device graph's "
-            "most likely next token is the FP model's along the FP model's answer.",
-            "",
-            "| prompt | FP model | device graph | top-1 |",
-            "| --- | --- | --- | ---: |",
-            *[
-                f"| {_cell_text(a['prompt_text'])} | {_cell_text(a['fp_text'])} | {_cell_text(a['device_text'])} "
-                f"| {a['top1']:.0%} |"
-                for a in answers
-            ],
-            "",
-        ]
-    return parts
+    return parts + _prompts_table(d.get("prompts") or [])
+
+
+def _prompts_table(answers: list[dict]) -> list[str]:
+    if not answers:
+        return []
+    return [
+        "Prompts answered greedily, the FP model beside the device graph; top-1: how often the device graph's "
+        "most likely next token is the FP model's along the FP model's answer.",
+        "",
+        "| prompt | FP model | device graph | top-1 |",
+        "| --- | --- | --- | ---: |",
+        *[
+            f"| {_cell_text(a['prompt_text'])} | {_cell_text(a['fp_text'])} | {_cell_text(a['device_text'])} "
+            f"| {a['top1']:.0%} |"
+            for a in answers
+        ],
+        "",
+    ]
 
 
 def _cell_text(text: str) -> str:
