@@ -452,11 +452,8 @@ def export_section(results: dict) -> list[str]:
     v = e["verification"]
     share = d["with_encoding"] / max(d["activation_tensors"], 1)
     rounded = d.get("sim_ppl_aimet_onnx_rounding")
-    verdict = (  # the band the export holds its own ONNX graphs to; a check of 0.1.0 before it recorded none
-        f", {'within' if d['within_band'] else '**outside**'} the export's band {d['allowed_rel_diff']:.1e}"
-        if "within_band" in d
-        else ""
-    )
+    within = d["ppl_rel_diff"] <= v["ppl_bound"]  # the band the export holds its own ONNX graphs to
+    verdict = f", {'within' if within else '**outside**'} the export's band {v['ppl_bound']:.1e}"
     parts += [
         f"The device graph in {d['simulator']}: {d['with_encoding']} of {d['activation_tensors']} quantized "
         f"activation tensors carry this package's encoding ({share:.1%}); the rest were calibrated on "
