@@ -137,7 +137,7 @@ def test_the_device_graph_scores_near_the_sim(checked):
 def test_the_verdict_is_the_exports_own_band(checked, tmp_path, caplog):
     _, corpus, out, report = checked
     assert report["within_band"] == (report["ppl_rel_diff"] <= report["allowed_rel_diff"])
-    assert report["within_band"]  # an htp sim's export: every tensor the sim quantizes carries its encoding
+    assert report["within_band"]  # a toy htp export: the device graph computes what the sim scored
     # the same graph against a sim that scored twice its perplexity: outside the band, said in a warning
     sim = _Report(2 * report["sim_ppl"], report["allowed_rel_diff"])
     with caplog.at_level(logging.WARNING, logger="aimet_quadapter"):
