@@ -48,7 +48,11 @@ def checked(request, tmp_path_factory):
         model,
         corpus,
         out,
-        {**result.manifest["device_check"], "propagated": result.manifest["encodings_propagated"]},
+        {
+            **result.manifest["device_check"],
+            "propagated": result.manifest["encodings_propagated"],
+            "ppl_bound": result.manifest["verification"]["ppl_bound"],
+        },
     )
 
 
@@ -136,10 +140,10 @@ def test_the_device_graph_scores_near_the_sim(checked):
 
 def test_the_verdict_is_the_exports_own_band(checked, tmp_path, caplog):
     _, corpus, out, report = checked
-    assert report["within_band"] == (report["ppl_rel_diff"] <= report["allowed_rel_diff"])
+    assert report["within_band"] == (report["ppl_rel_diff"] <= report["ppl_bound"])
     assert report["within_band"]  # a toy htp export: the device graph computes what the sim scored
     # the same graph against a sim that scored twice its perplexity: outside the band, said in a warning
-    sim = _Report(2 * report["sim_ppl"], report["allowed_rel_diff"])
+    sim = _Report(2 * report["sim_ppl"], report["ppl_bound"])
     with caplog.at_level(logging.WARNING, logger="aimet_quadapter"):
         far = DeviceGraphCheck(list(corpus[:4])).verify(None, tmp_path, _windows(corpus[8:10]), sim, out)
     assert not far["within_band"] and far["ppl_rel_diff"] == pytest.approx(0.5, abs=0.05)

@@ -177,7 +177,7 @@ def _print_summary(args, result, prefix: int) -> None:
     if "kv" in m:
         _print_kv(m["kv"])
     if "device_check" in m:
-        _print_device_check(m["device_check"])
+        _print_device_check(m["device_check"], v.ppl_bound)
     if "hf" in m:
         print("Hugging Face checkpoint (hf/), loaded again with from_pretrained into a fresh sim, ranges from")
         for a in m["hf"]["verification"]:
@@ -215,7 +215,7 @@ def _print_verification(v) -> None:
         )
 
 
-def _print_device_check(d: dict) -> None:
+def _print_device_check(d: dict, ppl_bound: float) -> None:
     total, covered, missing = d["activation_tensors"], d["with_encoding"], d["without_encoding"]
     print(
         f"device graph ({d['simulator']}): {covered} of {total} quantized activation tensors "
@@ -232,7 +232,7 @@ def _print_device_check(d: dict) -> None:
     print(
         f"  perplexity {d['ppl']:.4f} vs sim {d['sim_ppl']:.4f} (rel. diff {d['ppl_rel_diff']:.1e}; the sim's own "
         f"float32 noise {d['sim_float_noise']:.1e}): {'within' if d['within_band'] else 'OUTSIDE'} the export's "
-        f"band {d['allowed_rel_diff']:.1e}; all encodings it ran with: device_check/device.encodings"
+        f"band {ppl_bound:.1e}; all encodings it ran with: device_check/device.encodings"
     )
     if "sim_ppl_aimet_onnx_rounding" in d:
         print(
