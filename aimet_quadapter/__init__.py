@@ -1,18 +1,11 @@
-"""Quadapter (Park et al., EMNLP 2022 Findings) as an AIMET quantization technique.
-
-The entry points a user meets first: :func:`aimet_quadapter.quadapter.apply_quadapter` (next to AIMET's
-``apply_adaround`` and ``apply_seq_mse``), :func:`aimet_quadapter.quant.policy.build_sim`, and
-:func:`aimet_quadapter.models.load_model`. Nothing heavy is imported here: ``import aimet_torch``
-alone takes seconds, and the command line validates its arguments first.
-"""
+"""Quadapter (Park et al., EMNLP 2022 Findings) as an AIMET quantization technique; nothing heavy is imported here."""
 
 import os
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-# Read by torch's CPU allocator at its first allocation: each block of 2 MiB or more is then backed by transparent
-# huge pages. Phase 2 maps its large activations afresh at every pass (memory.MAPPED_BLOCK_BYTES), and each faults
-# in 2 MiB at a time instead of 4 KiB. The same values; 0 keeps 4 KiB pages. Imported after torch, this is too late.
+# read at torch's first CPU allocation (so only before torch is imported): large blocks on transparent huge pages,
+# so phase 2's freshly mapped activations fault in 2 MiB at a time; 0 keeps 4 KiB pages
 if Path("/sys/kernel/mm/transparent_hugepage/enabled").is_file():
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 

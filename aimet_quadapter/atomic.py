@@ -11,9 +11,7 @@ import psutil
 
 
 def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
-    """Call ``write(tmp)`` on a temporary file of this process beside ``path``, flush it to disk, then rename it
-    over ``path`` (atomic on one filesystem): a killed writer leaves the old file or the new one, and two writers
-    never write into one temporary file. Temporary files that killed writers left for ``path`` are removed."""
+    """Call ``write(tmp)`` on a temporary file beside ``path``, flush it, then rename it over ``path``."""
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(name)

@@ -1,5 +1,4 @@
-"""This package's cache folder: what is slow to compute and a pure function of what it is keyed on (a tokenizer
-converted from a GGUF vocabulary, a data-free fit of transforms to a model's weights). Deleting it loses time only."""
+"""This package's cache folder, for what is slow to compute and a pure function of its key: deleting it loses time."""
 
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ CACHE_ENV = "AIMET_QUADAPTER_CACHE"
 
 
 def cache_root() -> Path:
-    """``$AIMET_QUADAPTER_CACHE``, else ``$XDG_CACHE_HOME/aimet-quadapter`` (``~/.cache/aimet-quadapter``), where pip
-    and the Hugging Face hub keep theirs."""
+    """``$AIMET_QUADAPTER_CACHE``, else ``$XDG_CACHE_HOME/aimet-quadapter`` (``~/.cache/aimet-quadapter``)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aimet-quadapter"

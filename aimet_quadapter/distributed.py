@@ -1,10 +1,4 @@
-"""Data parallelism through torch.distributed, for phase 2, QAT and evaluation (``torchrun``).
-
-The recipe stays the same: a step's global batch is split across the ranks, gradients of everything
-trained (alpha, quantizer ranges, weights) are averaged with an all-reduce, and evaluation windows are
-shared out and their NLL summed. So N processes compute what one process computes, up to float
-rounding. Without an initialised process group every function here is a no-op.
-"""
+"""Data parallelism under ``torchrun``; without an initialised process group every function here is a no-op."""
 
 from __future__ import annotations
 
@@ -72,8 +66,7 @@ def _buckets(grads: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
 
 
 def average_gradients(params: Iterable[torch.nn.Parameter]) -> None:
-    """Average the gradients over the ranks, bucketed as DDP does: one all-reduce per few MB of gradients,
-    not one per parameter (hundreds of round trips a step with range learning or QAT)."""
+    """Average the gradients over the ranks, one all-reduce per few MB of gradients (as DDP buckets them)."""
     _, world = rank_and_world()
     if world == 1:
         return
@@ -95,11 +88,7 @@ def average_gradients(params: Iterable[torch.nn.Parameter]) -> None:
 
 def mean_over_ranks(value: float) -> float:
     _, world = rank_and_world()
-    if world == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.item() / world
+    return value if world == 1 else sum_over_ranks(value)[0] / world
 
 
 def sum_over_ranks(*values: float) -> tuple[float, ...]:

@@ -2,11 +2,8 @@
 
 
 class QuadapterError(Exception):
-    """A problem the user can fix (a bad option, a missing file, an unreachable hub).
-
-    The CLI prints its message on one line and exits with status 2, without a traceback:
-    the message itself must name the bad field, file or model and say what to do.
-    """
+    """A problem the user can fix; the CLI prints its message on one line (it must name the bad field, file or model
+    and say what to do) and exits with status 2."""
 
 
 class TrainingDiverged(QuadapterError):

@@ -1,9 +1,4 @@
-"""The package's messages go through :mod:`logging`, under the logger ``aimet_quadapter``.
-
-The command line shows them on stderr at the level ``--verbose`` / ``--quiet`` set (:func:`configure`); a run
-also keeps them, with times and at every level, in ``run.log`` of its folder (:func:`log_file`). Used as a
-library, the package says nothing below a warning unless the caller configures logging.
-"""
+"""The package's messages (logger ``aimet_quadapter``); as a library, nothing below a warning unless configured."""
 
 from __future__ import annotations
 
@@ -29,8 +24,7 @@ class _ConsoleHandler(logging.Handler):
 
 
 def configure(verbosity: int = 0) -> None:
-    """Show the package's messages on stderr: ``-1`` warnings and errors only, ``0`` what a run is doing, ``1``
-    everything (debug)."""
+    """Show the package's messages on stderr: ``-1`` warnings and errors, ``0`` what a run is doing, ``1`` debug."""
     level = logging.WARNING if verbosity < 0 else logging.INFO if verbosity == 0 else logging.DEBUG
     for handler in [h for h in log.handlers if isinstance(h, _ConsoleHandler)]:
         log.removeHandler(handler)

@@ -14,17 +14,15 @@ import psutil
 from torch import nn
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-# above this size of weights memory, not time, decides whether a run fits: the package then trades time for
-# memory (weights spilled to disk while their quantized copies serve, large blocks mapped)
+# above this size of weights memory, not time, decides whether a run fits: the package trades time for memory
 LARGE_WEIGHTS_BYTES = 1 << 30
-# the blocks glibc maps rather than cuts from its heap: from this size for any model (the attention scores and
-# MLP activations of a 1,024-token window), from 1 MiB for models of over LARGE_WEIGHTS_BYTES
+# the blocks glibc maps rather than cuts from its heap: from this size (a 1,024-token window's attention scores and
+# MLP activations), or 1 MiB over LARGE_WEIGHTS_BYTES
 MAPPED_BLOCK_BYTES = 4 << 20
-# while a pass keeps nothing for a backward pass (evaluation, calibration), its blocks up to this size are cut
-# from the heap and reused: mapping each one costs page faults and zeroed pages at every allocation
+# without a backward pass, blocks up to this size are reused from the heap instead of mapped afresh: mapping each
+# costs page faults and zeroed pages at every allocation
 REUSED_BLOCK_BYTES = 64 << 20
-# ... and the heap gives back what they free only past this much: a layer's blocks, freed together at its end,
-# would otherwise be faulted in again by the next layer
+# ... and the heap gives back what they free only past this much, so the next layer need not fault them in again
 REUSED_HEAP_BYTES = 1 << 30
 _threshold: int | None = None  # what map_large_blocks last set (glibc has no getter)
 
@@ -36,31 +34,26 @@ def _libc():
 
 
 def release_freed_memory() -> None:
-    """Collect garbage, then ask glibc's allocator to return its free pages: after an ONNX export or an
-    onnxruntime session, hundreds of MB freed by Python or C++ otherwise stay in the process's arenas and
-    add to the next step's peak."""
+    """Collect garbage, then ask glibc's allocator to return its free pages, which would add to the next peak: after
+    an ONNX export or an onnxruntime session, what Python or C++ freed otherwise stays in the process's arenas."""
     gc.collect()
     trim_heap()
 
 
 def trim_heap() -> None:
-    """Ask glibc's allocator to return its free heap pages, without a garbage collection: cheap enough for
-    every pass of a training step, whose activations, freed in its backward pass, otherwise stay resident
-    beside the next pass's."""
+    """Ask glibc's allocator to return its free heap pages, without a garbage collection: cheap for every pass, whose
+    activations, freed in its backward pass, otherwise stay resident beside the next pass's."""
     trim = getattr(_libc(), "malloc_trim", None)  # glibc only
     if trim is not None:
         trim(0)
 
 
 def map_large_blocks(threshold: int = 1 << 20) -> bool:
-    """Have glibc serve every block of ``threshold`` bytes or more that its heap's free chunks cannot serve from
-    a mapping of its own, unmapped when freed; whether the allocator took it (glibc only).
+    """Have glibc map every block of ``threshold`` bytes or more, so the threshold stops rising; whether it took it.
 
-    By default glibc raises that threshold, up to 32 MiB, each time it frees a mapped block: after the first
-    large tensors come and go, the 4-32 MB activations of a training step are cut from its heap instead, and
-    the holes they leave there stay resident and add to every later peak. Mapping costs page faults at every
-    allocation: MAPPED_BLOCK_BYTES for any model, the default for models whose weights, not their speed,
-    decide whether they fit."""
+    glibc's own threshold rises (up to 32 MiB) each time it frees a mapped block: a training step's large activations
+    are then cut from its heap, and the holes they leave stay resident and add to every later peak. Mapping costs
+    page faults at every allocation: hence MAPPED_BLOCK_BYTES for any model, this default only for large ones."""
     global _threshold
     mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None or mallopt(M_MMAP_THRESHOLD, threshold) != 1:
@@ -73,13 +66,10 @@ def map_large_blocks(threshold: int = 1 << 20) -> bool:
 
 @contextmanager
 def heap_reused(threshold: int = REUSED_BLOCK_BYTES, head: nn.Module | None = None) -> Iterator[None]:
-    """Inside, glibc serves blocks below ``threshold`` from its heap, and keeps what they free there (up to
-    REUSED_HEAP_BYTES), where their memory is reused from one op and one forward pass to the next, instead of
-    mapping each and giving it back; on exit the threshold :func:`map_large_blocks` set comes back and the heap's
-    free pages go back to the system. For passes without a backward pass: what they free is freed whole, and
-    leaves no holes that a training step's peak would add to. ``head``: a module (an LM's head) before which the
-    free pages go back at every pass, so that what the layers reused does not sit beside its larger output. Only
-    where :func:`map_large_blocks` set a lower threshold (glibc's own rises by itself)."""
+    """For passes without a backward pass, where :func:`map_large_blocks` set a lower threshold: blocks below
+    ``threshold`` reused from the heap inside, the free pages given back on exit and before ``head`` at every pass.
+    Such passes free what they take whole, leaving no holes a training step's peak would add to; ``head`` (an LM's
+    head): so that what the layers reused does not sit beside its larger output."""
     before = _threshold
     if before is None or before >= threshold:
         yield
@@ -97,9 +87,9 @@ def heap_reused(threshold: int = REUSED_BLOCK_BYTES, head: nn.Module | None = No
 
 
 class PeakRSS:
-    """The peak resident memory of the process while a block runs, in KiB: sampled every ``interval`` seconds
-    on a thread, because resetting the kernel's high-water mark instead would also reset what ``getrusage`` and
-    GNU time report for the whole process. A spike shorter than the interval can be missed."""
+    """The process's peak resident memory (KiB) while a block runs, sampled every ``interval`` seconds on a thread:
+    resetting the kernel's high-water mark instead would also reset what ``getrusage`` and GNU time report for the
+    whole process. A spike shorter than the interval can be missed."""
 
     def __init__(self, interval: float = 0.1):
         self.interval = interval

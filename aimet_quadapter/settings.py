@@ -1,11 +1,4 @@
-"""Settings declared once: each parameter class is a pydantic model whose fields carry their default, bounds,
-choices and help, and whether they change a result.
-
-A recipe's sections are these classes (``running/recipes.py``), the command line's options are generated from
-their fields (``cli/app.py``) and the run fingerprints read them (:func:`result_view`): a bound, a help text or a
-field's part in a result is written in one place. Built in Python with a bad value, a class raises
-:class:`QuadapterError` naming ``section.field``, as a recipe names it.
-"""
+"""Settings declared once, as pydantic models whose fields carry default, bounds, choices, help and part in a result."""
 
 from __future__ import annotations
 
@@ -30,8 +23,7 @@ _in_schema: ContextVar[bool] = ContextVar("in_schema", default=False)
 
 @contextmanager
 def validating_a_schema() -> Iterator[None]:
-    """While inside, a bad value of these classes raises pydantic's ``ValidationError``, whose location a larger
-    schema (a recipe) names, instead of :class:`QuadapterError`."""
+    """While inside, a bad value raises pydantic's ``ValidationError`` (for a recipe to locate), not QuadapterError."""
     token = _in_schema.set(True)
     try:
         yield
@@ -51,13 +43,8 @@ def setting(
     finite: bool = True,
     default_factory: Any = None,
 ) -> Any:
-    """A field with its bounds (``None`` always allowed) and help text; choices are the field's ``Literal`` type.
-
-    ``result=False``: the field changes how a result is computed (memory, checkpoints), not the result, so
-    it stays out of run fingerprints. ``before``: for a field added after run folders existed, the value
-    that computes what those runs computed; at that value the field stays out of fingerprints too, so the
-    old folders' cells are not computed again. ``finite=False`` admits an infinite or NaN float.
-    """
+    """A field with its bounds (``None`` always allowed) and help. ``result=False``: out of run fingerprints (it changes
+    how, not what); ``before``: the value older runs computed with (out at it too); ``finite=False``: inf, NaN ok."""
     extra = {"result": result, "finite": finite, **({"before": before} if before is not _MISSING else {})}
     kwargs: dict[str, Any] = {"description": help or None, "ge": ge, "gt": gt, "le": le, "json_schema_extra": extra}
     if default_factory is not None:
@@ -101,7 +88,7 @@ def _first_error(section: str, error: ValidationError) -> str:
     if kind == "finite_number":
         return f"{where} must be a finite number, got {value!r}"
     context = first.get("ctx") or {}
-    for key, sign in (("ge", ">="), ("gt", ">"), ("le", "<=")):
+    for key, sign in _BOUNDS.items():
         if key in context:
             return f"{where} must be {sign} {context[key]}, got {value!r}"
     if kind == "literal_error":
@@ -127,13 +114,9 @@ def default_of(field: FieldInfo) -> Any:
 
 def bounds(field: FieldInfo) -> dict[str, float]:
     """The bounds of ``field`` that are set, by pydantic's names (``ge``, ``gt``, ``le``)."""
-    out = {}
-    for item in field.metadata:
-        for key in _BOUNDS:
-            value = getattr(item, key, None)
-            if value is not None:
-                out[key] = value
-    return out
+    return {
+        key: getattr(item, key) for item in field.metadata for key in _BOUNDS if getattr(item, key, None) is not None
+    }
 
 
 def choices(field: FieldInfo) -> tuple[Any, ...] | None:
@@ -145,26 +128,20 @@ def choices(field: FieldInfo) -> tuple[Any, ...] | None:
 
 
 def result_view(source: type[BaseModel], values: Mapping[str, Any]) -> dict[str, Any]:
-    """``values`` (a section of ``source``'s fields) less what leaves a result unchanged: the fields declared
-    ``result=False``, and those added later that hold their ``before`` value."""
+    """``values`` (of ``source``'s fields) less those declared ``result=False`` or at their ``before`` value."""
     extras = {name: extra_of(f) for name, f in source.model_fields.items()}
     out = {}
     for name, value in values.items():
         extra = extras.get(name, {})
-        if not extra.get("result", True):
-            continue
-        if "before" in extra and value == extra["before"]:
-            continue
-        out[name] = value
+        if extra.get("result", True) and not ("before" in extra and value == extra["before"]):
+            out[name] = value
     return out
 
 
 def pattern_entries(
     entries: tuple[str, ...], field: str, form: str, value: Callable[[str], Any]
 ) -> list[tuple[str, Any]]:
-    """``PATTERN=VALUE`` entries as (pattern, value) pairs, in order; ``value`` converts the text after the last
-    ``=`` (a ValueError from it names the entry); ``form`` (e.g. ``'PATTERN=BITS'``) and an example name the
-    form a malformed entry lacks."""
+    """``PATTERN=VALUE`` entries as (pattern, value) pairs; ``value`` converts the text after the last ``=``."""
     pairs = []
     for i, entry in enumerate(entries):
         pattern, sep, text = str(entry).rpartition("=")

@@ -1,15 +1,4 @@
-"""Small models that quantization really hurts, for tests, benchmarks and smoke runs.
-
-Real GPT-2 weights are not available offline, and a randomly initialised model has no activation
-outliers. :func:`plant_outliers` gives it some without changing its FP function: at every norm site a
-few channels of the norm's output are scaled up by ``factor`` and the consumers' columns down by the
-same factor (a fold of a deliberately bad alpha). Per-tensor 8-bit activations then lose the other
-channels, as in GPT-2, and a Quadapter has something real to undo.
-
-:func:`sample_corpus` draws token sequences from the FP model itself, so that the FP model is the
-best predictor of that text in expectation: any quantization error can only raise the expected
-perplexity (by the KL divergence), which makes perplexity orderings testable on a random model.
-"""
+"""Small models that quantization really hurts (planted outlier channels), and text they sample, for tests."""
 
 from __future__ import annotations
 
@@ -20,7 +9,7 @@ from aimet_quadapter.quadapter.adapter import QuadapterSet
 
 
 def plant_outliers(model: PreparedLM, factor: float = 40.0, channels: int = 3, seed: int = 0) -> list[int]:
-    """Scale ``channels`` random channels of every norm site's output by ``factor`` (FP function kept)."""
+    """Scale ``channels`` random channels of every norm site's output by ``factor``, keeping the FP function."""
     generator = torch.Generator().manual_seed(seed)
     qset = QuadapterSet(model, [s for s in model.sites(extra=False)])
     hidden = next(iter(qset)).theta.numel()
@@ -45,8 +34,7 @@ def toy_model(family: str = "gpt2", factor: float = 40.0, seed: int = 0, **confi
 def sample_corpus(model: PreparedLM, num: int, length: int, seed: int = 0, temperature: float = 1.0) -> torch.Tensor:
     """``num`` sequences of ``length`` tokens sampled from ``model``, shape (num, length)."""
     generator = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (num, 1), generator=generator)
+    ids = torch.randint(0, model.config.vocab_size, (num, 1), generator=generator)
     for _ in range(length - 1):
         logits = model(ids)[:, -1, :] / temperature
         nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)

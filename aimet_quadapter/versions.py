@@ -9,8 +9,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-# the float arithmetic, the quantizers, the model code and this package: another version of one can move a
-# perplexity in its last digits (torch 2.14 and 2.15 do)
+# another version of one can move a perplexity in its last digits
 DEPENDENCIES = ("aimet-quadapter", "aimet-torch", "torch", "transformers", "onnx", "onnxruntime")
 SOURCE = "aimet-quadapter source"
 _PACKAGE = Path(__file__).resolve().parent
@@ -23,8 +22,7 @@ def library_versions() -> dict[str, str]:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             versions[dist] = "not installed"
-    # the package's version stays put while its code changes under it: two cells of one run folder computed by
-    # different code are told apart by this, with or without git
+    # the package's version stays put while its code changes: this tells cells computed by different code apart
     versions[SOURCE] = source_hash()
     return versions
 

@@ -12,9 +12,9 @@ from aimet_quadapter.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 # FP32 is evaluated in float32 only: another CPU's BLAS moves it in the fourth digit at most. PTQ calibrates on
-# text the model samples (seed 0's, as the README's row); another CPU re-draws the all-8-bit sim's rounding
-# (docs/results.md, "Another CPU or thread count"), so its row holds within a few percent, not digits.
-FP32_REL, PTQ_REL = 1e-3, 0.05
+# text the model samples (seed 0's, as the README's row); another CPU re-draws the all-8-bit sim's rounding, and
+# this row, far from FP32, moves most of all (docs/results.md, "Another CPU or thread count"): within 10 %, not digits.
+FP32_REL, PTQ_REL = 1e-3, 0.10
 
 
 def _readme_row(label: str) -> tuple[tuple[float, float, float], ...]:

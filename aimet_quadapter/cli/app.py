@@ -1,10 +1,5 @@
-"""The ``aimet-quadapter`` command line.
-
-Settings are not restated here: the options of the parameter sections (``--phase1-steps``,
-``--policy-weight-bits``, ...) are generated from the dataclass fields that define them
-(:mod:`aimet_quadapter.settings`), and ``eval`` builds a recipe in memory and runs it through the same
-runner as ``run``, so both validate, run and write ``results.json`` the same way.
-"""
+"""The ``aimet-quadapter`` command line: the settings' options are generated from the recipe's sections, and ``eval``
+builds a recipe in memory and runs it through the same runner as ``run``."""
 
 from __future__ import annotations
 
@@ -42,8 +37,7 @@ _PREFIX = "section:"
 
 
 def _sections() -> list[tuple[str, type[BaseModel], tuple[str, ...]]]:
-    """The recipe's parameter sections, less the fields that are no option (the runner puts checkpoints in
-    the run folder)."""
+    """The recipe's parameter sections, less the fields that are no option."""
     from aimet_quadapter.running.recipes import parameter_sections
 
     not_options = {"execution": ("checkpoint_dir",)}
@@ -141,12 +135,11 @@ def _eval_recipe(args: argparse.Namespace) -> Recipe:
     """The recipe ``eval``'s options describe, validated like a file's (errors name the recipe field)."""
     from aimet_quadapter.running.recipes import validate_recipe
 
-    methods = [m.strip() for m in (args.methods or "fp,ptq").split(",") if m.strip()]
     calib = args.calib_dataset or args.dataset[0]
     raw: dict[str, Any] = {
         "name": "eval",
         "model": args.model,
-        "methods": methods,
+        "methods": [m.strip() for m in (args.methods or "fp,ptq").split(",") if m.strip()],
         "calibration": {"dataset": calib},
         "fid": [args.finetune_dataset or calib],
         "eval": {"datasets": list(args.dataset), "split": args.split},
@@ -172,8 +165,7 @@ def _eval_recipe(args: argparse.Namespace) -> Recipe:
 
 
 def _eval_prefix(args: argparse.Namespace) -> str | None:
-    """The recipe's ``prefix`` for ``eval``: by default the model's own under htp, whose static ranges the first
-    token's outsized activations would otherwise set; none under the paper's placement, as its tables had none."""
+    """``eval``'s recipe ``prefix``: by default the model's own under htp (lest the first token set its ranges)."""
     from aimet_quadapter.models.prefix import AUTO_PREFIX
 
     if args.prefix is None:
@@ -262,12 +254,11 @@ def _eval_export(args: argparse.Namespace) -> int:
     from aimet_quadapter.running.recipes import EvalSection
     from aimet_quadapter.running.results_file import FORMAT
 
-    defaults = EvalSection.model_fields
     score = eval_exported(
         args.model,
         args.dataset,
         args.split,
-        args.seq_len or defaults["seq_len"].default,
+        args.seq_len or EvalSection.model_fields["seq_len"].default,
         args.stride,
         args.max_tokens,
         progress=not args.no_progress,
@@ -390,7 +381,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Quadapter quantization of GPT-2, Llama, Mistral, Qwen, Phi-3 and Gemma language models on AIMET",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    # one helper a command, in the order `--help` lists them
     _add_eval_command(sub)
     _add_describe_command(sub)
     _add_sensitivity_command(sub)
@@ -403,7 +393,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_eval_command(sub: SubParsers) -> None:
-    """`eval`: a recipe built from the options, run like `run`."""
     p = sub.add_parser(
         "eval",
         help="perplexity of methods on datasets: a recipe built from the options, run like `run`",
@@ -443,7 +432,6 @@ def _add_eval_command(sub: SubParsers) -> None:
 
 
 def _add_describe_command(sub: SubParsers) -> None:
-    """`describe`: every quantizer of the sim and every Quadapter site."""
     p = sub.add_parser("describe", help="list every quantizer of the sim and every Quadapter site")
     _add_model_option(p)
     p.add_argument("--no-extra-sites", action="store_true", help="list only the paper's norm -> linear sites")
@@ -456,8 +444,7 @@ def _add_describe_command(sub: SubParsers) -> None:
 
 
 def _sensitivity_state(args: argparse.Namespace, policy: dict[str, Any]) -> QuadapterState | None:
-    """``--state``'s state, checked against ``--model``; its own policy and ranges exclude the options that set
-    them."""
+    """``--state``'s state, checked against ``--model``; it excludes the options that set a policy or ranges."""
     if not args.state:
         return None
     from aimet_quadapter.quadapter.state import resolve_state
@@ -471,7 +458,6 @@ def _sensitivity_state(args: argparse.Namespace, policy: dict[str, Any]) -> Quad
 
 
 def _add_sensitivity_command(sub: SubParsers) -> None:
-    """`sensitivity`: which kind of quantizer costs most."""
     p = sub.add_parser(
         "sensitivity",
         help="which kind of quantizer costs most: each given more bits in turn (choosing bit_overrides)",
@@ -498,7 +484,6 @@ def _add_sensitivity_command(sub: SubParsers) -> None:
 
 
 def _add_run_command(sub: SubParsers) -> None:
-    """`run`: a recipe YAML file."""
     p = sub.add_parser("run", help="run a recipe: methods x F-ID sets, each evaluated on every eval dataset")
     p.add_argument("recipe", help="recipe YAML file (see recipes/)")
     p.add_argument("--out", help="run folder (default: the recipe's `out`, else runs/<recipe name>)")
@@ -517,7 +502,6 @@ def _add_run_command(sub: SubParsers) -> None:
 
 
 def _add_report_and_merge_commands(sub: SubParsers) -> None:
-    """`report` and `merge`, which read run folders."""
     p = sub.add_parser("report", help="markdown tables and figures of a run folder (writes RUN_DIR/report.md)")
     p.add_argument("run_dir", help="a folder written by `run`")
     p.add_argument(
@@ -565,8 +549,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _stopped_cells(results: dict) -> int:
-    """1 when some cell stopped, its training diverged or its perplexity not finite (the others were recorded), after
-    saying which; else 0."""
+    """1 when some cell stopped (diverged, or a perplexity not finite), after saying which; else 0."""
     stopped = {key: cell["error"] for key, cell in results["cells"].items() if cell.get("error")}
     for key, error in stopped.items():
         print(f"aimet-quadapter: {key} stopped: {error}", file=sys.stderr)

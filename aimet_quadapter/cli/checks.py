@@ -12,11 +12,10 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from aimet_quadapter.cli.export import positive_int
+from aimet_quadapter.cli.export import MODEL_HELP, positive_int
 from aimet_quadapter.cli.options import prefix_ids
 from aimet_quadapter.errors import QuadapterError
 
-_MODEL_HELP = "the FP model the state was trained on: hub id, local folder, or smollm2-135m (offline)"
 _PTQ_PREFIX = "<|im_start|>\n"  # SmolLM2's own, as the demo's
 
 
@@ -50,7 +49,7 @@ def _add_noise_command(sub: Any) -> None:
         "--device-check is compared with.",
     )
     p.add_argument("state", help="a Quadapter state file, or a cell folder holding one")
-    p.add_argument("--model", required=True, help=_MODEL_HELP)
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--dataset", default="ptb", help="(default ptb)")
     p.add_argument("--split", default="test", help="(default test)")
     p.add_argument(
@@ -243,8 +242,7 @@ def _where(cell: dict) -> str:
 
 
 def _row_of(cell: dict) -> tuple:
-    # what defines a row: the 2-sequence point of a sweep is not the 40-sequence row of the same method, and
-    # seeds of other settings are not the row's
+    # a sweep's 2-sequence point is not the 40-sequence row of its method, nor other settings' seeds the row's
     return cell["method"], cell["group"], cell.get("size"), cell.get("row_fingerprint")
 
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from aimet_quadapter.export.formats import BLOCKWISE_ENCODING_VERSION, ENCODING_VERSION, ENCODING_VERSIONS, SEQ_LEN
 from aimet_quadapter.text import EVAL_SEQ_LEN
+
+MODEL_HELP = "the FP model the state was trained on: hub id, local folder, or smollm2-135m (offline)"
 
 
 def positive_int(text: str) -> int:
@@ -34,11 +37,7 @@ def add_export_command(subparsers) -> None:
         ),
     )
     p.add_argument("state", help="a Quadapter state (.safetensors), or a run folder holding exactly one")
-    p.add_argument(
-        "--model",
-        required=True,
-        help="the FP model the state was trained on: hub id, local folder, or smollm2-135m (offline)",
-    )
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--out", required=True, help="export folder (must not exist unless --force)")
     p.add_argument(
         "--seq-len", type=positive_int, default=SEQ_LEN, help=f"the graph's fixed input length (default {SEQ_LEN})"
@@ -80,7 +79,6 @@ def _add_verification_options(p) -> None:
 
 
 def _add_format_options(p) -> None:
-    """The further forms of the model: KV graphs, a Hugging Face checkpoint, the device-graph check."""
     p.add_argument(
         "--kv-graphs",
         action="store_true",
@@ -139,28 +137,8 @@ def export_job(args, state_path: Path) -> Any:
     """The :class:`~aimet_quadapter.export.job.ExportJob` the command's options describe."""
     from aimet_quadapter.export.job import ExportJob
 
-    return ExportJob(
-        state=state_path,
-        model=args.model,
-        out=Path(args.out),
-        seq_len=args.seq_len,
-        encodings_version=args.encodings_version,
-        dynamic_length=args.dynamic_length,
-        opset=args.opset,
-        verify_dataset=args.verify_dataset,
-        verify_split=args.verify_split,
-        verify_windows=args.verify_windows,
-        merge_shared_ranges=args.merge_shared_ranges,
-        kv_graphs=args.kv_graphs,
-        kv_context=args.kv_context,
-        kv_prefill=args.kv_prefill,
-        kv_int32_ids=args.kv_int32_ids,
-        hf_checkpoint=args.hf_checkpoint,
-        device_check=args.device_check,
-        force=args.force,
-        progress=not args.no_progress,
-        device=args.device,
-    )
+    given = {f.name: getattr(args, f.name) for f in fields(ExportJob) if f.name not in ("state", "out", "progress")}
+    return ExportJob(state=state_path, out=Path(args.out), progress=not args.no_progress, **given)
 
 
 def _print_summary(args, result, prefix: int) -> None:

@@ -1,15 +1,8 @@
 """The exported graph as an integer device runs it, simulated by AIMET's own ONNX quantsim (``aimet-onnx``).
 
-A device converter quantizes every tensor of the graph: those the export's encodings name take them, the rest
-get ranges it calibrates itself. This check does the same with AIMET's ONNX simulation under AIMET's HTP
-config: the exported FP graph (the Quadapters folded), this package's encodings loaded and frozen, every other
-tensor calibrated on tuning text. It reports how many of the graph's quantized activation tensors carry an
-encoding from this package, names the others, and scores the graph in onnxruntime beside the sim, and beside the
-sim whose activation quantizers round as aimet-onnx's do
-(:func:`~aimet_quadapter.quant.quantizers.aimet_onnx_rounding`). It is one more
-:class:`~aimet_quadapter.export.formats.ExtraFormat`: its folder holds the report and the complete encodings the
-simulation ran with. ``aimet-onnx`` is an optional extra (``pip install
-aimet-quadapter[device-check]``); everything it is asked for goes through this module.
+As a converter does, under AIMET's HTP config: this package's encodings loaded and frozen, every other tensor
+calibrated on tuning text; reports which activation tensors carry our encodings and scores the graph beside the sim.
+``aimet-onnx`` is an optional extra (``pip install aimet-quadapter[device-check]``), used only through this module.
 """
 
 from __future__ import annotations
@@ -62,20 +55,12 @@ class Coverage:
     missing: list[str]
     constants: list[str]
 
-    @property
-    def share(self) -> float:
-        total = len(self.covered) + len(self.missing)
-        return len(self.covered) / total if total else 1.0
-
 
 @contextlib.contextmanager
 def device_sim(export: Path, scratch: Path | None = None) -> Iterator[tuple[Any, Coverage]]:
     """AIMET's ONNX quantsim of ``export``'s FP graph under the HTP config, this package's encodings loaded and
-    frozen (a tensor they do not name keeps its quantizer, to be calibrated), and which tensors they cover.
-
-    The graph its onnxruntime session reads, weights and all, is written to a folder in ``scratch`` (the system's
-    temporary folder if None) that is removed when the block ends: aimet-onnx's own folder goes only when the sim
-    is collected, and so stayed behind whenever a process ended first.
+    frozen (other tensors keep their quantizers, to be calibrated), and which tensors they cover. Its files go to a
+    folder in ``scratch`` (default: the system's temporary folder), removed when the block ends.
     """
     with tempfile.TemporaryDirectory(prefix="device-sim-", dir=scratch) as workdir:
         yield _device_sim(export, workdir)
@@ -85,12 +70,11 @@ def _device_sim(export: Path, workdir: str) -> tuple[Any, Coverage]:
     import onnx
     from aimet_onnx.quantsim import QuantizationSimModel, load_encodings_to_sim
 
-    # aimet-onnx sets its loggers back to INFO when it first asks for one: its list of every quantizer the loaded
-    # encodings change (expected here: they are the device's) would bury the check's own lines
+    # aimet-onnx sets its loggers back to INFO, and lists every quantizer the loaded encodings change
     logging.getLogger("Quant").setLevel(logging.WARNING)
 
-    encodings_file = export / ENCODINGS
-    encodings = json.loads(encodings_file.read_text())
+    file = export / ENCODINGS
+    encodings = json.loads(file.read_text())
     model = onnx.load(str(export / FP_ONNX))  # external data is read from beside the graph
     initializers = {t.name for t in model.graph.initializer}
     folded = _constant_tensors(model)
@@ -99,8 +83,7 @@ def _device_sim(export: Path, workdir: str) -> tuple[Any, Coverage]:
         config_file=htp_config_file(package="aimet_onnx"),
         providers=["CPUExecutionProvider"],
         path=workdir,
-        # no memory arena: each run dequantizes every weight, and an arena would keep all of them beside the
-        # weights themselves after the run (the same results: allocation only)
+        # no arena: it would keep every dequantized weight beside the weights after a run
         session_options_kwargs={"enable_cpu_mem_arena": False, "enable_mem_pattern": False},
     )
     # the sim holds a fused copy of the graph: the loaded one, weights and all, goes before anything runs
@@ -113,13 +96,10 @@ def _device_sim(export: Path, workdir: str) -> tuple[Any, Coverage]:
         # as aimet-onnx adds them for a 1.0.0 file (e.g. the embedding's output), the graph's initializers as params
         add_missing_onnx_quantizers(sim, sorted(ours & initializers), sorted(ours - initializers))
     # strict=False: a quantizer takes the loaded encoding's bits and symmetry, as a converter's override does
-    load_encodings_to_sim(
-        sim, str(encodings_file), strict=False, allow_overwrite=False, disable_missing_quantizers=False
-    )
+    load_encodings_to_sim(sim, str(file), strict=False, allow_overwrite=False, disable_missing_quantizers=False)
     trim_heap()  # the copy of the graph aimet-onnx saved for its session's rebuild, freed without a cycle
     quantizer = sim.qc_quantize_op_dict
-    # aimet-onnx ties a Concat's inputs to its output, one quantizer under several names: the prefix's constant keys
-    # and values share the sequence's own, and a converter quantizes them with that encoding rather than fold them
+    # aimet-onnx ties a Concat's inputs to its output (the prefix's constant keys and the sequence's): one quantizer
     tied: dict[int, list[str]] = defaultdict(list)
     for name, q in quantizer.items():
         tied[id(q)].append(name)
@@ -163,8 +143,7 @@ def device_lm(
     export: Path, calibration: Sequence[torch.Tensor], scratch: Path | None = None
 ) -> Iterator[tuple[_SessionLM, Coverage]]:
     """``export``'s graph in AIMET's ONNX simulation as ``ids -> logits`` (:func:`device_sim`), every tensor without
-    an encoding calibrated on ``calibration`` (this package's encodings are frozen: calibrating leaves them as
-    loaded), and its coverage."""
+    an encoding calibrated on ``calibration``, and its coverage."""
     with device_sim(export, scratch) as (onnx_sim, coverage):
         onnx_sim.compute_encodings([{INPUT_NAME: c.reshape(1, -1).numpy().astype(np.int64)} for c in calibration])
         yield _SessionLM(onnx_sim), coverage
@@ -182,9 +161,7 @@ def greedy(lm: Any, prompt: torch.Tensor, tokens: int, length: int | None = None
 
 
 def _greedy_after(lm: Any, prompt: Prompt, picks: torch.Tensor, length: int) -> torch.Tensor:
-    """:func:`greedy`'s answer to ``prompt`` from ``picks``, the graph's top-1 along the FP model's answer: while they
-    agree, greedy decoding feeds the graph that same text, and a static causal graph gives each position the same
-    logits whatever follows it; only after the first disagreement does it need one more forward per token."""
+    """:func:`greedy`'s answer, taken from ``picks`` (the top-1 along the FP model's answer) while they agree."""
     fp = prompt.fp.reshape(-1)
     same = picks[: fp.numel()] == fp[: picks.numel()]
     agree = int(same.long().cumprod(0).sum())
@@ -204,8 +181,7 @@ class Prompt:
 
 
 def _answers(lm: Any, prompts: Sequence[Prompt], length: int) -> list[dict]:
-    """Each prompt answered greedily by the device graph ``lm``, beside the FP model's answer; ``top1``: how often
-    the device graph's most likely next token is the FP model's along the FP model's own answer."""
+    """Each prompt answered greedily by the device graph ``lm``, beside the FP model's answer and their top-1 match."""
     out = []
     for p in prompts:
         text = torch.cat([p.ids.reshape(-1), p.fp.reshape(-1)])[:length]
@@ -267,7 +243,7 @@ class DeviceGraphCheck:
             "ppl_rel_diff": abs(ppl / report.sim_ppl - 1),
             "sim_float_noise": report.sim_floor.ppl_rel_diff,  # the sim against itself, one ulp apart
         }
-        # the band the export holds its own ONNX graphs to (verification.ppl_bound): outside it, not what the sim scored
+        # the band the export holds its own ONNX graphs to: outside it, not what the sim scored
         entry["within_band"] = entry["ppl_rel_diff"] <= report.ppl_bound
         if not entry["within_band"]:
             log.warning(

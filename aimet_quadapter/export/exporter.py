@@ -1,26 +1,10 @@
 """Export of a trained sim for on-device inference, verified against the simulation before it is kept.
 
->>> sim = QuadapterState.load("quadapter.safetensors").build_sim(fp_model)
->>> export_quantized(sim, "export/", verify_windows=windows, model_name="gpt2", method="quadapter")
-
-writes, into ``export/``:
-
-- ``model.onnx`` and ``model.encodings``: AIMET's ``sim.onnx.export``: the FP graph of the sim's model
-  (Quadapter alphas folded, lm_head untied, weights already rounded onto their quantization grid) and
-  the AIMET encodings JSON (format 1.0.0 or 2.0.0) naming the graph's tensors: what a device converter
-  takes as the model and its quantization overrides;
-- ``model_qdq.onnx``: ``aimet_torch.onnx.export``: one graph with QuantizeLinear/DequantizeLinear nodes;
-- ``manifest.json``: model, method, policy, encodings version, sequence length, opsets, the verification
-  numbers, tool versions, and the size and sha256 of every file;
-- each further format asked for (:class:`~aimet_quadapter.export.formats.ExtraFormat`: the KV-cache graphs of
-  :mod:`~aimet_quadapter.export.kv`, the Hugging Face checkpoint of :mod:`~aimet_quadapter.export.hf`) in its
-  own subfolder, verified against the sim too.
-
-A sim with a prefix (the recipe's ``prefix``) is exported as it computes: the full-sequence graphs hold the
-prefix's keys and values as constants and take the tokens after it; the KV graphs' host gets them as a file.
-
-Nothing is kept unless every check passes (:func:`verify_export`): the files are written into a temporary
-folder beside the target and renamed into place at the end; on any failure the temporary folder is removed.
+Writes ``model.onnx`` + ``model.encodings`` (the FP graph, alphas folded, weights on their grid, and AIMET's
+encodings JSON for a device converter), ``model_qdq.onnx`` (QDQ nodes, for onnxruntime), ``manifest.json``, and
+each :class:`~aimet_quadapter.export.formats.ExtraFormat` asked for in its own subfolder. A sim with a prefix is
+exported as it computes: the graphs hold the prefix's keys and values and take the tokens after it. Nothing is
+kept unless every check passes (:func:`verify_export`).
 """
 
 from __future__ import annotations
@@ -93,9 +77,6 @@ class ExportResult:
     files: dict[str, Path] = field(default_factory=dict)
 
 
-# --- checks on the sim before export ---------------------------------------------------------------------
-
-
 def _check_calibrated(sim: QuantizationSimModel) -> int:
     missing = [f"{path}.{role}" for path, role, q in quantizers(sim.model) if not q.is_initialized()]
     if missing:
@@ -107,32 +88,24 @@ def _check_calibrated(sim: QuantizationSimModel) -> int:
 
 
 def _encoding_key(q) -> tuple:
-    return (
-        int(q.bitwidth),
-        q.get_scale().detach().float().cpu().numpy().tobytes(),
-        q.get_offset().detach().float().cpu().numpy().tobytes(),
-    )
+    return (int(q.bitwidth), *(t.detach().float().cpu().numpy().tobytes() for t in (q.get_scale(), q.get_offset())))
 
 
 def reconcile_shared_ranges(sim: QuantizationSimModel, merge: bool = False) -> list[dict]:
-    """Check that quantizers of one tensor agree; with ``merge``, give each such group one common range.
+    """Check that quantizers of one tensor agree; with ``merge``, give each such group the union of its ranges.
 
-    The sim quantizes a shared tensor separately for each consumer, but an integer graph holds one
-    quantized tensor: where the encodings differ, AIMET's export requantizes the first consumer's
-    result for the others (a QDQ after a QDQ), which is not what the sim computed. Calibration gives
-    such quantizers equal ranges; learning ranges in phase 2 separates them. ``merge`` sets each
-    group to the union of its ranges (nothing one of them kept is clipped) and changes ``sim`` in place.
-    Returns one row per disagreeing group (its quantizers and their ranges before any merge).
+    An integer graph holds one encoding per tensor: where its consumers' differ, AIMET's export requantizes (a QDQ
+    after a QDQ), which the sim did not compute. ``merge`` changes ``sim`` in place. Returns one row per
+    disagreeing group: its quantizers and their ranges before any merge. Calibration gives such quantizers equal
+    ranges; phase 2's range learning separates them. The union clips nothing any of them kept.
     """
     found = quantizers_by_name(sim.model)
     conflicts: list[dict[str, Any]] = []
     for keys in shared_activation_groups(sim.model):
         group = [found[k] for k in keys]
-        if len({_encoding_key(q) for q in group}) == 1:
-            continue
-        conflicts.append(
-            {"quantizers": keys, "ranges": [[float(q.get_min().min()), float(q.get_max().max())] for q in group]}
-        )
+        if len({_encoding_key(q) for q in group}) > 1:
+            ranges = [[float(q.get_min().min()), float(q.get_max().max())] for q in group]
+            conflicts.append({"quantizers": keys, "ranges": ranges})
     if conflicts and not merge:
         first = conflicts[0]
         detail = ", ".join(f"{k} [{lo:.4g}, {hi:.4g}]" for k, (lo, hi) in zip(first["quantizers"], first["ranges"]))
@@ -153,9 +126,6 @@ def reconcile_shared_ranges(sim: QuantizationSimModel, merge: bool = False) -> l
     return conflicts
 
 
-# --- checks on the exported files ---------------------------------------------------------------------
-
-
 def check_encoding_names(fp_model, entries: Sequence[Encoding]) -> None:
     """Every encodings entry must name a tensor of the FP graph, or a converter would not find it."""
     names = graph_tensor_names(fp_model)
@@ -171,24 +141,19 @@ def check_encoding_names(fp_model, entries: Sequence[Encoding]) -> None:
 BLOCK_SCALE_RTOL = 1e-6
 
 
-def _same_blocks(written: np.ndarray, sim: np.ndarray) -> bool:
-    """Block scales of a file (a Linear's weight transposed in the graph: (blocks, out)) against the sim's."""
-    for candidate in (written, written.T):
-        if candidate.shape == sim.shape and np.allclose(candidate, sim, rtol=BLOCK_SCALE_RTOL, atol=0):
-            return True
-    return False
+def _same_blocks(got: np.ndarray, sim: np.ndarray) -> bool:
+    """Block scales ``got`` from a file (a Linear's weight transposed in the graph: (blocks, out)) against the sim's."""
+    return any(c.shape == sim.shape and np.allclose(c, sim, rtol=BLOCK_SCALE_RTOL, atol=0) for c in (got, got.T))
 
 
 def check_quantizer_coverage(
     sim: QuantizationSimModel, entries: Sequence[Encoding], where: str = "the encodings file"
 ) -> int:
-    """Every quantizer of the sim must appear in ``entries``: an encoding with its bit-width and scales.
+    """Every quantizer of the sim must appear in ``entries`` (bit-width and scales); returns how many there are.
 
-    Matched by value, not by name: AIMET names a tensor after the ONNX graph (a Linear weight becomes its
-    transposed copy ``<param>_0``, a norm output ``/lm/.../Mul_1_output_0``), and quantizers of one tensor
-    (q, k and v's inputs) share one entry. The names themselves are checked against the graph, and the
-    offsets by running the graph with the encodings applied. Block scales (LPBQ's) match to
-    :data:`BLOCK_SCALE_RTOL`. Returns the number of quantizers.
+    Matched by value, not by name: AIMET names tensors after the ONNX graph, and quantizers of one tensor share one
+    entry (a Linear weight is its transposed copy ``<param>_0``). The names are checked against the graph and the
+    offsets by running it with the encodings applied. Block scales (LPBQ's) match to :data:`BLOCK_SCALE_RTOL`.
     """
     available = {(e.bitwidth, e.scale.astype(np.float32).tobytes()) for e in entries if not e.block_size}
     blocks: dict[tuple[int, tuple[int, ...]], list[np.ndarray]] = {}
@@ -238,20 +203,17 @@ class _Comparison:
         self.same_top1 += int((mine.argmax(-1) == other.argmax(-1)).sum())
         self.positions += mine.shape[0]
 
-    def agreement(self, graph: str, ppl: float, reference_ppl: float) -> Agreement:
-        return Agreement(
-            graph, ppl, abs(ppl - reference_ppl) / reference_ppl, self.max_diff, self.same_top1 / self.positions
-        )
+    def agreement(self, graph: str, ppl: float, ref_ppl: float) -> Agreement:
+        return Agreement(graph, ppl, abs(ppl - ref_ppl) / ref_ppl, self.max_diff, self.same_top1 / self.positions)
 
 
-# Draws of the sim's own float32 noise (see Tolerance), the largest taken: one draw can be small by chance, and
-# a floor taken too low refuses a correct export (docs/export.md).
+# Draws of the sim's own float32 noise (see Tolerance), the largest taken: one draw can be small by chance, and a
+# floor taken too low refuses a correct export
 SIM_NOISE_DRAWS = 8
 
 
 def _random_bits(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
-    """A random bool per element of ``shape``, eight of them from each byte of 64-bit draws: the CPU's generator
-    draws one number at a time, and a draw per element of every quantizer input was most of an export's time."""
+    """A random bool per element of ``shape``, eight from each byte of 64-bit draws (the CPU draws one at a time)."""
     n = math.prod(shape)
     words = torch.randint(-(2**63), 2**63 - 1, (-(-n // 64),), generator=generator)
     bits = (words.view(torch.uint8).reshape(-1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
@@ -260,17 +222,14 @@ def _random_bits(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
 
 @contextmanager
 def one_ulp_inputs(model: torch.nn.Module, seed: int, ulps: int = 1) -> Iterator[None]:
-    """Every tensor an activation quantizer of ``model`` reads moved by one float32 ulp, up or down (a fixed
-    random draw per ``seed``): what another runtime's summation order does to each op's output. A run as
-    valid as the unmoved one, which differs from it only where float32 rounding decides. ``ulps``: a move of
-    that many ulps, as a sum over more terms in another order may round."""
+    """Every tensor an activation quantizer of ``model`` reads moved by ``ulps`` float32 ulps, up or down (a fixed
+    random draw per ``seed``): what another runtime's summation order does to each op's output."""
     generator = torch.Generator().manual_seed(seed)
 
     def nudge(_module, args: tuple) -> tuple:
         x = args[0]
         toward = torch.where(_random_bits(x.shape, generator).to(x.device), math.inf, -math.inf).to(x.dtype)
-        # to the next float itself: a product with 1 + 2**-24 rounds back to x, so an upward move by a factor
-        # never happens
+        # nextafter, not a factor: x * (1 + 2**-24) rounds back to x
         for _ in range(ulps):
             x = torch.nextafter(x, toward)
         return (x, *args[1:])
@@ -303,17 +262,15 @@ def verify_export(
 ) -> Verification:
     """Prove an export folder equal to ``sim``; raise :class:`QuadapterError` where it is not.
 
-    1. exactly: every encodings entry names a tensor of ``model.onnx``; every quantizer of the sim has
-       its encoding (bit-width and scales) in ``model.encodings`` and in the QDQ graph;
-    2. on ``windows``: onnxruntime's logits and perplexity of ``model_qdq.onnx`` (with and without graph
-       optimizations) and of ``model.onnx`` with ``model.encodings`` applied (see
-       :func:`~aimet_quadapter.export.onnx_eval.apply_encodings`) agree with the sim's within ``tolerance``.
+    Exactly: every encodings entry names a tensor of ``model.onnx`` and every quantizer has its encoding in
+    ``model.encodings`` and the QDQ graph. On ``windows``: each of :data:`FORMS` in onnxruntime agrees with the sim
+    within ``tolerance``.
     """
     start = time.time()
     folder = Path(folder)
     windows = _as_windows(windows)
     entries, n_quantizers = _check_encodings_exactly(sim, folder)
-    sim_run, (forms, floor, encodings_vs_qdq, applied) = _run_sim_and_forms(sim, folder, entries, windows, progress)
+    sim_run, (forms, floor, vs_qdq, applied) = _run_sim_and_forms(sim, folder, entries, windows, progress)
 
     def ppl(nll: torch.Tensor) -> float:
         return math.exp(nll.item() / sim_run.tokens)
@@ -322,9 +279,7 @@ def verify_export(
     agreements = [c.agreement(name, ppl(c.nll), sim_ppl) for name, c in forms.items()]
     unoptimized = ppl(forms["qdq/unoptimized"].nll)
     floor_row = floor.agreement("qdq vs qdq/unoptimized", ppl(floor.nll), unoptimized)
-    encodings_row = encodings_vs_qdq.agreement(
-        "fp+encodings vs qdq/unoptimized", ppl(encodings_vs_qdq.nll), unoptimized
-    )
+    encodings_row = vs_qdq.agreement("fp+encodings vs qdq/unoptimized", ppl(vs_qdq.nll), unoptimized)
     draws = [c.agreement("sim vs sim, one-ulp inputs", ppl(c.nll), sim_ppl) for c in sim_run.noise]
     sim_floor_row = max(draws, key=lambda a: (a.ppl_rel_diff, a.max_abs_logit_diff))
     noise = _larger(floor_row, sim_floor_row)
@@ -353,11 +308,9 @@ def verify_export(
 def _run_sim_and_forms(
     sim: QuantizationSimModel, folder: Path, entries: list[Encoding], windows: list[Window], progress: bool
 ) -> tuple[_SimRun, tuple[dict[str, _Comparison], _Comparison, _Comparison, int]]:
-    """:func:`_run_sim`, then :func:`_run_forms`, on the logits that predict a scored token."""
     from tqdm.auto import tqdm
 
-    # The sim first, then one onnxruntime session at a time: a 1024-token window of a 50k-vocabulary model
-    # has 200 MB of logits, and each session holds a copy of the weights and its own activation arena.
+    # one onnxruntime session at a time: each holds a copy of the weights and its own activation arena
     scored = [slice(w.first_target - 1, len(w.ids) - 1) for w in windows]
     runs = len(windows) * (1 + SIM_NOISE_DRAWS + len(FORMS))
     with tqdm(total=runs, desc="verify export", unit="run", disable=not progress) as bar:
@@ -366,8 +319,7 @@ def _run_sim_and_forms(
 
 
 def _check_encodings_exactly(sim: QuantizationSimModel, folder: Path) -> tuple[list[Encoding], int]:
-    """Every encodings entry names a tensor of the FP graph; every quantizer of the sim has its encoding in the
-    encodings file and in the QDQ graph. The entries, and how many quantizers the sim has."""
+    """:func:`verify_export`'s exact checks; the entries, and how many quantizers the sim has."""
     import onnx
 
     fp_model = onnx.load(str(folder / FP_ONNX), load_external_data=False)
@@ -422,8 +374,7 @@ def _run_forms(
     sim_run: _SimRun,
     tick,
 ) -> tuple[dict[str, _Comparison], _Comparison, _Comparison, int]:
-    """Each ONNX form of :data:`FORMS` in onnxruntime against the sim; the two runs of the QDQ graph against each
-    other (the floor), and the FP graph with the encodings against the QDQ graph. Also the entries applied."""
+    """Each of :data:`FORMS` against the sim, the floor, fp+encodings against the QDQ graph, and the entries applied."""
     import onnx
 
     vs_sim = {name: _Comparison() for name, _, _ in FORMS}
@@ -432,7 +383,7 @@ def _run_forms(
     with weights_parked(sim.model, folder / ".parked-sim"):
         for name, source, optimize in FORMS:
             if source == "fp+encodings":
-                # the graph alone: its weights stay in the data file, which the emulated graph beside it names too
+                # the graph alone: the emulated graph beside it names the same data file
                 graph = onnx.load(str(folder / FP_ONNX), load_external_data=False)
                 emulated, applied = apply_encodings(graph, entries, copy=False)
                 path = folder / f".emulated-{FP_ONNX}"
@@ -460,16 +411,12 @@ def _run_forms(
 
 
 def _refuse_disagreement(report: Verification) -> None:
-    floor, sim_floor = report.floor, report.sim_floor
-    bad = [
-        a
-        for a in report.agreements
-        if not (a.ppl_rel_diff <= report.ppl_bound and a.max_abs_logit_diff <= report.logit_bound)
-    ]
+    floor, sim_floor, ppl_bound, logit_bound = report.floor, report.sim_floor, report.ppl_bound, report.logit_bound
+    bad = [a for a in report.agreements if not (a.ppl_rel_diff <= ppl_bound and a.max_abs_logit_diff <= logit_bound)]
     if bad:
         detail = "; ".join(
             f"{a.graph}: perplexity {a.ppl:.4f} vs sim {report.sim_ppl:.4f} (rel. diff {a.ppl_rel_diff:.2e}, allowed "
-            f"{report.ppl_bound:.2e}), max |logit diff| {a.max_abs_logit_diff:.3g} (allowed {report.logit_bound:.3g})"
+            f"{ppl_bound:.2e}), max |logit diff| {a.max_abs_logit_diff:.3g} (allowed {logit_bound:.3g})"
             for a in bad
         )
         raise QuadapterError(
@@ -478,9 +425,6 @@ def _refuse_disagreement(report: Verification) -> None:
             f"{sim_floor.ppl_rel_diff:.2e} (the sim with one-ulp quantizer inputs), max |logit diff| "
             f"{floor.max_abs_logit_diff:.3g}, {sim_floor.max_abs_logit_diff:.3g}"
         )
-
-
-# --- the export ---------------------------------------------------------------------------------------
 
 
 def sha256_file(path: Path) -> str:
@@ -503,9 +447,8 @@ def _opset(path: Path) -> int:
     return next(version for domain, version in opset_imports(path) if domain in ("", "ai.onnx"))
 
 
-# AIMET's export passes write each graph with its weights several times before the two graphs' external data
-# is gathered, and the evaluation's float weights may wait on disk meanwhile: an export needs free disk of
-# about this many times the model's weight bytes at its folder.
+# an export's peak disk use, in the model's weight bytes: AIMET writes each graph several times, and the sim's
+# weights may wait on disk meanwhile
 DISK_FACTOR = 6
 
 
@@ -524,8 +467,8 @@ def check_free_disk(out_dir: str | Path, model: torch.nn.Module) -> None:
 
 
 def int32_bias(encoding_version: str) -> bool:
-    """Whether AIMET writes int32 biases for ``encoding_version``: from 2.0.0 on (compared as versions, not as
-    text, which would put "10.0.0" below "2.0.0")."""
+    """Whether AIMET writes int32 biases for ``encoding_version``: from 2.0.0 on (compared as versions, not as text,
+    which would put "10.0.0" below "2.0.0")."""
     return Version(encoding_version) >= Version("2.0.0")
 
 
@@ -562,16 +505,6 @@ def _checked_windows(
     return windows, prefix
 
 
-def _partial_folder(out_dir: Path) -> Path:
-    """A new folder beside ``out_dir`` for the export until it is complete."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private (0700); the export folder is an ordinary one
-    return tmp
-
-
 def _export_graphs(
     sim: QuantizationSimModel, folder: Path, seq_len: int, encoding_version: str, dynamic_length: bool, opset
 ) -> None:
@@ -590,9 +523,9 @@ DATA_MOVEMENT = ("Reshape", "Transpose", "Unsqueeze", "Squeeze", "Tile", "Expand
 
 def propagate_through_data_movement(folder: Path) -> list[str]:
     """Give each activation tensor that reaches an encoded tensor through :data:`DATA_MOVEMENT` ops alone that
-    tensor's encoding, in ``folder``'s encodings file (in place). The sim quantizes such a value once, where a
-    module reads it (the keys after their prefix is concatenated and their heads repeated); the graph holds it
-    earlier too, and a converter would otherwise calibrate it on its own grid. Returns the names added."""
+    tensor's encoding, in ``folder``'s encodings file, where a converter would otherwise calibrate it on its own
+    grid. The sim quantizes such a value once, where a module reads it (keys after the prefix joins them and their
+    heads repeat); the graph holds it earlier too. Returns the names added."""
     import onnx
 
     graph = onnx.load(str(folder / FP_ONNX), load_external_data=False).graph
@@ -632,9 +565,7 @@ def _graph_description(
         "output": {"name": OUTPUT_NAME, "dtype": "float32", "shape": [1, length, vocab]},
         "opset": {FP_ONNX: _opset(folder / FP_ONNX), QDQ_ONNX: _opset(folder / QDQ_ONNX)},
         "files_role": {"fp_onnx": FP_ONNX, "encodings": ENCODINGS, "qdq_onnx": QDQ_ONNX},
-        # model_qdq.onnx keeps float weights behind QuantizeLinear/DequantizeLinear pairs, with AIMET's
-        # layout (a Transpose may sit between a weight's DequantizeLinear and its MatMul, which a device
-        # runtime need not fuse: aimet issue 4105); the device route is the FP graph plus the encodings
+        # a device runtime need not fuse AIMET's QDQ layout: the device route is the FP graph plus the encodings
         "files_use": {
             FP_ONNX: "device: the FP graph for a converter (with model.encodings as quantization overrides)",
             data_file(FP_ONNX): f"the weights of {FP_ONNX} (ONNX external data: keep it beside the graph)",
@@ -656,11 +587,6 @@ def _put_in_place(tmp: Path, out_dir: Path) -> None:
         tmp.rename(out_dir)
 
 
-def _blockwise(sim: QuantizationSimModel) -> str | None:
-    """The first quantizer of ``sim`` with a block-wise grid, by name, else None."""
-    return next((f"{path}.{role}" for path, role, q in quantizers(sim.model) if q.block_size is not None), None)
-
-
 def _extra_forms(
     sim: QuantizationSimModel,
     tmp: Path,
@@ -678,14 +604,6 @@ def _extra_forms(
         extras[extra.key] = entry
         release_freed_memory()
     return extras
-
-
-def _provenance(start: float) -> dict:
-    return {
-        "tools": library_versions(),
-        "export_time_s": round(time.time() - start, 3),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
 
 
 def export_quantized(
@@ -708,23 +626,21 @@ def export_quantized(
 ) -> ExportResult:
     """Export ``sim`` (a calibrated or trained sim of a PreparedLM) to ``out_dir``, verified; see the module doc.
 
-    ``seq_len`` fixes the graph's input length (on-device graphs are static); ``dynamic_length`` makes it a
-    dynamic axis instead (batch stays 1). ``opset`` is the FP graph's (default: torch's); the QDQ graph is opset
-    21. ``verify_windows``: held-out token windows (at most ``seq_len`` tokens each; shorter ones are padded at
-    the end for a fixed-length graph) on which the export must match the sim. ``encoding_version``: AIMET's
-    encodings format (:func:`~aimet_quadapter.export.formats.encoding_version_for`). ``model_name``: what
-    ``eval`` loads the tokenizer from. ``merge_shared_ranges``: see :func:`reconcile_shared_ranges` (changes
-    ``sim``). ``formats``: further forms of the model, each in its subfolder and verified on the same windows
-    (``KVGraphs()``: prefill and decode graphs with a KV cache; ``HFCheckpoint()``: a Hugging Face checkpoint).
+    ``seq_len`` fixes the graph's input length unless ``dynamic_length``; ``opset`` is the FP graph's (the QDQ
+    graph's is 21). ``verify_windows``: held-out token windows of at most ``seq_len`` tokens on which the export
+    must match the sim. ``model_name``: what ``eval`` loads the tokenizer from. ``merge_shared_ranges``: see
+    :func:`reconcile_shared_ranges` (changes ``sim``). ``formats``: e.g. ``KVGraphs()``, ``HFCheckpoint()``.
     """
     start = time.time()
     check_free_disk(out_dir, sim.model)
-    encoding_version = encoding_version_for(_blockwise(sim), encoding_version)
+    blockwise = next((f"{path}.{role}" for path, role, q in quantizers(sim.model) if q.block_size is not None), None)
+    encoding_version = encoding_version_for(blockwise, encoding_version)
     windows, prefix = _checked_windows(sim, seq_len, encoding_version, verify_windows, dynamic_length, formats)
     out_dir = Path(out_dir).expanduser().absolute()
     check_new_folder(out_dir, overwrite)
     n_quantizers = _check_calibrated(sim)
-    merged = _merged_ranges(sim, merge_shared_ranges)
+    # a state's shared ranges were merged as it was loaded (QuadapterState.build_sim); another sim's are here
+    merged = [*getattr(sim, "quadapter_merged_ranges", []), *reconcile_shared_ranges(sim, merge=merge_shared_ranges)]
     with _partial_on_cpu(sim, out_dir) as tmp:
         _export_graphs(sim, tmp, seq_len, encoding_version, dynamic_length, opset)
         propagated = propagate_through_data_movement(tmp)
@@ -738,11 +654,12 @@ def export_quantized(
             "files": _file_table(tmp),
             "quantizers": n_quantizers,
             "shared_ranges_merged": merged,
-            # activation tensors given the encoding of the tensor they reach through data movement alone
             "encodings_propagated": propagated,
             "verification": report.to_dict(),
             **extras,
-            **_provenance(start),
+            "tools": library_versions(),
+            "export_time_s": round(time.time() - start, 3),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **(extra_manifest or {}),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -750,21 +667,16 @@ def export_quantized(
     return ExportResult(out_dir, manifest, report, {n: out_dir / n for n in (FP_ONNX, ENCODINGS, QDQ_ONNX, MANIFEST)})
 
 
-def _merged_ranges(sim: QuantizationSimModel, merge: bool) -> list[dict]:
-    """The shared ranges merged into one: a state's were merged as it was loaded (QuadapterState.build_sim); a
-    sim built elsewhere, with AIMET's own one quantizer per reader, is checked and merged here."""
-    return [*getattr(sim, "quadapter_merged_ranges", []), *reconcile_shared_ranges(sim, merge=merge)]
-
-
 @contextmanager
 def _partial_on_cpu(sim: QuantizationSimModel, out_dir: Path) -> Iterator[Path]:
-    """A new folder beside ``out_dir`` for the export, removed where it fails; ``sim`` on the CPU meanwhile.
-
-    Traced and verified on the CPU, where onnxruntime runs: on CUDA, TorchScript's constant folding met CPU
-    constants beside CUDA weights (Llama's rotary embedding), and the verification would measure CUDA-vs-CPU
-    rounding on top of the export's own. The sim goes back to its device afterwards.
-    """
-    tmp = _partial_folder(out_dir)
+    """A new folder beside ``out_dir``, removed where the export fails; ``sim`` meanwhile on the CPU, where
+    onnxruntime runs (and TorchScript's constant folding fails on CPU constants beside CUDA weights): on CUDA the
+    verification would also measure CUDA-vs-CPU rounding on top of the export's own."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private (0700); the export folder is an ordinary one
     device = device_of(sim.model)
     sim.model.to("cpu")
     try:

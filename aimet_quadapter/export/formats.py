@@ -1,10 +1,5 @@
 """What the exported files look like, declared once: light to import, so that the command line offers the same
-choices and defaults as the exporter without loading it.
-
-The full-sequence graphs (``model.onnx`` + ``model.encodings``, ``model_qdq.onnx``) are always written; every
-further format is an :class:`ExtraFormat` in a subfolder of its own, written from the same sim and verified
-against it after the full-sequence graphs are (a format is one class; the exporter does not change for it).
-"""
+choices and defaults as the exporter without loading it."""
 
 from __future__ import annotations
 
@@ -18,8 +13,7 @@ if TYPE_CHECKING:
 
 ENCODING_VERSIONS = ("1.0.0", "2.0.0")  # AIMET encodings JSON formats a converter takes
 ENCODING_VERSION = ENCODING_VERSIONS[0]
-# The format of block-wise weights (LPBQ): 2.0.0 names each one's blocked axis, which 1.0.0 leaves to the graph's
-# layout and the export's checks cannot read back
+# The format of block-wise weights (LPBQ): 2.0.0 names each one's blocked axis, which 1.0.0 leaves implicit
 BLOCKWISE_ENCODING_VERSION = "2.0.0"
 SEQ_LEN = 128  # the graph's fixed input length: device graphs are static
 QDQ_OPSET = 21  # QuantizeLinear/DequantizeLinear with per-axis and 4/16-bit types; what AIMET recommends
@@ -31,9 +25,8 @@ QDQ_ONNX = "model_qdq.onnx"
 
 
 def encoding_version_for(blockwise: str | None, asked: str | None = None) -> str:
-    """The encodings format of an export: ``asked``, or by default :data:`ENCODING_VERSION`, or
-    :data:`BLOCKWISE_ENCODING_VERSION` where ``blockwise`` names a block-wise quantized tensor; 1.0.0 is refused
-    for one."""
+    """The encodings format of an export: ``asked``, by default :data:`BLOCKWISE_ENCODING_VERSION` where
+    ``blockwise`` names a block-wise quantized tensor (for which 1.0.0 is refused), else :data:`ENCODING_VERSION`."""
     from aimet_quadapter.errors import QuadapterError
 
     if asked is None:
@@ -47,7 +40,7 @@ def encoding_version_for(blockwise: str | None, asked: str | None = None) -> str
 
 
 def data_file(graph: str) -> str:
-    """The external data file of an ONNX graph file: its weights, which the graph names by this file name."""
+    """The external data file (the weights) of an ONNX graph file."""
     return f"{Path(graph).stem}.data"
 
 
@@ -58,14 +51,13 @@ PREFIX_IDS = "prefix.json"  # a prefix's token ids, for a model that computes it
 
 
 class ExtraFormat(Protocol):
-    """One more form of the exported model, in the subfolder ``key`` of the export; ``key`` also names its
-    manifest entry: what :meth:`write` returns, updated with what :meth:`verify` returns."""
+    """One more form of the exported model, in the export's subfolder ``key``, written from the same sim and
+    verified against it; ``key`` also names its manifest entry (what :meth:`write` and :meth:`verify` return)."""
 
     key: ClassVar[str]
 
     def check(self, windows: Sequence[Window], prefix_tokens: int) -> None:
-        """Refuse settings that cannot work with these verification windows read after a prefix of
-        ``prefix_tokens`` tokens (0: none), before anything is exported."""
+        """Refuse, before anything is exported, settings that cannot work with these windows after the prefix."""
 
     def write(self, sim: Any, folder: Path, encoding_version: str) -> dict:
         """Write the files of this format from ``sim`` into ``folder``."""
@@ -73,5 +65,5 @@ class ExtraFormat(Protocol):
 
     def verify(self, sim: Any, folder: Path, windows: Sequence[Window], report: Verification, export: Path) -> dict:
         """Raise where the files compute something else than ``sim``; ``report``: the full-sequence graphs'
-        verification (its tolerances, its float32 floor), ``export``: the export folder holding them."""
+        verification, ``export``: the export folder."""
         ...

@@ -1,15 +1,9 @@
 """The way back: the sim's model as a plain Hugging Face checkpoint, and its encodings in AIMET's own form.
 
-``hf/`` holds what ``AutoModelForCausalLM.from_pretrained`` reads (the folded FP weights, Quadapter's alphas
-inside them, ``lm_head`` untied; nothing custom to load), the tokenizer when the export has one,
-``quantization.json`` (the policy that places the quantizers) and the quantizers' ranges twice, in AIMET's
-two forms: ``quantizer_state.pt`` (``sim.quantizer_state_dict()``, for ``sim.model.load_state_dict``: exact)
-and ``model_torch.encodings`` (the JSON keyed by module names that ``load_encodings_to_sim`` reads, for other
-AIMET versions and tools; AIMET writes each range as its grid's ends and recomputes the scale from them in
-float32, which can move a scale by one ulp). With these a user rebuilds the sim in their own AIMET session
-(:func:`load_hf_export` is the whole recipe), and the export checks both ways back against the exported sim.
-A model trained with a prefix has its token ids in ``prefix.json``: the prefix's keys and values come from the
-weights (:meth:`~aimet_quadapter.models.PreparedLM.set_prefix`).
+``hf/`` holds what ``from_pretrained`` reads (alphas folded, ``lm_head`` untied), the tokenizer, the policy
+(``quantization.json``), the prefix's ids (``prefix.json``) and the ranges twice: ``quantizer_state.pt`` (exact) and
+``model_torch.encodings`` (for ``load_encodings_to_sim``; AIMET recomputes each scale from it, which can move it by
+one ulp). :func:`load_hf_export` rebuilds the sim from them.
 """
 
 from __future__ import annotations
@@ -43,10 +37,8 @@ POLICY_FILE = "quantization.json"
 
 
 def hf_state_dict(sim_model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights of a sim's Hugging Face model under the checkpoint's own names and layouts: the quantizers'
-    parameters left out, and every weight the preparation re-laid out (GPT-2's Conv1D became a Linear, its
-    weight transposed) laid out as the model's class keeps it. The class itself is the reference, built on
-    the meta device (no memory), so no family needs a list of its own."""
+    """The weights of a sim's Hugging Face model under the checkpoint's own names and layouts (GPT-2's Conv1D
+    weights transposed back), taken from the model's class built on the meta device."""
     from transformers import AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
 
@@ -163,8 +155,7 @@ def _sim_logits(sim: QuantizationSimModel, windows: Sequence[Window]) -> list[to
 def _round_trip(
     reference: Sequence[torch.Tensor], folder: Path, windows: Sequence[Window], from_json: bool, device: torch.device
 ) -> HFRoundTrip:
-    # the exported sim's logits come in computed: two sims side by side, each with its fast-inference weight
-    # copies, were the export's peak memory
+    # the exported sim's logits come in computed: two sims side by side would be the export's peak memory
     reloaded, _ = load_hf_export(folder, device, from_json=from_json)
     nll = [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)]
     tokens, diff = 0, 0.0
@@ -198,10 +189,8 @@ class HFCheckpoint:
     def verify(
         self, sim: QuantizationSimModel, folder: Path, windows: Sequence[Window], report: Verification, export: Path
     ) -> dict:
-        """The round trips a user makes (``from_pretrained``, a fresh sim under the saved policy, the ranges loaded
-        with AIMET's API) against the exported sim. From the quantizer state: the same ops on the same weights and
-        ranges, so within the export's fixed tolerances. From the JSON: a scale can move by one float32 ulp, as
-        another runtime's rounding moves a value, so within the bounds the export measured from that noise."""
+        """The round trips a user makes against the exported sim: from the quantizer state, within the export's fixed
+        tolerances; from the JSON, whose scales can move by one ulp, within the bounds the export measured."""
         tolerance = report.tolerance
         exact_logits = tolerance.logit_rtol * report.max_abs_sim_logit
         checks = (

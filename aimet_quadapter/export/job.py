@@ -1,8 +1,4 @@
-"""One export of a saved state, as the ``export`` command and a recipe's ``export`` section ask for it.
-
-:class:`ExportJob` holds what to write and how to check it; :meth:`ExportJob.check` refuses what a user can get
-wrong before the model loads, :meth:`ExportJob.run` loads the model, rebuilds the state's sim and exports it.
-"""
+"""One export of a saved state, as the ``export`` command and a recipe's ``export`` section ask for it."""
 
 from __future__ import annotations
 
@@ -81,10 +77,9 @@ class ExportJob:
     def run(
         self, state: Any, kv: Any = None, prompts: Sequence[Any] = (), loaded: tuple[Any, Any] | None = None
     ) -> Any:
-        """The model loaded, the state's sim built on it, verification windows cut, and the export written;
-        ``prompts``: :class:`~aimet_quadapter.export.device_check.Prompt` objects the device check answers;
-        ``loaded``: ``(model, tokenizer)`` of ``self.model`` already in memory, handed over (its weights become the
-        sim's), instead of a second load. ``state``'s weights go to the sim: its ``weights`` is empty afterwards."""
+        """Load the model, build the state's sim on it and export it; ``prompts``: for the device check;
+        ``loaded``: ``(model, tokenizer)`` already in memory, handed over (its weights become the sim's).
+        ``state``'s weights go to the sim: its ``weights`` is empty afterwards."""
         from aimet_quadapter.export.exporter import check_free_disk, export_quantized, sha256_file
         from aimet_quadapter.memory import release_freed_memory
         from aimet_quadapter.models import load_model
@@ -96,8 +91,7 @@ class ExportJob:
         check_free_disk(self.out, model)  # the weights' size is known now, before the sim is built
         # in place: the FP weights are not needed again, no copy of them
         sim = state.build_sim(model, in_place=True, merge_shared_ranges=self.merge_shared_ranges)
-        # the sim holds the weights now, the folded sites' as new tensors: the state's unfolded ones would stay
-        # beside them for the whole export
+        # the sim holds the folded weights as new tensors: the state's would stay beside them for the whole export
         state.weights = {}
         del model
         release_freed_memory()

@@ -1,21 +1,12 @@
-"""Prefill and decode graphs with a KV cache: the language model as a device runs it.
+"""Prefill and decode graphs with a KV cache over a fixed context of C tokens: the language model as a device runs it.
 
-A device generates over a fixed context of C tokens with graphs of static shapes: an AR-N graph takes N tokens
-at once (the prompt, in chunks: the prefill), an AR-1 graph one token (the decode). Each takes the cached keys
-and values of the tokens before, ``past_key_<layer>`` / ``past_value_<layer>`` of shape (1, kv_heads, C - N,
-head_dim) with the most recent at the end and unused slots masked, the additive ``attention_mask`` (1, 1, N,
-C) and ``position_ids`` (1, N), and returns ``logits`` and the new keys and values of its N tokens
-(``new_key_<layer>`` / ``new_value_<layer>``), which the host appends to its cache. Both graphs are exported
-from one sim: one set of quantizers, so the encodings of every tensor they share agree (checked), and one
-encodings file, ``model.encodings``, serves both graphs.
-
-A model trained with a prefix (PrefixQuant: tokens every sequence follows, held as keys and values in full
-precision) ships them as ``prefix.safetensors`` (``past_key_<layer>`` / ``past_value_<layer>``, each (1, kv_heads,
-P, head_dim)): the host's cache starts with them, so the first token of a prompt sits at position P. The graphs
-are the same with or without one.
-
-:class:`KVGraphRunner` is such a host in onnxruntime; :func:`verify_kv_graphs` holds the graphs' perplexity
-and greedy generation against the sim's.
+An AR-N graph (the prefill: the prompt in chunks; AR-1: the decode) takes N tokens, the cached keys and values
+``past_key_<layer>`` / ``past_value_<layer>`` (1, kv_heads, C - N, head_dim), most recent last, unused slots masked,
+the additive ``attention_mask`` (1, 1, N, C) and ``position_ids`` (1, N); it returns ``logits`` and its tokens'
+``new_key_<layer>`` / ``new_value_<layer>`` for the host to append. All graphs come from one sim and share one
+``model.encodings``. A prefix ships as ``prefix.safetensors`` (the same names, (1, kv_heads, P, head_dim)): the
+first P slots of the host's cache. :class:`KVGraphRunner` is such a host in onnxruntime.
+One sim, one set of quantizers: every tensor two graphs share has one encoding (checked), as one file needs.
 """
 
 from __future__ import annotations
@@ -80,15 +71,12 @@ class KVGraphs:
     def verify(
         self, sim: QuantizationSimModel, folder: Path, windows: Sequence[Window], report: Verification, export: Path
     ) -> dict:
-        agreement = verify_kv_graphs(
-            sim, folder, self, windows, export / QDQ_ONNX, report.ppl_bound, report.logit_bound
-        )
-        return {"verification": asdict(agreement)}
+        bounds = (report.ppl_bound, report.logit_bound)
+        return {"verification": asdict(verify_kv_graphs(sim, folder, self, windows, export / QDQ_ONNX, *bounds))}
 
 
 def check_windows_fit(graphs: KVGraphs, windows: Sequence[Window], prefix_tokens: int = 0) -> None:
-    """The verification feeds whole windows through the graphs after the prefix, if any: each must fit the
-    context with a token to spare."""
+    """Each verification window, after the prefix, must fit the context with a token to spare."""
     longest = max(len(w.ids) for w in windows)
     if prefix_tokens + longest > graphs.context - 1:
         after = f" after the {prefix_tokens} prefix tokens" if prefix_tokens else ""
@@ -98,8 +86,7 @@ def check_windows_fit(graphs: KVGraphs, windows: Sequence[Window], prefix_tokens
 
 
 def save_prefix_kv(model: PreparedLM, folder: Path) -> dict | None:
-    """The model's prefix keys and values as ``folder/prefix.safetensors`` in the graphs' input names; its
-    manifest entry (None without a prefix)."""
+    """The model's prefix keys and values as ``folder/prefix.safetensors``; its manifest entry (None without one)."""
     from safetensors.torch import save_file
 
     if model.prefix_ids is None or model.prefix_kv is None:
@@ -120,7 +107,7 @@ def save_prefix_kv(model: PreparedLM, folder: Path) -> dict | None:
 
 
 def load_prefix_kv(folder: Path) -> list[np.ndarray] | None:
-    """What :func:`save_prefix_kv` wrote, in the order of the graphs' past inputs (None where there is none)."""
+    """What :func:`save_prefix_kv` wrote, in the order of the graphs' past inputs, or None."""
     from safetensors.numpy import load_file
 
     path = folder / PREFIX_KV
@@ -136,10 +123,8 @@ def graph_file(n: int, qdq: bool = False) -> str:
 
 def io_names(layers: int) -> tuple[list[str], list[str]]:
     cache = [f"{kind}_{layer}" for layer in range(layers) for kind in ("key", "value")]
-    return ["input_ids", "attention_mask", "position_ids", *[f"past_{c}" for c in cache]], [
-        "logits",
-        *[f"new_{c}" for c in cache],
-    ]
+    inputs = ["input_ids", "attention_mask", "position_ids", *[f"past_{c}" for c in cache]]
+    return inputs, ["logits", *[f"new_{c}" for c in cache]]
 
 
 def attention_mask(n: int, context: int, filled: int) -> np.ndarray:
@@ -165,9 +150,8 @@ def _cached_forward(model: PreparedLM) -> Iterator[None]:
 def export_kv_graphs(
     sim: QuantizationSimModel, folder: Path, graphs: KVGraphs, encoding_version: str = ENCODING_VERSION
 ) -> dict:
-    """Write, for each AR length N of ``graphs``, ``arN.onnx`` (the FP graph, for a converter) and ``arN_qdq.onnx``
-    (for onnxruntime), each with its ``.data`` file, and one ``model.encodings`` for all of them, into ``folder``;
-    returns their manifest entry."""
+    """``arN.onnx`` (for a converter) and ``arN_qdq.onnx`` (for onnxruntime) per AR length N, and one
+    ``model.encodings`` for all of them, into ``folder``; returns their manifest entry."""
     model = sim.model
     layers, kv_heads, head_dim = model.kv_shape()
     inputs, outputs = io_names(layers)
@@ -207,9 +191,7 @@ def export_kv_graphs(
 
 
 def _merge_encodings(folder: Path, graphs: KVGraphs) -> int:
-    """AIMET writes one encodings file per graph: merge them into ``model.encodings`` (the union of their entries;
-    a tensor both graphs hold must have one encoding in both, checked) and remove them. Returns how many shared
-    tensors were checked."""
+    """AIMET's encodings files merged into ``model.encodings``; returns how many shared tensors were checked."""
     from aimet_quadapter.export.onnx_eval import read_encodings
 
     files = [folder / f"ar{n}.encodings" for n in graphs.lengths]
@@ -241,10 +223,9 @@ def _merge_encodings(folder: Path, graphs: KVGraphs) -> int:
 
 
 class KVGraphRunner:
-    """A host for the QDQ graphs of a folder, in onnxruntime: :meth:`prefill` feeds a prompt in chunks through
-    the longest graph (the last chunk padded at its end, only its real tokens kept), :meth:`decode` one token
-    through the AR-1 graph; each returns the logits of the tokens it fed and appends their keys and values to
-    the cache. :meth:`reset` empties the cache, or fills it with the folder's prefix where it has one."""
+    """A host for the QDQ graphs of a folder, in onnxruntime: :meth:`prefill` feeds a prompt in chunks through the
+    longest graph, :meth:`decode` one token through the AR-1 graph, each appending to the cache; :meth:`reset`
+    empties the cache, or fills it with the folder's prefix."""
 
     def __init__(self, folder: Path, graphs: KVGraphs, kv_shape: tuple[int, int, int]):
         from aimet_quadapter.export.onnx_eval import ort_session
@@ -329,8 +310,7 @@ class KVAgreement:
     greedy_tokens: int  # tokens generated greedily from each window's first half, by the sim and by the graphs
     greedy_agreement: float  # share of those the graphs generate as the sim does
     greedy_common_prefix: float  # tokens the two agree on before their first difference, mean over the prompts
-    # the same for the sim against itself with one-ulp quantizer inputs (the export's float32 noise): how far
-    # greedy generation can agree at all where float32 rounding decides argmaxes
+    # the same for the sim against itself with one-ulp quantizer inputs: how far greedy generation can agree at all
     greedy_floor_agreement: float
     greedy_floor_common_prefix: float
 
@@ -379,16 +359,13 @@ def verify_kv_graphs(
     greedy_steps: int = 32,
     greedy_prompts: int = 3,
 ) -> KVAgreement:
-    """Each window through the graphs (its first half as the prompt, the rest decoded one token at a time)
-    against the sim's full-sequence logits and against ``full_graph`` (the full-sequence QDQ graph) in
-    onnxruntime; ``greedy_steps`` tokens generated from the first half of each of the first ``greedy_prompts``
-    windows by the graphs and by the sim.
-    Raises where the graphs differ from the sim by more than the bounds (the full-sequence export's, set by
-    the float32 floor it measured) or from the full-sequence graph by more than float rounding."""
+    """Each window through the graphs (its first half prefilled, the rest decoded) against the sim and against
+    ``full_graph`` (the full-sequence QDQ graph); greedy generation from the first ``greedy_prompts`` windows.
+    Raises where they differ from the sim by more than the bounds (the full-sequence export's, set by the float32 floor
+    it measured), or from the full-sequence graph by more than float rounding."""
     model, prefix = sim.model, sim.model.prefix_length
     check_windows_fit(graphs, windows, prefix)
-    # the full-sequence graph's logits first, its session closed before the KV graphs' two open: one copy of
-    # the weights fewer in memory at once
+    # its session closed before the KV graphs' open: one copy of the weights fewer in memory
     full_logits = _full_graph_logits(full_graph, windows)
     runner = KVGraphRunner(folder, graphs, model.kv_shape())
     sim_nll, graphs_nll = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
@@ -431,7 +408,6 @@ def verify_kv_graphs(
 
 
 def _full_graph_logits(full_graph: Path, windows: Sequence[Window]) -> list[torch.Tensor]:
-    """Each window's logits from the full-sequence QDQ graph, its session closed (and its memory freed) on return."""
     from aimet_quadapter.export.onnx_eval import OnnxLM
 
     full = OnnxLM(full_graph, low_memory=True)
@@ -444,8 +420,7 @@ def _full_graph_logits(full_graph: Path, windows: Sequence[Window]) -> list[torc
 def _greedy_runs(
     model: PreparedLM, runner: KVGraphRunner, prompt: torch.Tensor, steps: int, index: int
 ) -> tuple[list[int], list[int], list[int]]:
-    """``steps`` greedy tokens after ``prompt`` from the sim, from the graphs, and from the sim with one-ulp
-    quantizer inputs (``index`` seeds them): the floor float32 noise sets on their agreement."""
+    """``steps`` greedy tokens after ``prompt`` from the sim, the graphs, and the sim with one-ulp inputs."""
     from aimet_quadapter.export.exporter import one_ulp_inputs
 
     want = sim_greedy(model, prompt, steps)
@@ -455,10 +430,7 @@ def _greedy_runs(
     return want, got, noisy
 
 
-def _check_agreement(agreement: KVAgreement, ppl_bound: float, logit_bound: float) -> None:
-    """Raises where the graphs differ from the sim by more than the bounds, or from the full-sequence graph by
-    more than ``logit_bound``."""
-    a = agreement
+def _check_agreement(a: KVAgreement, ppl_bound: float, logit_bound: float) -> None:
     max_diff, full_diff = a.max_abs_logit_diff, a.vs_full_graph_max_abs_logit_diff
     if a.ppl_rel_diff > ppl_bound or max_diff > logit_bound or full_diff > logit_bound:
         raise QuadapterError(

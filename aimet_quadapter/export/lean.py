@@ -1,9 +1,7 @@
 """AIMET's ONNX exports, and the files they leave, with as few copies of the weights in memory at once as we can.
 
-A protobuf message holding the weights costs far more than the weights while it is serialized (the
-serializer grows its buffer by doubling, then copies it into a Python ``bytes``), and a parsed one keeps
-every byte it ever held until it is freed as a whole. So nothing here parses or serializes a message
-that holds the weights when the weights can travel by file instead.
+A protobuf message holding the weights costs several times the weights while serialized, and keeps every byte until
+freed as a whole: nothing here parses or serializes one when the weights can travel by file instead.
 """
 
 from __future__ import annotations
@@ -18,6 +16,9 @@ from typing import Any
 
 import torch
 
+from aimet_quadapter.errors import QuadapterError
+from aimet_quadapter.export.formats import QDQ_OPSET, data_file
+from aimet_quadapter.export.tracing import run_aimet_export
 from aimet_quadapter.memory import release_freed_memory
 from aimet_quadapter.models.storage import ParkedWeights
 from aimet_quadapter.quant.aimet_private import (
@@ -29,17 +30,9 @@ from aimet_quadapter.quant.aimet_private import (
 
 @contextmanager
 def lean_aimet_export(model: torch.nn.Module, folder: Path) -> Iterator[None]:
-    """One call of AIMET's ONNX export (``sim.onnx.export`` or ``aimet_torch.onnx.export``) of ``model``, inside:
-
-    - the Parameters AIMET swaps for their quantize-dequantized copies wait in ``folder`` until it returns
-      (:class:`ParkedWeights`), each module's as soon as its copies are made;
-    - torch's exporter writes the graph with its weights in one external data file beside it
-      (``<name>.data``) instead of inline, one weight at a time (:func:`_torch_writes_weights_outside`):
-      AIMET's passes that follow read the graph back and rewrite it several times, and they support external
-      data. :func:`gather_external_data` makes one data file of them;
-    - once torch has written them, AIMET's copies are emptied too (:meth:`ParkedWeights.drop_stand_ins`);
-    - the transposed weights AIMET's pass that follows makes go to their files as they are made, without a copy
-      in memory (:func:`transposed_weights_written_out`).
+    """One call of AIMET's ONNX export of ``model`` inside: the Parameters AIMET swaps for their quantize-dequantized
+    copies wait in ``folder`` (:class:`ParkedWeights`); torch writes the weights into ``<name>.data`` one at a time;
+    AIMET's copies are emptied once written, and the transposed weights it makes go to their files as made.
     """
     parked = ParkedWeights(model, folder)
 
@@ -72,16 +65,9 @@ def lean_aimet_export(model: torch.nn.Module, folder: Path) -> Iterator[None]:
 
 @contextmanager
 def _torch_writes_weights_outside(path: str, kwargs: dict) -> Iterator[bool]:
-    """torch's TorchScript exporter, made to write the graph's weights into ``<path>.data`` one at a time.
-
-    Left alone, it encodes the graph and every weight into one C++ protobuf, serializes that and hands the
-    bytes to Python: three copies of the weights at once. Asked for
-    ``export_params=False`` (set in ``kwargs``), it encodes the graph alone, the weights as inputs. The weights
-    it would have written, after its constant folding and deduplication, are taken from its deduplication
-    pass and added back here as initializers, in its encoder's order and form, each one moved to the data
-    file as soon as it is made, as ``onnx.save(..., save_as_external_data=True)`` would move it. Yields whether
-    the hooks were found (torch >= 2.9); the caller then does the same from the file torch wrote.
-    """
+    """torch's TorchScript exporter, made to write the graph's weights into ``<path>.data`` one at a time: the graph
+    alone (``export_params=False``), then the weights its deduplication pass keeps. Yields whether the hooks were
+    found (torch >= 2.9)."""
     try:
         from torch import _C
         from torch.onnx._internal.torchscript_exporter import onnx_proto_utils
@@ -118,8 +104,7 @@ def _torch_writes_weights_outside(path: str, kwargs: dict) -> Iterator[bool]:
 def _add_functions_then_weights(
     model_bytes: bytes, custom_opsets: Any, *, find: Any, path: str, weights: dict[str, torch.Tensor]
 ) -> bytes:
-    """torch's ``_add_onnxscript_fn`` (``find``), then ``weights`` added as initializers in torch's encoder's
-    order, each one's data written into ``<path>.data`` as it is made."""
+    """torch's ``_add_onnxscript_fn`` (``find``), then ``weights`` added as initializers, written to ``<path>.data``."""
     import onnx
     from onnx import numpy_helper
     from onnx.external_data_helper import set_external_data
@@ -150,16 +135,10 @@ def _add_functions_then_weights(
 def export_sim_graphs(
     sim: Any, args: tuple, folder: Path, stem: str, encoding_version: str, what: str, opset: int | None = None, **common
 ) -> None:
-    """AIMET's two exports of ``sim.model`` traced on ``args`` into ``folder``: ``<stem>.onnx`` + ``<stem>.data``
-    + ``<stem>.encodings`` (``sim.onnx.export``: the FP graph and its encodings, for a converter) and
-    ``<stem>_qdq.onnx`` + ``<stem>_qdq.data`` (``aimet_torch.onnx.export``: QDQ nodes, for onnxruntime), each
-    with the sim's weights parked while it traces and its weights gathered into one data file. ``what`` names
-    the graph in errors; ``opset``: the FP graph's (default: torch's; the QDQ graph's is ``QDQ_OPSET``);
-    ``common``: torch.onnx.export's arguments for both (input and output names, dynamic axes)."""
+    """AIMET's two exports of ``sim.model`` traced on ``args`` into ``folder``: ``<stem>.onnx`` + ``.data`` +
+    ``.encodings`` (for a converter) and ``<stem>_qdq.onnx`` + ``.data`` (for onnxruntime). ``what`` names the graph
+    in errors; ``opset``: the FP graph's; ``common``: torch.onnx.export's arguments for both."""
     import aimet_torch.onnx
-
-    from aimet_quadapter.export.formats import QDQ_OPSET
-    from aimet_quadapter.export.tracing import run_aimet_export
 
     scratch = folder / f".scratch-{stem}"
     parked = scratch / "parked"  # the sim's weights while AIMET traces their quantize-dequantized copies
@@ -187,8 +166,6 @@ def export_sim_graphs(
             )
         encodings = fp.with_suffix(".encodings")
         if not encodings.is_file():
-            from aimet_quadapter.errors import QuadapterError
-
             raise QuadapterError(f"AIMET's export of {what} wrote no {encodings.name} file")
         encodings.rename(folder / encodings.name)
         gather_external_data(fp, folder / fp.name)
@@ -197,21 +174,15 @@ def export_sim_graphs(
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-# --- the kept files: one graph and one external data file beside it ---------------------------------------
-
 _ALIGN = 4096  # each tensor starts on a page in the data file, so that a runtime can map it in place
 
 
 def gather_external_data(source: Path, target: Path) -> None:
-    """``source`` (its weights in the external data files AIMET's passes left beside it, one or many) written
-    as ``target`` (the graph, weights out) and ``<target stem>.data`` (every weight, one after another): ONNX
-    external data, the form onnxruntime, QAIRT and AI Hub take as it is, and the only one for graphs over
-    protobuf's 2 GB. Streamed one tensor at a time through onnx's own external-data helpers: only the graph
-    without its weights is ever parsed or serialized."""
+    """``source`` (its weights in the data files AIMET left beside it) written as ``target`` and one
+    ``<target stem>.data``: ONNX external data, which onnxruntime, QAIRT and AI Hub take, and the only form past
+    protobuf's 2 GB. Streamed one tensor at a time."""
     import onnx
     from onnx.external_data_helper import ExternalDataInfo, set_external_data, uses_external_data
-
-    from aimet_quadapter.export.formats import data_file
 
     model = onnx.load(str(source), load_external_data=False)
     location = data_file(target.name)

@@ -1,9 +1,7 @@
 """The sim's float-noise band: how far float32 rounding alone moves a quantized model's codes and perplexity.
 
-A draw runs the sim with its sums rounded otherwise (every matrix product summed in another order,
-:func:`shuffled_sums`; or every activation quantizer's input moved by whole float32 ulps,
-:func:`~aimet_quadapter.export.exporter.one_ulp_inputs`): a run as valid as the sim's own. A device graph
-lies within the sim's float noise when it lies within :func:`noise_band` of the sim's perplexity.
+A draw (:func:`shuffled_sums` or :func:`~aimet_quadapter.export.exporter.one_ulp_inputs`) is a run as valid as the
+sim's own; a device graph within :func:`noise_band` of the sim's perplexity lies within its float noise.
 """
 
 from __future__ import annotations
@@ -19,10 +17,8 @@ from aimet_quadapter.quant.quantizers import quantizers
 
 @contextmanager
 def shuffled_sums(model: torch.nn.Module, seed: int) -> Iterator[None]:
-    """Every matrix product of ``model`` sums its terms in a random order (a fixed draw per ``seed``): the inputs'
-    contracted dimension and the weights' columns permuted alike, so each sum is the same sum of the same terms, as
-    exact in real numbers and rounded as another kernel's order rounds it. Per-tensor and per-output-channel
-    quantizers see the same values in another order."""
+    """Every matrix product of ``model`` sums its terms in a random order (a fixed draw per ``seed``): the same sum
+    of the same terms, rounded as another kernel's order rounds it."""
     from aimet_torch.nn.modules.custom import MatMul
 
     generator = torch.Generator().manual_seed(seed)
@@ -83,9 +79,7 @@ def activation_codes(
 
 
 def noise_band(sim: float, variants: list[float]) -> tuple[float, float]:
-    """The sim's perplexity +- the farthest any of its float variants lies from it: how far float32 rounding moves
-    the sim's own number. Centred on the sim, since the question is whether the device graph lies as far from the
-    sim as rounding puts it: the variants' own range need not hold the sim, and a draw exchangeable with ten
-    others still falls outside their range two times in eleven."""
+    """The sim's perplexity +- the farthest any of its float variants lies from it. Centred on the sim: a draw
+    exchangeable with ten others still falls outside their range two times in eleven."""
     radius = max(abs(v - sim) for v in variants)
     return sim - radius, sim + radius

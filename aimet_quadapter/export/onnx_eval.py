@@ -1,12 +1,7 @@
 """Running an exported model in onnxruntime, and reading (and applying) an AIMET encodings file.
 
-An export folder (see :mod:`aimet_quadapter.export.exporter`) holds ``model_qdq.onnx`` (QuantizeLinear /
-DequantizeLinear nodes in the graph), ``model.onnx`` with ``model.encodings`` (an FP graph plus the
-encodings a device converter takes as quantization overrides) and ``manifest.json``.
-
-:func:`apply_encodings` inserts QDQ nodes into the FP graph at the tensors the encodings file names,
-which is what a converter given ``--quantization_overrides`` is meant to do: running the result in
-onnxruntime checks the encodings file itself (names and values), not only AIMET's own QDQ graph.
+:func:`apply_encodings` does what a converter given the encodings as ``--quantization_overrides`` is meant to do,
+so that onnxruntime checks the encodings file itself, not only AIMET's own QDQ graph.
 """
 
 from __future__ import annotations
@@ -25,30 +20,21 @@ import torch
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.export.formats import MANIFEST
 from aimet_quadapter.text import EVAL_SEQ_LEN
-from aimet_quadapter.text.data import Window
 
 PAD_ID = 0  # fills a short last window up to a fixed-length graph's input; causal: never seen by scored tokens
 
 
-# --- onnxruntime ---------------------------------------------------------------------------------------
-
-
 def ort_session(model: str | Path | bytes, optimize: bool = True, low_memory: bool = False):
-    """An onnxruntime CPU session; ``optimize``: all graph optimizations (the default a user gets), else none.
-
-    Without optimizations onnxruntime runs the graph node by node as written; with them it fuses nodes,
-    which sums in another float32 order. It uses as many threads as torch does. ``low_memory``: no memory
-    arena and no memory pattern, so that memory freed between ops goes back to the system (the same
-    results, a little slower): as written, a QDQ graph dequantizes every weight at every run.
+    """An onnxruntime CPU session, as many threads as torch; ``optimize``: all graph optimizations (which sum in
+    another float32 order), else none. ``low_memory``: no arena, so memory freed between ops goes back to the system
+    (the same results, a little slower; a QDQ graph dequantizes every weight at every run).
     """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
     options.log_severity_level = 3  # onnxruntime warns about every unused initializer otherwise
-    # Optimized, a QDQ graph's matrix products run on 8-bit integers; on x86 CPUs without VNNI the default
-    # uint8 x int8 kernel saturates its 16-bit pair sums (onnxruntime's own caveat), which ruins a graph whose
-    # activations span their range. The exact uint8 x uint8 kernel is used there instead; elsewhere a no-op.
+    # x86 without VNNI: the default uint8 x int8 kernel saturates its 16-bit pair sums; this one is exact
     options.add_session_config_entry("session.x64quantprecision", "1")
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -89,9 +75,6 @@ class OnnxLM:
         return torch.from_numpy(logits[:, :length])
 
 
-# --- export folders ------------------------------------------------------------------------------------
-
-
 def find_manifest(path: str | Path) -> Path | None:
     """The manifest of an export: ``path`` is the export folder or one of its ONNX files."""
     path = Path(path).expanduser()
@@ -118,11 +101,7 @@ def load_manifest(path: str | Path) -> tuple[dict, Path]:
         raise QuadapterError(f"{manifest} is not an export manifest: it cannot be read as JSON ({error})") from None
     # what the evaluation reads of it: a foreign JSON file of that name lacks these
     role = content.get("files_role") if isinstance(content, dict) else None
-    if (
-        not isinstance(role, dict)
-        or not isinstance(role.get("qdq_onnx"), str)
-        or not isinstance(content.get("model"), str)
-    ):
+    if not (isinstance(role, dict) and isinstance(role.get("qdq_onnx"), str) and isinstance(content.get("model"), str)):
         raise QuadapterError(
             f"{manifest} is not a manifest of `aimet-quadapter export`: it lacks the model or files_role.qdq_onnx"
         )
@@ -144,19 +123,8 @@ def qdq_model_of(path: str | Path) -> tuple[Path, dict]:
     return qdq, manifest
 
 
-# --- encodings files ----------------------------------------------------------------------------------
-
-
 # ONNX QuantizeLinear output types by name (opset 21 for the 4- and 16-bit ones).
-_ONNX_TYPES = {
-    "uint8": "UINT8",
-    "int8": "INT8",
-    "uint16": "UINT16",
-    "int16": "INT16",
-    "uint4": "UINT4",
-    "int4": "INT4",
-    "int32": "INT32",
-}
+_ONNX_TYPES = {t: t.upper() for t in ("uint8", "int8", "uint16", "int16", "uint4", "int4", "int32")}
 
 
 @dataclass(frozen=True)
@@ -165,8 +133,7 @@ class Encoding:
 
     name: str
     bitwidth: int
-    # float32, one value per channel (one for per-tensor); block-wise: one per block, shaped as the tensor with
-    # the blocked axis divided by block_size (ONNX's blocked QuantizeLinear)
+    # float32, one per channel (or tensor); block-wise: shaped as the tensor, the blocked axis divided by block_size
     scale: np.ndarray
     zero_point: np.ndarray  # int64, same shape as scale
     dtype: str  # a key of _ONNX_TYPES
@@ -193,18 +160,8 @@ def read_encodings(encodings: dict) -> list[Encoding]:
                 scale = np.asarray(entry["scale"], dtype=np.float32).reshape(-1)
                 # AIMET's offset is the negated ONNX zero point, on an unsigned grid [0, 2^bw - 1]
                 zero_point = -np.asarray(entry["offset"], dtype=np.int64).reshape(-1)
-                per_channel = entry.get("enc_type", "PER_TENSOR") != "PER_TENSOR" or scale.size > 1
-                out.append(
-                    Encoding(
-                        entry["name"],
-                        bw,
-                        scale,
-                        zero_point,
-                        f"uint{bw}",
-                        -1 if per_channel else None,
-                        kind == "param_encodings",
-                    )
-                )
+                axis = -1 if entry.get("enc_type", "PER_TENSOR") != "PER_TENSOR" or scale.size > 1 else None
+                out.append(Encoding(entry["name"], bw, scale, zero_point, f"uint{bw}", axis, kind == "param_encodings"))
     elif version.startswith("2."):
         for entry in encodings.get("encodings", []):
             dtype = entry["output_dtype"]
@@ -242,8 +199,7 @@ def graph_tensor_names(model) -> set[str]:
 
 def qdq_graph_encodings(model, base_dir: str | Path | None = None) -> list[Encoding]:
     """The encoding of every QuantizeLinear node of a QDQ ``onnx.ModelProto``, named after its input tensor.
-    ``base_dir``: the folder of a model loaded without its external data, from which the scales and zero
-    points kept there are read (and nothing else: the weights stay on disk)."""
+    ``base_dir``: the folder of a model loaded without its external data (only scales and zero points are read)."""
     from onnx import TensorProto, numpy_helper
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
@@ -277,19 +233,10 @@ def qdq_graph_encodings(model, base_dir: str | Path | None = None) -> list[Encod
         zero_point = constants[node.input[2]]
         dtype = TensorProto.DataType.Name(zero_point.data_type).lower()  # "uint8", "int4", ...
         block_size = _attribute(node, "block_size", 0) or None
-        scale = scale_of(node.input[1])
-        out.append(
-            Encoding(
-                node.input[0],
-                int(re.sub(r"\D", "", dtype) or 0),
-                scale if block_size else scale.reshape(-1),
-                value(node.input[2]).astype(np.int64).reshape(scale.shape if block_size else -1),
-                dtype,
-                _attribute(node, "axis", None),
-                None,
-                block_size,
-            )
-        )
+        scale = scale_of(node.input[1]) if block_size else scale_of(node.input[1]).reshape(-1)
+        bw = int(re.sub(r"\D", "", dtype) or 0)
+        zero = value(node.input[2]).astype(np.int64).reshape(scale.shape if block_size else -1)
+        out.append(Encoding(node.input[0], bw, scale, zero, dtype, _attribute(node, "axis", None), None, block_size))
     return out
 
 
@@ -298,23 +245,18 @@ def _attribute(node, name: str, default: Any) -> Any:
 
 
 def apply_encodings(model, encodings: Iterable[Encoding], copy: bool = True):
-    """A copy of the FP ``onnx.ModelProto`` with a QuantizeLinear/DequantizeLinear pair at every named tensor
-    (``copy=False``: ``model`` itself, changed in place, for a caller that needs the FP graph no more).
+    """A copy of the FP ``onnx.ModelProto`` (``copy=False``: ``model`` itself, changed in place) with a
+    QuantizeLinear/DequantizeLinear pair at every named tensor; returns ``(model, number of entries applied)``.
 
-    Every consumer of a named tensor then sees its quantize-dequantized value, as a converter applying
-    the encodings as overrides would quantize it. int32 (bias) encodings are left out: onnx has no
-    int32 QuantizeLinear, and the simulation this is compared with does not quantize biases.
-    A 1.0.0 file leaves a per-channel axis implicit: it is the one dimension of the tensor whose size
-    is the number of scales, or, when several are, the output-channel axis of the consuming op (the
-    last one for MatMul, the first one for Gather). Returns ``(model, number of entries applied)``.
+    int32 (bias) encodings are left out: onnx has no int32 QuantizeLinear, and the sim does not quantize biases.
+    A 1.0.0 file's implicit per-channel axis is the one dimension sized as the scales, else the consuming op's
+    output-channel axis (MatMul: the last, Gather: the first).
     """
     import onnx
 
+    out = onnx.ModelProto() if copy else model
     if copy:
-        out = onnx.ModelProto()
         out.CopyFrom(model)
-    else:
-        out = model
     graph = out.graph
     initializers = {t.name: t for t in graph.initializer}
     producers = {name: i for i, node in enumerate(graph.node) for name in node.output}
@@ -358,8 +300,7 @@ def apply_encodings(model, encodings: Iterable[Encoding], copy: bool = True):
 
 
 def _qdq_pair(graph, enc: Encoding, n: int, raw: str, shape: list[int] | None, uses: list) -> tuple[list, bool]:
-    """The QuantizeLinear/DequantizeLinear nodes from tensor ``raw`` to ``enc.name``, their scale and zero point
-    added to ``graph``'s initializers (named by ``n``, the entry's index); and whether they need opset 21."""
+    """The QDQ nodes from ``raw`` to ``enc.name`` (constants added to ``graph``), and whether they need opset 21."""
     from onnx import TensorProto, helper, numpy_helper
 
     np_type = helper.tensor_dtype_to_np_dtype(getattr(TensorProto, _ONNX_TYPES[enc.dtype]))
@@ -400,16 +341,6 @@ def _channel_axis(enc: Encoding, shape: list[int] | None, uses: list[tuple[str, 
     raise QuadapterError(f"cannot tell the channel axis of {enc.name!r} (shape {shape}, {enc.scale.size} scales)")
 
 
-# --- perplexity ---------------------------------------------------------------------------------------
-
-
-def onnx_perplexity(lm: OnnxLM, windows: Sequence[Window], desc: str = "onnx", progress: bool = True):
-    """:func:`aimet_quadapter.text.perplexity.perplexity` of an exported model."""
-    from aimet_quadapter.text.perplexity import perplexity
-
-    return perplexity(lm, windows, desc=desc, progress=progress)
-
-
 @dataclass(frozen=True)
 class ExportScore:
     """Perplexity of an exported QDQ model on each dataset, and what it was computed with."""
@@ -438,7 +369,7 @@ def eval_exported(
 
     from aimet_quadapter.models import load_tokenizer, quiet_libraries
     from aimet_quadapter.text.data import dataset_label
-    from aimet_quadapter.text.perplexity import eval_windows_for
+    from aimet_quadapter.text.perplexity import eval_windows_for, perplexity
 
     start = time.time()
     qdq, manifest = qdq_model_of(str(export))
@@ -456,7 +387,7 @@ def eval_exported(
     for dataset in datasets:
         windows = eval_windows_for(tokenizer, dataset, split, seq_len, stride, max_tokens)
         column = dataset_label(dataset)
-        ppl[column] = onnx_perplexity(lm, windows, desc=f"{label} {column}", progress=progress).ppl
+        ppl[column] = perplexity(lm, windows, desc=f"{label} {column}", progress=progress).ppl
         sources[column] = dataset
     if not all(math.isfinite(v) for v in ppl.values()):
         raise QuadapterError(f"the exported model {qdq} gave a non-finite perplexity: {ppl}")

@@ -1,6 +1,5 @@
 """What an export's verification found: how far each ONNX form of the model is from the sim, against the
-float32 noise floor of the model, and within which tolerance. The exporter computes it, and each extra format
-(``formats.py``) checks itself against it."""
+model's float32 noise floor, and within which tolerance."""
 
 from __future__ import annotations
 
@@ -11,26 +10,15 @@ from dataclasses import asdict, dataclass
 class Tolerance:
     """How far onnxruntime's output may be from the sim's, over the verification windows.
 
-    A quantized model cannot be reproduced bit for bit by another runtime: onnxruntime sums in float32
-    in another order than torch (about 1e-6 relative), and wherever that moves a value across a rounding
-    boundary one activation moves by a whole quantization step; over many layers these flips add up.
-    How much they add up to depends on the model, so it is measured, not guessed: the QDQ graph is run by
-    onnxruntime as written (no graph optimizations) and as a user runs it (all optimizations), and the sim
-    is run again (``SIM_NOISE_DRAWS`` times) with every tensor its activation quantizers read moved by one
-    float32 ulp, up or down at random, as another runtime's summation order moves it. Each pair is two
-    correct executions of one model that differ only in float32 rounding; the largest difference is this
-    model's float32 noise floor. The onnxruntime pair alone can underestimate it: its two runs share most
-    of their kernels, and which values sit on a rounding boundary is a matter of chance. Each ONNX form
-    must then agree with the sim within
+    Another runtime sums in another float32 order, and where that moves a value across a rounding boundary an
+    activation moves by a whole quantization step. So the model's float32 noise floor is measured, not guessed: the
+    largest difference between the QDQ graph with and without onnxruntime's optimizations, and between the sim and
+    itself with one-ulp quantizer inputs (``SIM_NOISE_DRAWS`` draws). Each ONNX form must agree with the sim within
 
     - perplexity: ``ppl_rtol + floor_factor * floor``, relative;
     - every scored logit: ``logit_rtol * max |sim logit| + floor_factor * floor``, absolute.
 
-    Where the floor is tiny the fixed terms decide (perplexity within ``ppl_rtol``, logits within
-    ``logit_rtol`` of the largest one). A wrong, missing or requantized encoding is far outside both (a
-    tensor quantized twice moves logits by more than their range); and the encodings themselves are
-    checked exactly, by value, before any of this. A real W8A8 model can have a floor of whole percents
-    in perplexity (docs/export.md): the bounds widen with it, and the CLI says so.
+    A wrong or requantized encoding is far outside both; a real W8A8 model's floor can be whole percents.
     """
 
     ppl_rtol: float = 1e-3
@@ -65,8 +53,7 @@ class Verification:
     agreements: list[Agreement]  # each form of FORMS against the sim
     floor: Agreement  # "qdq" against "qdq/unoptimized": float32 reordering alone
     sim_floor: Agreement  # the sim against itself with one-ulp quantizer inputs (the largest draw): rounding alone
-    # model.onnx + model.encodings against AIMET's QDQ graph, both run as written: equal where the encodings file
-    # says exactly what AIMET's QDQ graph does (so far always to the bit), whatever the floor
+    # model.onnx + model.encodings against AIMET's QDQ graph, both run as written: equal whatever the floor
     encodings_vs_qdq: Agreement
     ppl_bound: float  # the relative perplexity difference allowed (Tolerance.ppl_bound)
     logit_bound: float  # the absolute logit difference allowed (Tolerance.logit_bound)

@@ -1,9 +1,5 @@
-"""The methods a recipe can name, one entry each: its table label and everything the runner derives from it.
-
-A new method is one entry here and one function in :mod:`aimet_quadapter.methods.registry` under
-``@method("name")``. The entries live apart from the functions (which import AIMET) so that a recipe's
-method names and needs are checked in the first seconds of a command.
-"""
+"""The methods a recipe can name, one entry each (its function is in :mod:`aimet_quadapter.methods.registry`): kept
+apart from the functions, which import AIMET, so that a recipe's methods are checked in a command's first seconds."""
 
 from __future__ import annotations
 
@@ -22,7 +18,7 @@ from aimet_quadapter.quant.config import (
 )
 from aimet_quadapter.settings import Settings
 
-# The recipe sections a method's settings live in, beyond model, eval, policy and calibration.
+# the recipe sections a method's settings live in, beyond model, eval, policy and calibration
 SECTIONS = ("phase1", "phase2", "quadapter", "baselines")
 
 
@@ -42,31 +38,20 @@ _RANGES_FIXED = (("learn_ranges", False),)
 @dataclass(frozen=True)
 class MethodInfo:
     label: str  # the paper's row name
-    # False: the FP model's own function, no calibration set and no setting involved
-    calibrates: bool = True
+    calibrates: bool = True  # False: the FP model's own function, no calibration set and no setting involved
     quantized: bool = True  # False: a float reference (an upper bound), never a table's "best"
     finetunes: bool = False  # needs the F-ID training data
     from_bc: bool = False  # continues from Quadapter BC (phase 1), which runs first where not yet saved
-    # what the method reads of SECTIONS: a whole section ("phase2"), one field of one ("quadapter.extra_sites"),
-    # or a technique's parameter class (SpinQuantParameters: its fields in its section). Its fingerprint holds
-    # these and nothing else of SECTIONS, so a change there computes its cells again and a change elsewhere does
-    # not; merge compares only what some method reads. The default, every section, is for a method added without
-    # saying: computed again too often, never stale.
+    # what of SECTIONS its fingerprint holds: a section ("phase2"), a field ("quadapter.extra_sites") or a parameter
+    # class (its fields); the default, every section, is never stale
     reads: tuple[str | type[Settings], ...] = SECTIONS
     # the fields of phase 2 the method sets itself, whatever the recipe says: (field, value or FromSetting)
     phase2: tuple[tuple[str, Any], ...] = ()
-    # False: phase 2 trains no alpha (a baseline without the adapter, or alphas folded before it)
-    trains_alpha: bool = True
-    # derived: the fields of a section read whole that cannot change the result (see _unused)
-    unused: tuple[str, ...] = field(default=(), init=False)
-    # what the same training buys without the method (same data, steps, rates, loss): the report sets the
-    # method against each of these
-    matched: tuple[str, ...] = ()
-    # the AIMET technique it runs whose support AIMET limits (quant/llm_techniques.py, AIMET_SUPPORT)
-    aimet: str | None = None
-    # the method whose saved state this one starts from, where that cell of the same seed and F-ID ran under
-    # the same settings; otherwise the method computes that state itself first
-    continues: str | None = None
+    trains_alpha: bool = True  # False: phase 2 trains no alpha (no adapter, or alphas folded before it)
+    unused: tuple[str, ...] = field(default=(), init=False)  # derived: see _unused
+    matched: tuple[str, ...] = ()  # what the same training buys without the method, for the report
+    aimet: str | None = None  # the AIMET technique it runs whose support AIMET limits (AIMET_SUPPORT)
+    continues: str | None = None  # the method whose saved state (same seed, F-ID, settings) this one starts from
 
     def __post_init__(self) -> None:
         # a parameter class stands for its fields: from here on every entry is a "section[.field]" name
@@ -81,8 +66,7 @@ class MethodInfo:
                 raise ValueError(f"method {self.label!r}: unused {name!r} is no field of a section it reads whole")
 
     def _unused(self) -> tuple[str, ...]:
-        """The fields of phase 2, read whole, that cannot change the result: those the method sets itself, the
-        alphas' rate where none trains, the ranges' rates where they stay fixed."""
+        """The fields of phase 2, read whole, that cannot change the result."""
         if "phase2" not in self.reads:
             return ()
         sets = dict(self.phase2)
@@ -123,8 +107,7 @@ def _field_names(source: type[Settings]) -> tuple[str, ...]:
 
 
 def reads_setting(methods: list[str], key: str) -> bool:
-    """Whether the recipe setting ``key`` ("section.field"; any other setting: True) can change a result of
-    one of ``methods``; a method not in the catalog (of another version) reads every setting."""
+    """Whether the recipe setting ``key`` ("section.field") can change a result of one of ``methods``."""
     section, _, field = key.partition(".")
     if section not in SECTIONS:
         return True
@@ -137,23 +120,18 @@ _PHASE1 = ("phase1", "quadapter")
 
 
 def _qat(label: str, learn_ranges: bool, **fields: Any) -> MethodInfo:
-    """A QAT-style row: phase 2 trains every weight at baselines.qat_lr_weights and no alpha, the quantizer ranges
-    learning or fixed by ``learn_ranges``."""
+    """A QAT-style row: phase 2 trains every weight at baselines.qat_lr_weights and no alpha."""
     ranges = _RANGES_LEARN if learn_ranges else _RANGES_FIXED
     return MethodInfo(label, finetunes=True, phase2=(_QAT_WEIGHTS, *ranges), trains_alpha=False, **fields)
 
 
 def _after_quadapter(label: str, reads: type[Settings]) -> MethodInfo:
-    """AIMET's weight technique on Quadapter's folded model, its activation ranges kept; ``reads``: the technique's
-    parameters. It starts from Quadapter's saved cell where the run holds one."""
+    """AIMET's weight technique (``reads``: its parameters) on Quadapter's folded model, its activation ranges kept."""
     return MethodInfo(label, finetunes=True, from_bc=True, continues="quadapter", reads=(*_PHASE1, "phase2", reads))
 
 
 def _on_transform(technique: str, label: str, reads: type[Settings]) -> dict[str, MethodInfo]:
-    """``<technique>_quadapter`` (Quadapter, both phases, on AIMET's ``technique``'s FP-equivalent model) and its
-    matched baseline ``<technique>_cle_phase2`` (the same transform and phase 2, CLE's alphas fixed, the ranges
-    learning); ``<technique>_quadapter_bc_qat`` and ``<technique>_qat`` likewise; ``reads``: the technique's own
-    parameters."""
+    """Quadapter and BC+QAT on AIMET's ``technique``'s FP-equivalent model, and their matched baselines."""
     return {
         f"{technique}_quadapter": MethodInfo(
             f"{label} + Quadapter",
@@ -208,8 +186,7 @@ CATALOG: dict[str, MethodInfo] = {
     "quadapter_bc_qat_fixed_ranges": _qat(
         "Quadapter BC+QAT w/o LSQ+", False, from_bc=True, reads=(*_PHASE1, "phase2", QatParameters)
     ),
-    # Quadapter's matched baseline: the same phase 2 (loss, data, steps, rates) on CLE's sim with no alpha to
-    # train, the quantizer ranges learning instead; what the training budget buys without the adapter.
+    # Quadapter's matched baseline: the same phase 2 on CLE's sim, the ranges learning instead of alpha
     "cle_phase2": MethodInfo(
         "CLE + phase 2 (ranges)",
         finetunes=True,
@@ -221,19 +198,14 @@ CATALOG: dict[str, MethodInfo] = {
         "Quadapter", finetunes=True, from_bc=True, matched=("cle_phase2", "qat"), reads=(*_PHASE1, "phase2")
     ),
     "quadapter_fixed_ranges": MethodInfo(
-        "Quadapter w/o LSQ+",
-        finetunes=True,
-        from_bc=True,
-        reads=(*_PHASE1, "phase2"),
-        phase2=_RANGES_FIXED,
+        "Quadapter w/o LSQ+", finetunes=True, from_bc=True, reads=(*_PHASE1, "phase2"), phase2=_RANGES_FIXED
     ),
     # AIMET's LLM techniques, each through its own entry point (quant/llm_techniques.py), then static calibration
     "spinquant": MethodInfo("SpinQuant", reads=(SpinQuantParameters,), aimet="spinquant"),
     "fptquant": MethodInfo("FPTQuant", reads=(FPTQuantParameters,), aimet="fptquant"),
     "adascale": MethodInfo("AdaScale", reads=(AdaScaleParameters,), aimet="adascale"),
     "omniquant": MethodInfo("OmniQuant", reads=(OmniQuantParameters,), aimet="omniquant"),
-    # compositions: Quadapter (both phases) on an AIMET transform's model, and its matched baseline; AIMET's weight
-    # techniques on Quadapter's folded model, its activation ranges kept
+    # compositions with AIMET's transforms (before Quadapter) and weight techniques (after it)
     **_on_transform("spinquant", "SpinQuant", SpinQuantParameters),
     # FPTQuant's online Hadamard left out: the export holds plain weights
     **_on_transform("fptquant", "FPTQuant", FPTQuantParameters),

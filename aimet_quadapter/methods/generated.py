@@ -1,12 +1,4 @@
-"""Text the FP model samples itself: calibration and fine-tuning data that belongs to no domain.
-
-A recipe names it as the dataset ``generated``. Fine-tuning on a corpus fits that corpus (phase 2 on PTB
-trades other text for PTB); the model's own samples stand for everything it has
-learned, the idea of data-free quantization-aware training (LLM-QAT, Liu et al. 2023), and they need no data at all.
-
-Every sample starts after the model's BOS token and is exactly ``length`` tokens long: the end-of-text
-token is never drawn, so a sample is one stretch of running text, as a crop of a corpus is.
-"""
+"""The ``generated`` dataset: text the FP model samples itself (data-free, as LLM-QAT), its end token never drawn."""
 
 from __future__ import annotations
 
@@ -52,12 +44,7 @@ def _end_tokens(model: PreparedLM) -> list[int]:
 
 @contextmanager
 def _library_attention(model: PreparedLM) -> Iterator[None]:
-    """Transformers' own fused attention while the FP model samples, where the family has it.
-
-    The quantizable attention copies the cached keys and values once per query head they serve at every step
-    (grouped-query attention), most of a long sample's time on a CPU; the fused one reads them in place. It
-    differs from it only in float32 rounding, so the draws are the same but where one falls within that
-    rounding of a boundary. Families without it (Gemma-2's score soft-capping) keep the quantizable one."""
+    """Transformers' fused attention while the FP model samples, where the family has it (float32 rounding apart)."""
     config: Any = model.lm.config  # a transformers config
     before = config._attn_implementation
     if getattr(type(model.lm), "_supports_sdpa", False):
@@ -70,8 +57,7 @@ def _library_attention(model: PreparedLM) -> Iterator[None]:
 
 @torch.no_grad()
 def generate_samples(model: PreparedLM, params: GenerationParameters, progress: bool = True) -> torch.Tensor:
-    """``params.samples`` sequences of ``params.length`` tokens sampled from ``model``, shape (samples, length),
-    on the CPU. The same parameters give the same tokens on the same machine (a seeded generator)."""
+    """``params.samples`` sequences of ``params.length`` tokens sampled from ``model`` (seeded), on the CPU."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
@@ -108,8 +94,7 @@ def generate_samples(model: PreparedLM, params: GenerationParameters, progress: 
 
 
 def sample_crops(samples: torch.Tensor, num: int, length: int, seed: int) -> torch.Tensor:
-    """``num`` crops of ``length`` tokens, one per sample, the samples in an order set by ``seed`` (cycling
-    through them when ``num`` exceeds their number); each crop at a random offset within its sample."""
+    """``num`` crops of ``length`` tokens at random offsets, one per sample, the samples cycled in a seeded order."""
     count, sample_length = samples.shape
     generator = torch.Generator().manual_seed(seed)
     order = torch.cat([torch.randperm(count, generator=generator) for _ in range(-(-num // count))])[:num]

@@ -9,15 +9,12 @@ if TYPE_CHECKING:  # a run imports AIMET only once its recipe has been checked
     from aimet_quadapter.quadapter.phase1 import Phase1Result
     from aimet_quadapter.quadapter.state import QuadapterState
 
-# the prefix of the folders in a cell's folder where the FP model's weights wait while a method works on a copy;
-# a killed run leaves them, the cell's next computation removes them
+# the prefix of the folders where the FP model's weights wait while a method works on a copy
 PARKED_FP = ".parked-fp-"
 
 
 class Records:
-    """What a method hands over as it makes it: a state to keep (at once, so that a killed run starts again from
-    it), phase 1's record, a training curve, a Quadapter state whose head site is worth a figure. These keep only
-    the names of the states handed over: a method called as a library writes no file; a run passes its own."""
+    """What a method hands over as it makes it; here only the names of the states (a run passes its own)."""
 
     def __init__(self) -> None:
         self.states: set[str] = set()

@@ -1,13 +1,5 @@
-"""Quantization methods by name, each turning the FP model into something to evaluate: the paper's rows.
-
-Every method gets the same calibration data (the paper: 10 x 512 tokens); the fine-tuning methods also
-get the fine-tuning batches (the F-ID train split). Methods that continue from Quadapter BC (phase 2,
-BC+QAT) start from ``ctx.bc_state`` when it is set, so one phase 1 serves all of them; otherwise they
-run phase 1 first.
-
-Every sim starts on the FP model's storage (``share_weights``): a method changes a sim's weights by giving
-them new data, never in place, so that one copy of the weights serves the FP model and every sim.
-"""
+"""Quantization methods by name, each turning the FP model into something to evaluate: the paper's rows. Every sim
+starts on the FP model's storage (``share_weights``): a method gives a sim's weights new data, never in place."""
 
 from __future__ import annotations
 
@@ -33,12 +25,7 @@ from aimet_quadapter.methods.records import PARKED_FP, Records
 from aimet_quadapter.models import PreparedLM
 from aimet_quadapter.models.storage import weights_parked
 from aimet_quadapter.quadapter.adapter import QuadapterSet
-from aimet_quadapter.quadapter.api import (
-    QuadapterResult,
-    apply_cle,
-    apply_phase1,
-    apply_phase2,
-)
+from aimet_quadapter.quadapter.api import QuadapterResult, apply_cle, apply_phase1, apply_phase2
 from aimet_quadapter.quadapter.config import Phase2Parameters, QuadapterParameters, RunOptions
 from aimet_quadapter.quadapter.phase2 import phase2_loss, run_phase2
 from aimet_quadapter.quadapter.state import QuadapterState
@@ -55,27 +42,18 @@ class MethodContext:
     calibration: list[torch.Tensor]
     finetune: list[torch.Tensor] | None = None
     params: QuadapterParameters = field(default_factory=QuadapterParameters)
-    # how phase 1 and phase 2 run (memory, kernels, checkpoints); the checkpoints go under out_dir where it is set
-    options: RunOptions = field(default_factory=RunOptions)
+    options: RunOptions = field(default_factory=RunOptions)  # how the phases run; checkpoints under out_dir if set
     out_dir: Path | None = None
     progress: bool = True
     timings: dict[str, float] = field(default_factory=dict)
     baselines: BaselineParameters = field(default_factory=BaselineParameters)
-    # Quadapter BC's result on this calibration data, when already computed (by this context or a saved run).
-    bc_state: QuadapterState | None = None
-    # Phase-2 checkpoints under out_dir (off when a run would only write one at its last step).
-    checkpoints: bool = True
-    # What a method measured about itself (e.g. how many encodings AdaRound froze), keyed by method name.
-    info: dict[str, dict] = field(default_factory=dict)
-    # Held-out calibration text: phase 1 keeps its result only if no worse there than its start.
-    validation: list[torch.Tensor] | None = None
-    # The saved state of the method this one continues from (catalog ``continues``), when the runner found it.
-    start: QuadapterState | None = None
-    # False where phase 1 is a step inside another method whose own state is the cell's (SpinQuant + Quadapter):
-    # its state is then handed over by no one, as no row was computed with it.
-    save_bc: bool = True
-    # what the methods hand over; run_method hands over a quantized method's sim where the method gave no state
-    records: Records = field(default_factory=Records)
+    bc_state: QuadapterState | None = None  # Quadapter BC's result on this calibration data, once computed
+    checkpoints: bool = True  # phase-2 checkpoints under out_dir
+    info: dict[str, dict] = field(default_factory=dict)  # what each method measured about itself, by name
+    validation: list[torch.Tensor] | None = None  # held-out text: phase 1's result is kept only if no worse there
+    start: QuadapterState | None = None  # the saved state of the method this one continues from (``continues``)
+    save_bc: bool = True  # False where phase 1 is a step of another method, whose own state is the cell's
+    records: Records = field(default_factory=Records)  # what the methods hand over
     _bc: tuple[QuantizationSimModel, QuadapterResult] | None = None
 
 
@@ -98,9 +76,6 @@ def method(name: str, info: MethodInfo | None = None) -> Callable[[Method], Meth
     return register
 
 
-# --- calibration-only methods -------------------------------------------------------------------------
-
-
 @method("fp")
 def _fp(ctx: MethodContext) -> PreparedLM:
     return ctx.model
@@ -116,38 +91,27 @@ def _ptq(ctx: MethodContext) -> QuantizationSimModel:
 @method("adaround")
 def _adaround(ctx: MethodContext) -> QuantizationSimModel:
     sim = build_sim(ctx.model, ctx.policy, share_weights=True)
-    info = apply_adaround(sim, ctx.model, ctx.calibration, ctx.baselines, ctx.out_dir)
-    ctx.info["adaround"] = info
+    ctx.info["adaround"] = apply_adaround(sim, ctx.model, ctx.calibration, ctx.baselines, ctx.out_dir)
     return sim
 
 
 @method("seq_mse")
 def _seq_mse(ctx: MethodContext) -> QuantizationSimModel:
     sim = build_sim(ctx.model, ctx.policy, share_weights=True)
-    info = apply_seq_mse(sim, ctx.model, ctx.calibration, ctx.baselines)
-    ctx.info["seq_mse"] = info
+    ctx.info["seq_mse"] = apply_seq_mse(sim, ctx.model, ctx.calibration, ctx.baselines)
     return sim
 
 
-# --- AIMET's LLM techniques (quant/llm_techniques.py) ----------------------------------------------------
-
-
-def _transformed_ptq(ctx: MethodContext, name: str, model: PreparedLM) -> QuantizationSimModel:
-    """PTQ of ``model``, an FP-equivalent transform of the FP model; its state carries the transformed weights."""
-    sim = build_sim(model, ctx.policy, in_place=True)  # the transformed copy is this sim's alone
+def _transformed_ptq(ctx: MethodContext, name: str, transform) -> QuantizationSimModel:
+    """PTQ of ``transform``'s FP-equivalent model; its state carries the transformed weights."""
+    sim = build_sim(transform(ctx.model, ctx.baselines), ctx.policy, in_place=True)  # the copy is this sim's alone
     calibrate(sim, ctx.calibration)
     ctx.records.state(name, QuadapterState.from_sim(sim, {}).with_weights(sim.model, ctx.model))
     return sim
 
 
-@method("spinquant")
-def _spinquant(ctx: MethodContext) -> QuantizationSimModel:
-    return _transformed_ptq(ctx, "spinquant", spinquant_model(ctx.model, ctx.baselines))
-
-
-@method("fptquant")
-def _fptquant(ctx: MethodContext) -> QuantizationSimModel:
-    return _transformed_ptq(ctx, "fptquant", fptquant_model(ctx.model, ctx.baselines))
+for _name, _transform in (("spinquant", spinquant_model), ("fptquant", fptquant_model)):
+    method(_name)(functools.partial(_transformed_ptq, name=_name, transform=_transform))
 
 
 def _reconstructed(ctx: MethodContext, name: str, technique) -> QuantizationSimModel:
@@ -157,14 +121,8 @@ def _reconstructed(ctx: MethodContext, name: str, technique) -> QuantizationSimM
     return sim
 
 
-@method("adascale")
-def _adascale(ctx: MethodContext) -> QuantizationSimModel:
-    return _reconstructed(ctx, "adascale", apply_adascale)
-
-
-@method("omniquant")
-def _omniquant(ctx: MethodContext) -> QuantizationSimModel:
-    return _reconstructed(ctx, "omniquant", apply_omniquant)
+for _name, _apply in (("adascale", apply_adascale), ("omniquant", apply_omniquant)):
+    method(_name)(functools.partial(_reconstructed, name=_name, technique=_apply))
 
 
 @method("cle")
@@ -197,22 +155,17 @@ def _quadapter_bc(ctx: MethodContext) -> QuantizationSimModel:
     return sim
 
 
-# --- methods that fine-tune on the F-ID data ------------------------------------------------------------
-
-
 def quadapter_bc_start(ctx: MethodContext) -> tuple[QuantizationSimModel, QuadapterResult]:
     """A sim holding Quadapter BC's result, and its Quadapters (alpha folded), to continue from."""
     if ctx.bc_state is None:
         _quadapter_bc(ctx)
     if ctx._bc is not None:  # the live sim of a BC that ran in this context: continue on it
-        sim, result = ctx._bc
-        ctx._bc = None  # the next method changes this sim: later ones rebuild from bc_state
-        return sim, result
+        bc, ctx._bc = ctx._bc, None  # the next method changes this sim: later ones rebuild from bc_state
+        return bc
     state = ctx.bc_state
     assert state is not None  # set by _quadapter_bc above, or by the runner from a saved run
     sim = state.build_sim(ctx.model, share_weights=True)
-    sites = [s for s in ctx.model.sites(extra=True) if s.name in state.alphas]
-    qset = QuadapterSet(sim.model, sites)
+    qset = QuadapterSet(sim.model, [s for s in ctx.model.sites(extra=True) if s.name in state.alphas])
     with torch.no_grad():
         for q in qset:
             q.folded.copy_(state.alphas[q.site.name])  # the sim's weights already carry these
@@ -252,23 +205,18 @@ def _run_quadapter(ctx: MethodContext, name: str) -> tuple[QuantizationSimModel,
     return sim, result
 
 
-@method("quadapter")
-def _quadapter(ctx: MethodContext) -> QuantizationSimModel:
-    return _run_quadapter(ctx, "quadapter")[0]
+def _quadapter(ctx: MethodContext, name: str) -> QuantizationSimModel:
+    return _run_quadapter(ctx, name)[0]
 
 
-@method("quadapter_fixed_ranges")
-def _quadapter_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
-    return _run_quadapter(ctx, "quadapter_fixed_ranges")[0]
+for _name in ("quadapter", "quadapter_fixed_ranges"):
+    method(_name)(functools.partial(_quadapter, name=_name))
 
 
 def _train_sim(ctx: MethodContext, sim: QuantizationSimModel, name: str) -> QuantizationSimModel:
-    """Phase 2's loop on ``sim`` with no Quadapter: what the method's phase 2 leaves trainable (the paper's QAT:
-    every weight and, with LSQ+, every quantizer range)."""
+    """Phase 2's loop on ``sim`` with no Quadapter: what the method's phase 2 leaves trainable (the paper's QAT)."""
     params = _phase2(ctx, name)
-    loss_fn = phase2_loss(params, ctx.model)
-    data = _finetune_data(ctx, name)
-    options = _phase2_options(ctx, name)
+    loss_fn, data, options = phase2_loss(params, ctx.model), _finetune_data(ctx, name), _phase2_options(ctx, name)
     result = run_phase2(sim.model, None, data, params, loss_fn, ctx.progress, name, options)
     ctx.records.curve(name, result.losses)
     return sim
@@ -290,45 +238,33 @@ def _cle_phase2(ctx: MethodContext) -> QuantizationSimModel:
     return sim
 
 
-@method("qat")
-def _qat(ctx: MethodContext) -> QuantizationSimModel:
-    _phase2(ctx, "qat")  # fail before calibrating when there is no fine-tuning data
-    return _train_sim(ctx, _ptq(ctx), "qat")
+def _qat(ctx: MethodContext, name: str, from_bc: bool) -> QuantizationSimModel:
+    """QAT from PTQ's sim, or from Quadapter BC's (the paper's BC+QAT)."""
+    _phase2(ctx, name)  # fail before calibrating when there is no fine-tuning data
+    return _train_sim(ctx, quadapter_bc_start(ctx)[0] if from_bc else cast(QuantizationSimModel, _ptq(ctx)), name)
 
 
-@method("qat_fixed_ranges")
-def _qat_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
-    _phase2(ctx, "qat_fixed_ranges")
-    return _train_sim(ctx, _ptq(ctx), "qat_fixed_ranges")
-
-
-@method("quadapter_bc_qat")
-def _quadapter_bc_qat(ctx: MethodContext) -> QuantizationSimModel:
-    _phase2(ctx, "quadapter_bc_qat")
-    return _train_sim(ctx, quadapter_bc_start(ctx)[0], "quadapter_bc_qat")
-
-
-@method("quadapter_bc_qat_fixed_ranges")
-def _quadapter_bc_qat_fixed_ranges(ctx: MethodContext) -> QuantizationSimModel:
-    _phase2(ctx, "quadapter_bc_qat_fixed_ranges")
-    return _train_sim(ctx, quadapter_bc_start(ctx)[0], "quadapter_bc_qat_fixed_ranges")
+for _name, _from_bc in (
+    ("qat", False),
+    ("qat_fixed_ranges", False),
+    ("quadapter_bc_qat", True),
+    ("quadapter_bc_qat_fixed_ranges", True),
+):
+    method(_name)(functools.partial(_qat, name=_name, from_bc=_from_bc))
 
 
 def _on_transformed(ctx: MethodContext, name: str, transform) -> tuple[PreparedLM, MethodContext]:
-    """AIMET's FP-equivalent ``transform`` (SpinQuant's rotation, FPTQuant's transforms) of the FP model, and a
-    context whose FP model it is: its own phase 1 and checkpoints, in this cell's folder."""
+    """AIMET's FP-equivalent ``transform`` of the FP model, and a context whose FP model it is."""
     _phase2(ctx, name)  # fail before transforming when there is no fine-tuning data
     transformed = transform(ctx.model, ctx.baselines)
-    # phase 1's state of the transformed model would be its alphas without the weights they belong to, folded
-    # into the untransformed ones by an export: a wrong model; the cell's state (both phases, the weights) is saved
+    # phase 1's alphas alone would fold into the untransformed weights on export: only the cell's state is saved
     inner = dataclasses.replace(ctx, model=transformed, bc_state=None, _bc=None, info={}, save_bc=False)
     return transformed, inner
 
 
 @contextmanager
 def _fp_model_parked(ctx: MethodContext, transformed: PreparedLM) -> Iterator[None]:
-    """The FP model's weights wait on disk while a cell works on its transformed copy, the cell's FP reference
-    and teacher: nothing reads them until the cell saves its state. What the copy still shares stays."""
+    """The FP model's weights wait on disk while a cell works on its transformed copy (what the copy shares stays)."""
     folder = ctx.out_dir if distributed.is_main() else None
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -338,8 +274,7 @@ def _fp_model_parked(ctx: MethodContext, transformed: PreparedLM) -> Iterator[No
 
 
 def _quadapter_on(ctx: MethodContext, name: str, transform) -> QuantizationSimModel:
-    """Quadapter, both phases, on ``transform``'s model: the transformed model is phase 1's FP reference (the same
-    function), and its weights are what the alphas fold into."""
+    """Quadapter, both phases, on ``transform``'s model: its FP reference and the weights the alphas fold into."""
     transformed, inner = _on_transformed(ctx, name, transform)
     with _fp_model_parked(ctx, transformed):
         sim, result = _run_quadapter(inner, name)
@@ -359,8 +294,7 @@ def _cle_phase2_on(ctx: MethodContext, name: str, transform) -> QuantizationSimM
 
 
 def _qat_on_transform(ctx: MethodContext, name: str, transform, from_bc: bool) -> QuantizationSimModel:
-    """QAT on ``transform``'s model, from Quadapter BC's sim of it (the paper's BC+QAT) or from PTQ's. BC's alphas
-    are folded into the sim's weights: the state run_method saves holds those weights, trained, and no alpha."""
+    """QAT on ``transform``'s model from Quadapter BC's sim of it (alphas folded into the weights) or from PTQ's."""
     _, inner = _on_transformed(ctx, name, transform)
     sim = quadapter_bc_start(inner)[0] if from_bc else cast(QuantizationSimModel, _ptq(inner))
     if from_bc:
@@ -380,39 +314,33 @@ for _technique, _transform in (("spinquant", spinquant_model), ("fptquant", fptq
 
 
 def _after_quadapter(ctx: MethodContext, name: str, technique) -> QuantizationSimModel:
-    """Quadapter (both phases, or ``ctx.start``: its saved state), then AIMET's ``technique(sim, folded_fp_model)``
-    on the weights of the folded model; Quadapter's activation ranges stay as phase 2 left them."""
+    """Quadapter (or ``ctx.start``), then AIMET's ``technique(ctx, sim, folded_fp_model)``, activation ranges kept."""
     if ctx.start is not None:  # the state rebuilds phase 2's sim exactly (apply_phase2)
         state = ctx.start
         sim = state.build_sim(ctx.model, share_weights=True)
     else:
         sim, result = _run_quadapter(ctx, name)
         state = result.state
-    ctx.info[name] = technique(sim, state.folded_model(ctx.model, share_weights=True))
+    ctx.info[name] = technique(ctx, sim, state.folded_model(ctx.model, share_weights=True))
     ctx.records.state(name, QuadapterState.from_sim(sim, {}).with_weights(sim.model, ctx.model))
     return sim
 
 
-def _quadapter_seq_mse(ctx: MethodContext, name: str, within_ranges: bool) -> QuantizationSimModel:
-    def seq_mse(sim: QuantizationSimModel, folded: PreparedLM) -> dict:
-        return apply_seq_mse(
-            sim, folded, ctx.calibration, ctx.baselines, calibrate_after=False, within_ranges=within_ranges
-        )
+def _seq_mse_after(ctx: MethodContext, sim: QuantizationSimModel, folded: PreparedLM, within: bool) -> dict:
+    return apply_seq_mse(sim, folded, ctx.calibration, ctx.baselines, calibrate_after=False, within_ranges=within)
 
-    return _after_quadapter(ctx, name, seq_mse)
+
+def _adaround_after(ctx: MethodContext, sim: QuantizationSimModel, folded: PreparedLM) -> dict:
+    return apply_adaround(sim, folded, ctx.calibration, ctx.baselines, ctx.out_dir, calibrate_after=False)
 
 
 # SeqMSE's candidates as fractions of the folded weights' min-max, or of the weight ranges phase 2 learned
-for _name, _within in (("quadapter_seq_mse", False), ("quadapter_seq_mse_learned", True)):
-    method(_name)(functools.partial(_quadapter_seq_mse, name=_name, within_ranges=_within))
-
-
-@method("quadapter_adaround")
-def _quadapter_adaround(ctx: MethodContext) -> QuantizationSimModel:
-    def adaround(sim: QuantizationSimModel, folded: PreparedLM) -> dict:
-        return apply_adaround(sim, folded, ctx.calibration, ctx.baselines, ctx.out_dir, calibrate_after=False)
-
-    return _after_quadapter(ctx, "quadapter_adaround", adaround)
+for _name, _then in (
+    ("quadapter_seq_mse", functools.partial(_seq_mse_after, within=False)),
+    ("quadapter_seq_mse_learned", functools.partial(_seq_mse_after, within=True)),
+    ("quadapter_adaround", _adaround_after),
+):
+    method(_name)(functools.partial(_after_quadapter, name=_name, technique=_then))
 
 
 @method("fp_finetuned")

@@ -1,11 +1,5 @@
-"""Roles of text: *tuning* text calibrates and trains, *development* text chooses settings, *test* text
-(the recipe's ``eval`` section) is scored for the final tables and nothing else.
-
-A number on text that a method was fitted to, or that a setting was chosen on, says nothing about text
-the model has not seen, so the runner refuses a recipe whose tuning or development text reads any part of
-an evaluation text: the same file and split (over the token ranges each reads), or a run of
-:data:`RUN` identical tokens anywhere else, e.g. one text copied into another file.
-"""
+"""Roles of text: *tuning* text calibrates and trains, *development* text chooses settings, *test* text is scored;
+a recipe whose tuning or development text reads any part of a test text is refused."""
 
 from __future__ import annotations
 
@@ -16,8 +10,7 @@ import torch
 
 from aimet_quadapter.errors import QuadapterError
 
-# Tokens in a row that make two texts one: longer than the boilerplate distinct texts share (PTB's test and
-# train splits repeat runs of up to 95 of SmolLM2's tokens: tables of rates), far shorter than a copied text.
+# tokens in a row that make two texts one: longer than the boilerplate distinct texts share, shorter than a copy
 RUN = 128
 
 

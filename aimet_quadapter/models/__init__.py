@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..errors import QuadapterError
 from .base import (
     SITE_ROLES,
     Architecture,
@@ -25,7 +26,7 @@ from .residual import ResidualSpec, install_residual_adds
 from .storage import own_storage, parameter_bytes, reset_to, shares_storage, weight_sharing_copy
 
 ARCHITECTURES: tuple[Architecture, ...] = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GEMMA2, GEMMA3)
-# Every beyond-paper site group any family has (SiteSpec.extra): what extra_sites may name.
+# every beyond-paper site group any family has: what extra_sites may name
 EXTRA_SITE_GROUPS: tuple[str, ...] = tuple(sorted({s.extra for a in ARCHITECTURES for s in a.block_sites if s.extra}))
 
 __all__ = [
@@ -65,17 +66,11 @@ def architecture_of(hf_model) -> Architecture:
         if model_type in arch.model_types:
             return arch
     known = ", ".join(t for a in ARCHITECTURES for t in a.model_types)
-    from ..errors import QuadapterError
-
     raise QuadapterError(f"model type {model_type!r} is not supported; supported families: {known}")
 
 
 def prepare_model(hf_model, untie: bool = True) -> PreparedLM:
-    """Rewrite a Hugging Face causal LM (in place) into a :class:`PreparedLM` ready for AIMET.
-
-    The FP function is unchanged. ``untie`` gives ``lm_head`` its own weight so that the final
-    norm -> lm_head site can scale it without touching the input embedding.
-    """
+    """Rewrite a Hugging Face causal LM (in place) into a :class:`PreparedLM`; ``untie``: :func:`untie_lm_head`."""
     arch = architecture_of(hf_model)
     hf_model.eval()
     arch.prepare(hf_model)

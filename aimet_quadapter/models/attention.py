@@ -1,9 +1,4 @@
-"""Attention whose matrix products and softmax are module instances, so AIMET can quantize them.
-
-Hugging Face calls a registered attention function with the attention module as first argument; the
-function below looks up the modules :func:`attach_attention_modules` hung on it. Its arithmetic is
-that of transformers' eager attention (every family here), so the FP output is unchanged.
-"""
+"""Attention whose matmuls and softmax are modules AIMET can quantize, computing as transformers' eager attention."""
 
 from __future__ import annotations
 
@@ -30,8 +25,7 @@ def quantizable_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if scaling is None:
         scaling = query.size(-1) ** -0.5
-    # From the module's config, not from the shapes: under a TorchScript trace shapes are CPU tensors (a CPU
-    # repeat count cannot index CUDA tensors), and int() of them makes the tracer warn. GPT-2 has no groups.
+    # from the config, not the shapes: under a TorchScript trace shapes are CPU tensors
     groups = int(getattr(module, "num_key_value_groups", 1))
     if groups > 1:  # grouped-query attention: every KV head serves `groups` query heads
         key = key.repeat_interleave(groups, dim=1)
@@ -41,7 +35,7 @@ def quantizable_attention(
         scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
         mask = attention_mask[..., : key.shape[-2]]
-        fill = getattr(module, "mask_fill", None)  # a finite value for masked scores: see set_mask_fill
+        fill = getattr(module, "mask_fill", None)
         masked = mask <= torch.finfo(mask.dtype).min / 2
         if fill is None:
             scores = scores + mask
@@ -49,8 +43,7 @@ def quantizable_attention(
             scores = scores.masked_fill(masked, fill)
         else:  # in place: scores is this function's own product, which no backward reads
             scores = scores.masked_fill_(masked, fill)
-    # no cast where the dtype is float32 already: traced, it is an op of the graph between the tensor a device
-    # quantizes (the masked scores) and the one the sim's quantizer names (the softmax input)
+    # no cast where float32 already: traced, it would be an op between the masked scores and the softmax input
     probs = module.softmax(scores if scores.dtype == torch.float32 else scores.float())
     probs = probs if probs.dtype == value.dtype else probs.to(value.dtype)
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
@@ -61,20 +54,9 @@ def quantizable_attention(
 AttentionInterface.register(ATTENTION_NAME, quantizable_attention)
 
 
-def attach_attention_modules(attention: nn.Module) -> None:
-    attention.qk_matmul = MatMul()
-    attention.av_matmul = MatMul()
-    attention.softmax = nn.Softmax(dim=-1)
-
-
 def set_mask_fill(model: nn.Module, value: float | None) -> None:
-    """Give the masked attention scores the finite ``value`` instead of adding the dtype's minimum.
-
-    Where the softmax input is quantized (every op output, as on a device), its range would reach
-    -3.4e38 and every real score would round to one value. A device graph takes the mask as a finite
-    value for this reason. With ``value`` far enough below the real scores, the softmax is unchanged
-    (a masked entry weighs exp(value - row max)); ``None`` adds the mask as transformers does.
-    """
+    """Give the masked attention scores the finite ``value`` (far enough below the real scores to leave the softmax)
+    instead of the dtype's minimum, which would stretch a quantized softmax input's range; ``None``: transformers'."""
     for module in model.modules():
         if hasattr(module, "qk_matmul") and hasattr(module, "softmax"):
             module.mask_fill = value  # type: ignore[assignment]  # a plain attribute, not a submodule or buffer
@@ -84,5 +66,7 @@ def use_quantizable_attention(hf_model: Any, attention_cls: type[nn.Module]) -> 
     """Give every ``attention_cls`` module its matmul/softmax modules and route attention through them."""
     for module in hf_model.modules():
         if isinstance(module, attention_cls):
-            attach_attention_modules(module)
+            module.qk_matmul = MatMul()
+            module.av_matmul = MatMul()
+            module.softmax = nn.Softmax(dim=-1)
     hf_model.config._attn_implementation = ATTENTION_NAME

@@ -1,10 +1,4 @@
-"""The one small interface every architecture family implements, and the model wrapper AIMET sees.
-
-An :class:`Architecture` is data: where the transformer blocks are, which norm (or linear) feeds which
-linears, which module spans a site whose producer and consumers are not directly chained, and a
-``prepare`` hook that rewrites the Hugging Face model in place so that AIMET can quantize it.
-Nothing outside ``aimet_quadapter.models`` should know which family it is running on.
-"""
+"""Architecture families as data (nothing outside ``models`` knows the family), and the model wrapper AIMET sees."""
 
 from __future__ import annotations
 
@@ -20,41 +14,31 @@ from .prefix import causal_mask, prefix_cache, prefix_keys_values
 from .residual import ResidualSpec
 from .storage import sharing_twin
 
-# What a site is to its block, named alike in every family so that a recipe's choice of sites holds on any model:
-# attention_inputs (the norm before the attention -> q/k/v), qk (k_proj -> q_proj: Q . K^T), values (v_proj ->
-# o_proj), mlp_inputs (the norm before the MLP -> its first linears), up_down (up_proj -> down_proj), head (the
-# final norm -> lm_head).
+# What a site is to its block, alike in every family: attention_inputs (norm -> q/k/v), qk (k_proj -> q_proj),
+# values (v_proj -> o_proj), mlp_inputs (norm -> the MLP's first linears), up_down, head (final norm -> lm_head).
 SiteRole = Literal["attention_inputs", "qk", "values", "mlp_inputs", "up_down", "head"]
 SITE_ROLES: tuple[str, ...] = get_args(SiteRole)
 
 
 @dataclass(frozen=True)
 class SiteSpec:
-    """A place where a per-channel scale can move between two layers without changing the FP function.
-
-    ``producer``'s output channels are multiplied by alpha (a norm's weight and bias, or a linear's
-    rows and bias); each of ``consumers`` has its input columns divided by alpha, or, with
-    ``consumer_rows``, its output rows: two linears whose outputs meet in a product (Q . K^T). Paths
-    are relative to the block (or to the HF model for the head site).
-    """
+    """A place where a per-channel scale can move between two layers without changing the FP function: the
+    ``producer``'s output channels are multiplied by alpha, each of ``consumers``' input columns (or with
+    ``consumer_rows`` output rows) divided by it. Paths are relative to the block (the HF model for the head)."""
 
     producer: str
     consumers: tuple[str, ...]
     role: SiteRole = field(kw_only=True)
-    # A module whose forward goes from the producer to the consumers when they are not chained directly
-    # (e.g. the attention between v_proj and o_proj); phase 1 reconstructs its output.
+    # the module between producer and consumers when not chained directly (the attention between v_proj and o_proj)
     scope: str | None = None
-    # Beyond the paper's norm -> linear rule: the name of the group of such sites ("linear": through an op
-    # that is linear per channel; "qk": the two inputs of Q . K^T), switched on and off together.
+    # a beyond-paper group of sites, switched on together ("linear": through a per-channel linear op; "qk")
     extra: str | None = None
-    # Grouped-query attention: each producer channel feeds `repeat` consumer channels, one per head in its
-    # group, laid out as (kv_heads, repeat, head_dim). Filled from the model config by the architecture.
+    # grouped-query attention: each producer channel feeds one consumer channel per head in its group
     repeat_heads: bool = False
-    consumer_rows: bool = False  # the consumers' output rows are divided (a product of two projections)
-    # Rotary embeddings rotate channel i with channel i + head_dim / 2 of each head: one alpha per such pair
-    # keeps the rotation exact.
+    consumer_rows: bool = False
+    # one alpha per pair of channels RoPE rotates together keeps the rotation exact
     rotary_pairs: bool = False
-    # The producer's output is cached (keys or values): its alpha changes a prefix's cached keys or values.
+    # the producer's output is cached (keys or values): its alpha changes a prefix's cache
     cached: bool = False
 
 
@@ -68,11 +52,10 @@ class Site:
     role: SiteRole = field(kw_only=True)
     scope: str | None = None
     extra: str | None = None
-    # (repeat, head_dim) when consumer channels are a per-head expansion of producer channels.
+    # (repeat, head_dim) when consumer channels are a per-head expansion of producer channels
     expand: tuple[int, int] | None = None
     consumer_rows: bool = False
     rotary_head_dim: int | None = None  # head_dim when one alpha serves each rotated pair of channels
-    # A norm producer scales by (norm_offset + weight): see Architecture.norm_offset.
     norm_offset: float = 0.0
     cached: bool = False  # see SiteSpec.cached
 
@@ -105,21 +88,19 @@ class Architecture:
     lm_head: str
     block_sites: tuple[SiteSpec, ...]
     head_site: SiteSpec
-    # Rewrites the HF model in place into a form AIMET can quantize, the FP function unchanged.
+    # rewrites the HF model in place into a form AIMET can quantize, the FP function unchanged
     prepare: Callable[[nn.Module], None]
-    # (kv_heads, heads, head_dim) of the model: sites with repeat_heads, and the KV cache's shape.
+    # (kv_heads, heads, head_dim) of the model
     head_layout: Callable[[object], tuple[int, int, int]] | None = None
-    # The groups of extra sites that are on by default for this family (see SiteSpec.extra).
     extra_sites_default: tuple[str, ...] = ()
     tiny_config: Callable[..., object] | None = field(default=None, repr=False)
-    # Gemma's norms scale by (1 + weight), the others' by weight: a fold must scale the sum.
+    # Gemma's norms scale by (1 + weight): a fold must scale the sum
     norm_offset: float = 0.0
-    # The modules of a block's two residual branches: its sums become modules a sim can quantize.
     residual: ResidualSpec | None = None
 
 
 def device_of(module: nn.Module) -> torch.device:
-    """Where ``module``'s parameters live (the device its inputs must be moved to)."""
+    """Where ``module``'s parameters live."""
     return next(module.parameters()).device
 
 
@@ -132,17 +113,12 @@ def tensor_of(module: nn.Module, name: str = "weight") -> torch.Tensor:
 
 
 class PreparedLM(nn.Module):
-    """``forward(input_ids) -> logits``: the shape of model ``QuantizationSimModel`` accepts.
-
-    Holds the Hugging Face model as ``lm``; site and block paths are given relative to this wrapper, so
-    they stay valid in ``sim.model`` (a deep copy of it with quantized modules swapped in).
-    """
+    """``forward(input_ids) -> logits`` around the HF model ``lm``; paths relative to it stay valid in ``sim.model``."""
 
     def __init__(self, lm: nn.Module, arch: Architecture):
         super().__init__()
         self.lm = lm
         self.arch = arch
-        # A prefix every sequence follows, held as its keys and values (PrefixQuant): see set_prefix.
         self.prefix_ids: torch.Tensor | None = None
         self.prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -152,8 +128,7 @@ class PreparedLM(nn.Module):
 
     @property
     def max_positions(self) -> int | None:
-        """The longest sequence the model takes (GPT-2's position table fails deep inside beyond it; a sliding
-        window would change the function beyond it)."""
+        """The longest sequence the model takes."""
         from .loading import position_limit
 
         return position_limit(self.config.to_dict())
@@ -165,8 +140,7 @@ class PreparedLM(nn.Module):
         check_length(self.max_positions, length, what)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # A precomputed additive causal mask keeps transformers' mask builder (and its aten::diff, which
-        # ONNX cannot export) out of the graph.
+        # a precomputed mask keeps transformers' mask builder (aten::diff, which ONNX cannot export) out of the graph
         past = self.prefix_cache()
         if past is None:
             mask = causal_mask(input_ids.shape[-1], 0, input_ids.device)
@@ -179,14 +153,10 @@ class PreparedLM(nn.Module):
         )
         return out.logits
 
-    # --- a prefix (PrefixQuant) --------------------------------------------------------------------
     @torch.no_grad()
     def set_prefix(self, ids: Sequence[int] | None) -> None:
-        """Make every sequence follow the tokens ``ids`` (None: none), whose keys and values are computed once
-        and kept in full precision, as a device keeps a prefix's KV cache: the tokens that draw the attention
-        sinks' outsized activations are then in no tensor a static range is taken from. Logits are those of
-        the sequence's own tokens. A sim made from this model carries the prefix; after its weights change,
-        ``aimet_quadapter.quant.quantizers.refresh_prefix`` recomputes the keys and values."""
+        """Make every sequence follow the tokens ``ids`` (None: none), held as full-precision keys and values
+        (PrefixQuant); after a sim's weights change, ``quant.quantizers.refresh_prefix`` recomputes them."""
         self.prefix_ids = torch.tensor([list(ids)], dtype=torch.long) if ids else None
         self.refresh_prefix()
 
@@ -201,15 +171,13 @@ class PreparedLM(nn.Module):
         self.prefix_kv = None if self.prefix_ids is None else self.compute_prefix_kv()
 
     def compute_prefix_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The prefix's keys and values of every layer, through the model as it is now (a sim's quantizers
-        too: ``aimet_quadapter.quant.quantizers.refresh_prefix`` takes them out first)."""
+        """The prefix's keys and values of every layer, through the model as it is now (a sim's quantizers too)."""
         if self.prefix_ids is None:
             raise ValueError("the model has no prefix")
         return prefix_keys_values(self.lm, self.config, self.prefix_ids.to(device_of(self)))
 
     def prefix_cache(self, growing: bool = False, batch: int = 1) -> DynamicCache | None:
-        """The prefix's keys and values as a cache (None without a prefix): one that every call attends to
-        and none extends, or with ``growing`` an ordinary cache of ``batch`` sequences to generate after."""
+        """The prefix's keys and values as a cache (None without a prefix): see :func:`.prefix.prefix_cache`."""
         if self.prefix_ids is None:
             return None
         if self.prefix_kv is None:
@@ -217,11 +185,8 @@ class PreparedLM(nn.Module):
         return prefix_cache(self.config, self.prefix_kv, growing, batch)
 
     def step(self, input_ids: torch.Tensor, cache: Any = None) -> tuple[torch.Tensor, Any]:
-        """Logits of ``input_ids`` as the tokens after those ``cache`` holds, and the cache with them added: a
-        prefill (several tokens) or a decode step (one) of generation with a KV cache (transformers' cache;
-        ``None`` starts one that holds the prefix, if any). In a sim, every quantizer's range is static, so a
-        token's logits do not depend on how the tokens before it were fed: the same as :meth:`forward`'s up
-        to float rounding."""
+        """Logits of ``input_ids`` after the tokens ``cache`` holds (None: the prefix, if any), and the cache with
+        them added: a prefill or decode step; :meth:`forward`'s logits up to float rounding."""
         if cache is None:
             cache = self.prefix_cache(growing=True, batch=input_ids.shape[0])
         if cache is None:
@@ -243,9 +208,7 @@ class PreparedLM(nn.Module):
         """The forward of a device's KV-cache graph: ``input_ids`` (1, N) at ``position_ids`` (1, N) after the
         cached keys and values ``past`` (key then value of each layer, each (1, kv_heads, P, head_dim)), under
         the additive ``attention_mask`` (1, 1, N, P + N). Returns the logits (1, N, vocab) and the N new keys
-        and values of each layer, in the order of ``past``: static shapes, plain tensors in and out."""
-        from transformers import DynamicCache
-
+        and values of each layer, in the order of ``past``."""
         cache = DynamicCache(config=self.config)
         for layer in range(len(past) // 2):
             cache.update(past[2 * layer], past[2 * layer + 1], layer)
@@ -259,7 +222,7 @@ class PreparedLM(nn.Module):
         )
         new: list[torch.Tensor] = []
         for cached in cache.layers:
-            kv: Any = cached  # a DynamicCache's layers hold keys and values (transformers types them loosely)
+            kv: Any = cached  # transformers types a cache's layers loosely
             new += [kv.keys[:, :, old:], kv.values[:, :, old:]]
         return (out.logits, *new)
 
@@ -272,8 +235,7 @@ class PreparedLM(nn.Module):
         return [f"lm.{self.arch.blocks}.{i}" for i in range(len(list(blocks.children())))]
 
     def sites(self, extra: bool | Iterable[str] | None = None) -> list[Site]:
-        """All Quadapter sites, bottom to top, with the beyond-paper groups ``extra`` names (True: all of them;
-        None: the family's default)."""
+        """All Quadapter sites, bottom to top, plus the extra groups ``extra`` names (True: all; None: the default)."""
         groups = extra_groups(self.arch, extra)
         expand = None
         if self.arch.head_layout is not None:
@@ -325,11 +287,8 @@ def head_of(model: object) -> nn.Module | None:
 
 
 def untie_lm_head(model: PreparedLM) -> None:
-    """Give ``lm_head`` a Parameter of its own, so a head site can scale its columns without the embedding.
-
-    It stays on the embedding's storage until given new data (a fold, a rotation): a copy would hold a second
-    vocabulary matrix for as long as the FP model lives. A write in place must come after :func:`own_storage`,
-    as for a sim's weights."""
+    """Give ``lm_head`` a Parameter of its own, so a head site can scale it without the embedding: on the
+    embedding's storage until given new data, so a write in place must come after :func:`own_storage`."""
     head: Any = model.head()
     embedding: Any = model.get_submodule(f"lm.{model.arch.embedding}")
     if head.weight is embedding.weight:

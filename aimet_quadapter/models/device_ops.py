@@ -1,13 +1,5 @@
-"""What a device graph computes as several ops, computed here by AIMET modules so that ``target: htp`` quantizes
-each output as the device does.
-
-Transformers writes the rotary embedding (``q * cos + rotate_half(q) * sin``) as a function of the modelling
-module, from tables its rotary embedding module computes, and SiLU as one op; exported to ONNX they are eight
-ops, four more for the tables, and two (``Sigmoid``, ``Mul``), and an integer graph holds every output with an
-encoding. The paper's placement quantizes none of them, so they are installed only in the copy a ``htp`` sim is
-made of. The rotation and the tables compute the same ops in the same order: the FP function does not change to
-the bit; SiLU as ``x * sigmoid(x)`` moves it by an ulp, as the exported graph does.
-"""
+"""The rotary embedding, its tables and SiLU as the device graph's ops, each an AIMET module, so that ``htp``
+quantizes each output as the device does: the same arithmetic, but SiLU as ``x * sigmoid(x)`` (an ulp off)."""
 
 from __future__ import annotations
 
@@ -23,15 +15,13 @@ _ACTIVE: list[nn.Module] = []  # the attention module running now: the rotary fu
 
 
 class Rotation(nn.Module):
-    """``x * cos + rotate_half(x) * sin`` on the first ``cos.shape[-1]`` channels (all of them but for partial
-    rotary embeddings, as Phi-3 may have), every op a module."""
+    """``x * cos + rotate_half(x) * sin`` on the first ``cos.shape[-1]`` channels, every op a module."""
 
     def __init__(self, partial: bool = False) -> None:
         super().__init__()
         from aimet_torch.nn.modules.custom import Add, Concat, Multiply, Neg
 
         self.mul_cos, self.neg, self.cat, self.mul_sin, self.add = Multiply(), Neg(), Concat(-1), Multiply(), Add()
-        # partial rotary embeddings: the rotated channels, then the others as they were
         self.join = Concat(-1) if partial else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -48,15 +38,13 @@ class Rotation(nn.Module):
 
 
 class RotaryTables(nn.Module):
-    """A rotary embedding module's tables as its own forward computes them, their ``cos`` / ``sin`` and the
-    scaling after them modules: in a graph of fixed length they are constants a device holds quantized."""
+    """A rotary embedding module's tables as its own forward computes them, ``cos``, ``sin`` and scaling modules."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         from aimet_torch.nn.modules.custom import Cos, Multiply, Sin
 
         self.inner = inner
-        # the angles are no tensor of the device graph: a converter folds them into the tables (see policy)
         self.cos, self.sin, self.scale_cos, self.scale_sin = Cos(), Sin(), Multiply(), Multiply()
 
     @staticmethod
@@ -99,8 +87,7 @@ def _through_modules(original: Callable) -> Callable:
 
 
 def _enter(module: nn.Module, _args: Any) -> None:
-    """The modelling module's rotary function is ours while one of its htp attention modules runs, and
-    transformers' own again when the outermost returns: other models in the process never see it."""
+    """The modelling module's rotary function is ours while one of its htp attention modules runs."""
     _ACTIVE.append(module)
     modelling = sys.modules[type(module).__module__]
     if sum(type(m).__module__ == modelling.__name__ for m in _ACTIVE) == 1:
@@ -114,25 +101,20 @@ def _leave(module: nn.Module, _args: Any, _out: Any) -> None:
         modelling.apply_rotary_pos_emb = modelling.apply_rotary_pos_emb.__wrapped__  # type: ignore[attr-defined]
 
 
-def _silu_types() -> tuple[type, ...]:
-    from transformers.activations import SiLUActivation
-
-    return (nn.SiLU, SiLUActivation)
-
-
 def _rotates(attention: nn.Module) -> bool:
     return hasattr(attention, "qk_matmul") and hasattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb")
 
 
 def _replaced(child: nn.Module) -> type[nn.Module] | None:
+    from transformers.activations import SiLUActivation
+
     if type(child).__name__.endswith("RotaryEmbedding") and RotaryTables.fits(child):
         return RotaryTables
-    return SplitSiLU if type(child) in _silu_types() else None
+    return SplitSiLU if type(child) in (nn.SiLU, SiLUActivation) else None
 
 
 def device_op_paths(model: nn.Module) -> list[str]:
-    """Where :func:`install_device_ops` would put its modules in ``model`` (nothing is changed): the names a
-    ``htp`` sim's quantizers live under that the model itself does not have."""
+    """Where :func:`install_device_ops` would put its modules in ``model`` (nothing is changed)."""
     paths = []
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
@@ -143,19 +125,14 @@ def device_op_paths(model: nn.Module) -> list[str]:
 
 
 def install_device_ops(model: nn.Module) -> list[str]:
-    """Give every quantizable attention module of ``model`` whose family rotates q and k its two :class:`Rotation`
-    modules, its rotary embedding :class:`RotaryTables`, and every SiLU a :class:`SplitSiLU` (in place). Returns
-    the modules' names."""
+    """Install (in place) :class:`Rotation`, :class:`RotaryTables` and :class:`SplitSiLU`; returns their names."""
     installed = []
     for path, module in list(model.named_modules()):
         prefix = f"{path}." if path else ""
         for name, child in list(module.named_children()):
             kind = _replaced(child)
-            if kind is RotaryTables:
-                setattr(module, name, RotaryTables(child))
-            elif kind is SplitSiLU:
-                setattr(module, name, SplitSiLU())
             if kind is not None:
+                setattr(module, name, RotaryTables(child) if kind is RotaryTables else SplitSiLU())
                 installed.append(f"{prefix}{name}")
         if _rotates(module) and not hasattr(module, "rotary"):
             partial = float(getattr(module.config, "partial_rotary_factor", None) or 1.0) < 1.0

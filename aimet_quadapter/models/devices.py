@@ -1,8 +1,5 @@
 """Which device a run computes on: ``auto`` (CUDA when there is one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``.
-
-Under ``torchrun`` every process takes the GPU of its local rank, whatever index ``cuda`` names, so that
-N processes on one machine never share a GPU.
-"""
+Under ``torchrun`` every process takes the GPU of its local rank, whatever index ``cuda`` names."""
 
 from __future__ import annotations
 
@@ -37,8 +34,7 @@ def resolve_device(spec: str = "auto") -> torch.device:
 
 
 def device_label(device: torch.device) -> str:
-    """What a result records of the device that computed it: ``cpu``, or ``cuda`` and the GPU's name (its index
-    orders no sum: two GPUs of one kind compute alike)."""
+    """What a result records of the device that computed it: ``cpu``, or ``cuda`` and the GPU's name."""
     if device.type != "cuda":
         return device.type
     return f"cuda ({torch.cuda.get_device_name(device)})"

@@ -1,10 +1,5 @@
-"""Gemma families (Gemma, Gemma-2, Gemma-3 text): Llama-shaped, with norms that scale by (1 + weight).
-
-Gemma-2 and -3 norm the attention and MLP outputs too (``post_*`` norms, before the residual sum: producers
-of no linear); the MLP's inputs come from ``pre_feedforward_layernorm``. Gemma-3 normalises every query and
-key head (no Q . K^T site, as for Qwen3). AIMET knows Gemma-3's norm but not Gemma's or Gemma-2's: they are
-registered here as AIMET does its own. The scaled embedding stays unquantized, as AIMET keeps Gemma-3's.
-"""
+"""Gemma families (Gemma, Gemma-2, Gemma-3 text): Llama-shaped, with norms that scale by (1 + weight); Gemma-3
+normalises every query and key head (no Q . K^T site)."""
 
 from __future__ import annotations
 
@@ -20,9 +15,8 @@ from .residual import ResidualSpec
 
 
 def register_quantized_norm(norm_cls: type[torch.nn.Module]) -> None:
-    """Give AIMET a quantized form of ``norm_cls`` (an RMSNorm AIMET has none for, e.g. Gemma's and Gemma-2's):
-    its weight quantizer applied while it runs, typed as ONNX RMSNormalization for the quantsim config's rules,
-    as AIMET does for the norms it knows. Registered once per class."""
+    """Give AIMET a quantized form of the RMSNorm ``norm_cls``, typed as ONNX RMSNormalization for the quantsim
+    config's rules, as AIMET does for the norms it knows. Registered once per class."""
     from aimet_torch.nn import QuantizationMixin
     from aimet_torch.onnx_utils import map_torch_types_to_onnx
 
@@ -51,8 +45,7 @@ def register_quantized_norm(norm_cls: type[torch.nn.Module]) -> None:
 
 
 def leave_unquantized(module_cls: type[torch.nn.Module]) -> None:
-    """Have AIMET keep ``module_cls`` as it is (rotary tables; Gemma's scaled embedding, as AIMET does for
-    Gemma-3's)."""
+    """Have AIMET keep ``module_cls`` as it is (rotary tables; Gemma's scaled embedding, as AIMET keeps Gemma-3's)."""
     from aimet_torch.nn import QuantizationMixin
 
     QuantizationMixin.ignore(module_cls)
@@ -83,12 +76,11 @@ def _prepare(module: str, prefix: str) -> Callable[[Any], None]:
 def _gemma(
     name: str,
     model_type: str,
-    module: str,
-    prefix: str,
     block_sites: tuple[SiteSpec, ...],
     aimet_knows: bool = False,
     residual: ResidualSpec = RESIDUAL,
 ) -> Architecture:
+    module, prefix = f"transformers.models.{name}.modeling_{name}", name.capitalize()
     # aimet_knows: AIMET has the family's norm and ignores its rotary table and embedding already
     prepare = None if aimet_knows else _prepare(module, prefix)
     attention = f"{module}.{prefix}Attention"
@@ -97,27 +89,8 @@ def _gemma(
     )
 
 
-GEMMA = _gemma(
-    "gemma",
-    "gemma",
-    "transformers.models.gemma.modeling_gemma",
-    "Gemma",
-    (ATTENTION_INPUTS, QK, VO, MLP_INPUTS, UP_DOWN),
-)
-GEMMA2 = _gemma(
-    "gemma2",
-    "gemma2",
-    "transformers.models.gemma2.modeling_gemma2",
-    "Gemma2",
-    (ATTENTION_INPUTS, QK, VO, PRE_FEEDFORWARD, UP_DOWN),
-    residual=SANDWICH,
-)
+GEMMA = _gemma("gemma", "gemma", (ATTENTION_INPUTS, QK, VO, MLP_INPUTS, UP_DOWN))
+GEMMA2 = _gemma("gemma2", "gemma2", (ATTENTION_INPUTS, QK, VO, PRE_FEEDFORWARD, UP_DOWN), residual=SANDWICH)
 GEMMA3 = _gemma(
-    "gemma3",
-    "gemma3_text",
-    "transformers.models.gemma3.modeling_gemma3",
-    "Gemma3",
-    (ATTENTION_INPUTS, VO, PRE_FEEDFORWARD, UP_DOWN),
-    aimet_knows=True,
-    residual=SANDWICH,
+    "gemma3", "gemma3_text", (ATTENTION_INPUTS, VO, PRE_FEEDFORWARD, UP_DOWN), aimet_knows=True, residual=SANDWICH
 )

@@ -17,9 +17,7 @@ if TYPE_CHECKING:
 
 # Hugging Face activation names -> a torch module AIMET knows how to quantize.
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
-    "gelu_new": lambda: nn.GELU(approximate="tanh"),
-    "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
-    "gelu_fast": lambda: nn.GELU(approximate="tanh"),
+    **dict.fromkeys(("gelu_new", "gelu_pytorch_tanh", "gelu_fast"), lambda: nn.GELU(approximate="tanh")),
     "gelu": lambda: nn.GELU(),
     "relu": nn.ReLU,
     "silu": nn.SiLU,
@@ -27,7 +25,7 @@ _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
 
 
 def _conv1d_to_linear(conv: Conv1D) -> nn.Linear:
-    # Conv1D stores its weight as (in, out); a Linear with the transposed weight computes the same.
+    # Conv1D stores its weight as (in, out)
     linear = nn.Linear(conv.weight.shape[0], conv.weight.shape[1], bias=conv.bias is not None)
     with torch.no_grad():
         linear.weight.copy_(conv.weight.t())
@@ -37,7 +35,7 @@ def _conv1d_to_linear(conv: Conv1D) -> nn.Linear:
 
 
 def prepare(hf_model: Any) -> None:  # transformers models: config and submodules are dynamic
-    # imported here: the modelling code and AIMET take seconds, and the site specs below must not need them
+    # imported here: the modelling code and AIMET take seconds
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
     from transformers.pytorch_utils import Conv1D
 

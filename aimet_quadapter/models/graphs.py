@@ -1,10 +1,4 @@
-"""Inference forwards replayed as CUDA graphs.
-
-A fake-quantized model launches several small kernels per quantizer and runs AIMET's Python around each module:
-next to a GPU's matrix products the launches, not the arithmetic, set the time of a forward. A CUDA graph records
-one forward's kernels once and replays them with a single launch; evaluation feeds the same shape window after
-window, so almost every window is a replay.
-"""
+"""Inference forwards replayed as CUDA graphs: a fake-quantized forward's time is its many small launches."""
 
 from __future__ import annotations
 
@@ -15,19 +9,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-Forward = Callable[[torch.Tensor], torch.Tensor]
-
 
 class GraphedForward:
-    """``forward(ids) -> tensor`` under ``no_grad``, replayed from a CUDA graph captured per input shape.
+    """``forward(ids) -> tensor`` under ``no_grad``, replayed from a CUDA graph captured per input shape: use it only
+    while the weights and encodings stay where they were. On a CPU, with gradients on, beyond ``max_shapes`` shapes
+    or where capture fails, it calls ``forward``."""
 
-    The graph reads the weights and quantizer encodings where they were at its capture: use it only while they
-    stay where they are (one evaluation pass; ``fast_inference`` swaps the weights on entry and back on exit).
-    On a CPU, with gradients on, beyond ``max_shapes`` shapes, or where a forward cannot be captured (it waits
-    on the device, say), it calls ``forward`` as it is; the reason is logged once, as a warning.
-    """
-
-    def __init__(self, forward: Forward, max_shapes: int = 2):
+    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], max_shapes: int = 2):
         self.forward = forward
         self.max_shapes = max_shapes
         self._graphs: dict[tuple, tuple[torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]] = {}

@@ -1,10 +1,4 @@
-"""Whether the Hugging Face hub can be reached, asked once per process.
-
-Without this, every hub call on an offline machine retries for half a minute before failing. Nothing global is
-changed: where the hub cannot be reached, the loaders ask huggingface_hub and datasets for their local cache only
-(``local_files_only``, their own switch), and one warning says so; ``HF_HUB_OFFLINE=1`` does the same without
-the question.
-"""
+"""Whether the Hugging Face hub can be reached, asked once per process (not with ``HF_HUB_OFFLINE=1``)."""
 
 from __future__ import annotations
 
@@ -22,9 +16,7 @@ def _offline_env() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the hub answers, asked through huggingface_hub's own HTTP session: its endpoint (HF_ENDPOINT),
-    its offline switch (HF_HUB_OFFLINE, read when huggingface_hub is imported) and the proxies it is configured
-    with (HTTPS_PROXY, ...)."""
+    """Whether the hub answers, asked through huggingface_hub's own HTTP session (its endpoint and proxies)."""
     from huggingface_hub import constants
     from huggingface_hub.utils import get_session
 
@@ -44,10 +36,7 @@ def local_files_only() -> bool:
 
     if hub_reachable():
         return False
-    why = (
-        "HF_HUB_OFFLINE is set"
-        if constants.HF_HUB_OFFLINE or _offline_env()
-        else f"no answer from {constants.ENDPOINT}"
-    )
+    offline = constants.HF_HUB_OFFLINE or _offline_env()
+    why = "HF_HUB_OFFLINE is set" if offline else f"no answer from {constants.ENDPOINT}"
     log.warning("the Hugging Face hub cannot be reached (%s): models and datasets come from the local cache", why)
     return True

@@ -1,8 +1,4 @@
-"""Llama-shaped families: RMSNorm -> Linear, gated FFN, grouped-query attention with rotary embeddings.
-
-Llama (SmolLM2, ...), Mistral, Qwen2/Qwen2.5 (q/k/v biases: a row scale scales the bias too) and Qwen3 share
-module names and sites; what differs between them is data below.
-"""
+"""Llama-shaped families (Llama, Mistral, Qwen2/2.5, Qwen3): what differs between them is data below."""
 
 from __future__ import annotations
 
@@ -15,9 +11,7 @@ from .residual import ResidualSpec
 
 
 def attention_prepare(attention: str) -> Callable[[Any], None]:
-    """A ``prepare`` hook that routes every attention module of class ``attention`` (its dotted path, imported
-    when the hook runs: the modelling code takes seconds, and the site specs must not need it) through the
-    quantizable attention. RMSNorm, Linear, SiLU and Embedding are modules AIMET knows."""
+    """A ``prepare`` hook routing every attention module of class ``attention`` (a dotted path) through ours."""
 
     def prepare(hf_model: Any) -> None:  # transformers models: config and submodules are dynamic
         from .attention import use_quantizable_attention
@@ -60,8 +54,7 @@ def tiny_config_of(model_type: str, **fixed: Any) -> Callable[..., object]:
 ATTENTION_INPUTS = SiteSpec(
     "input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), role="attention_inputs"
 )
-# Q . K^T is unchanged when a K channel is scaled by alpha and the matching Q channel (of every query head in
-# the KV head's group) by 1/alpha; alpha equal on the two channels RoPE rotates together.
+# Q . K^T is unchanged when a K channel is scaled by alpha and the matching Q channels by 1/alpha
 QK = SiteSpec(
     "self_attn.k_proj",
     ("self_attn.q_proj",),
@@ -73,8 +66,7 @@ QK = SiteSpec(
     rotary_pairs=True,
     cached=True,
 )
-# Attention is linear in V: a V channel scaled by alpha leaves the attention output scaled the same way, per
-# head, so o_proj's matching columns can take 1/alpha.
+# attention is linear in V: o_proj's matching columns can take 1/alpha
 VO = SiteSpec(
     "self_attn.v_proj",
     ("self_attn.o_proj",),
@@ -100,8 +92,7 @@ def llama_shaped(
     residual: ResidualSpec = RESIDUAL,
     **tiny: Any,
 ) -> Architecture:
-    """A family whose modules are named as Llama's; ``block_sites`` default to Llama's, ``prepare`` to routing
-    the ``attention`` class; ``tiny``: what the family's tiny config needs."""
+    """A family whose modules are named as Llama's; ``tiny``: what the family's tiny config needs."""
     return Architecture(
         name=name,
         model_types=(model_type,),
@@ -122,8 +113,7 @@ def llama_shaped(
 LLAMA = llama_shaped("llama", "llama", "transformers.models.llama.modeling_llama.LlamaAttention")
 MISTRAL = llama_shaped("mistral", "mistral", "transformers.models.mistral.modeling_mistral.MistralAttention")
 QWEN2 = llama_shaped("qwen2", "qwen2", "transformers.models.qwen2.modeling_qwen2.Qwen2Attention")
-# Qwen3 normalises every query and key head (q_norm, k_norm) after its projection: a K channel scaled by alpha
-# is normalised away, so the Q . K^T site does not hold; the others do.
+# Qwen3 normalises every query and key head after its projection: no Q . K^T site
 QWEN3 = llama_shaped(
     "qwen3",
     "qwen3",

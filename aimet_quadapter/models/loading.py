@@ -29,9 +29,9 @@ class OfflineModel:
 
     package: str  # the Python package holding the file
     gguf_file: str
-    requirement: str  # pinned: ``positions`` is this file's, read here so that no command parses it to know
+    requirement: str  # pinned: ``positions`` and ``model_type`` are this file's
     positions: int  # the GGUF's context length
-    model_type: str  # its config's, likewise
+    model_type: str
 
 
 OFFLINE_MODELS = {
@@ -42,7 +42,7 @@ OFFLINE_MODELS = {
 def _offline_source(alias: str) -> tuple[str, str]:
     entry = OFFLINE_MODELS[alias]
     package, gguf_file, requirement = entry.package, entry.gguf_file, entry.requirement
-    # Locate the package without importing it: its __init__ needs llm/llama-cpp, which we skip.
+    # not imported: its __init__ needs llm/llama-cpp
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise QuadapterError(
@@ -67,8 +67,7 @@ def _hub_error(name: str, exc: Exception) -> QuadapterError:
 
 
 def _folder_or_hub_id(name: str) -> str:
-    """The local folder ``name`` names, or ``name`` itself as a hub id. "name" and "org/name" are hub ids
-    unless such a folder exists; a leading . / ~, a trailing / or a deeper path can only be a folder."""
+    """The local folder ``name`` names, or ``name`` as a hub id ("name", "org/name" where no such folder exists)."""
     path = Path(os.path.expanduser(name))
     if path.exists():
         return str(path)
@@ -77,16 +76,13 @@ def _folder_or_hub_id(name: str) -> str:
     return name
 
 
-# What a tokenizer saved by `save_pretrained` leaves in a folder: one of these files, or a pair below. Permissive
-# on purpose: a folder that passes here and still cannot be read is refused when the tokenizer loads.
+# What `save_pretrained` leaves of a tokenizer: one of these files, or a pair below (the loader refuses the rest)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.txt")
 _TOKENIZER_PAIRS = (("vocab.json", "merges.txt"),)
 
 
 def check_model_source(name: str) -> None:
-    """Refuse, in one line and before any work, a local model folder that cannot load: missing, no config.json
-    or one that is not JSON, a model type no family supports, no weight files, no tokenizer files. A hub id and
-    an offline alias pass untouched (what the hub holds is known only when it loads)."""
+    """Refuse, in one line and before any work, a local model folder that cannot load (hub ids and aliases pass)."""
     from . import ARCHITECTURES
 
     if name in OFFLINE_MODELS:
@@ -125,16 +121,14 @@ def check_model_source(name: str) -> None:
 
 
 def _tokenizer_cache(gguf: Path) -> Path:
-    """Where the tokenizer converted from ``gguf`` is kept: building it from the GGUF vocabulary takes
-    seconds at every command, reading the converted one a fraction of one. Keyed by the file's identity."""
+    """Where the tokenizer converted from ``gguf`` is kept, keyed by the file's identity."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     return cache_root() / "tokenizers" / f"{gguf.stem}-{key}"
 
 
 def _save_to_cache(tokenizer, folder: Path) -> None:
-    """Save into a fresh folder, then rename: a reader never sees half a tokenizer. A cache that cannot be
-    written (read-only home) is skipped."""
+    """Save into a fresh folder, then rename: a reader never sees half a tokenizer. An unwritable cache is skipped."""
     tmp = None
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -165,8 +159,7 @@ def load_tokenizer(name: str):
 
 
 def max_positions(name: str) -> int | None:
-    """The longest sequence model ``name`` takes, read from its config alone (no weights); ``None`` where that
-    would need the hub: the limit is then checked once the model is loaded."""
+    """The longest sequence model ``name`` takes, from its config alone; ``None`` where that would need the hub."""
     if name in OFFLINE_MODELS:
         return OFFLINE_MODELS[name].positions
     config = Path(os.path.expanduser(name)) / "config.json"
@@ -180,9 +173,8 @@ def max_positions(name: str) -> int | None:
 
 
 def family_of(name: str) -> str | None:
-    """The package's family name of model ``name`` from its config alone (no weights): an alias's, a folder's, or a
-    hub id's in the local hub cache; None where that would need the hub, or for a model type of no family
-    (refused when the model loads)."""
+    """The family name of model ``name`` from its config alone (the local hub cache's for a hub id); None where that
+    would need the hub, or for a model type of no family."""
     from . import ARCHITECTURES
 
     if name in OFFLINE_MODELS:
@@ -199,7 +191,7 @@ def family_of(name: str) -> str | None:
 
 
 def _cached_config(name: str) -> Path | None:
-    """A hub id's ``config.json`` in the local hub cache, read without asking the hub; None if it is not there."""
+    """A hub id's ``config.json`` in the local hub cache; None if it is not there."""
     from huggingface_hub import try_to_load_from_cache
 
     try:
@@ -210,9 +202,8 @@ def _cached_config(name: str) -> Path | None:
 
 
 def position_limit(config: Mapping[str, Any]) -> int | None:
-    """The longest sequence a model config (its ``config.json`` values) lets this package score exactly: its
-    position table, or its sliding attention window where that is shorter. The sim's causal mask has no
-    window, and within one window a sliding-window layer computes what a full-attention layer does."""
+    """The longest sequence a model config lets this package score exactly: its position table, or its sliding
+    window where shorter (the sim's causal mask has no window)."""
     limits = [config.get("n_positions") or config.get("max_position_embeddings")]
     if config.get("use_sliding_window", True):  # Qwen2 keeps a window size it does not use
         limits.append(config.get("sliding_window"))
@@ -243,10 +234,10 @@ def load_hf_model(name: str):
 
 
 def quiet_libraries() -> None:
-    """AIMET and transformers log at INFO/WARNING for every sim; users want the progress bars and results."""
+    """Silence AIMET's and transformers' INFO/WARNING logs."""
     from aimet_torch.common.utils import AimetLogger
 
-    # AIMET configures its loggers (back to INFO) the first time one is asked for: ask before setting levels
+    # AIMET configures its loggers (back to INFO) the first time one is asked for
     AimetLogger.get_area_logger(AimetLogger.LogAreas.Quant)
     for name in ("Quant", "Utils", "transformers", "aimet_torch", "aimet_common", "AdaScale", "FPTQuant", "OmniQuant"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -256,12 +247,8 @@ def quiet_libraries() -> None:
 
 
 def load_model(name: str, untie: bool = True, quiet: bool = False, device: str | torch.device = "cpu"):
-    """``(PreparedLM, tokenizer)`` for a hub id, a local folder, or an alias in :data:`OFFLINE_MODELS`.
-
-    ``quiet``: first silence AIMET's and transformers' loggers (:func:`quiet_libraries`), as the CLI does.
-    ``device``: a ``torch.device`` or a name :func:`~aimet_quadapter.models.devices.resolve_device` takes
-    (``auto``, ``cpu``, ``cuda``, ``cuda:N``); checked before the weights are read.
-    """
+    """``(PreparedLM, tokenizer)`` for a hub id, a local folder, or an alias in :data:`OFFLINE_MODELS`; ``quiet``:
+    :func:`quiet_libraries` first; ``device``: a ``torch.device`` or a name ``resolve_device`` takes."""
     from . import prepare_model
     from .devices import resolve_device
 
@@ -281,7 +268,6 @@ def load_model(name: str, untie: bool = True, quiet: bool = False, device: str |
 
 
 def _checkpoint_bytes(name: str) -> int:
-    """The size of a local checkpoint folder's weight files (0 for anything else)."""
     folder = Path(name).expanduser()
     if not folder.is_dir():
         return 0

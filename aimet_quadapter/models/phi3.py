@@ -1,8 +1,4 @@
-"""Phi-3 family (Phi3ForCausalLM): Llama-shaped, with q/k/v in one fused projection and gate/up in another.
-
-The paper's sites hold as they are (a norm scales the input columns of the whole fused weight). The extra
-sites would scale a slice of a fused weight's rows (v within qkv_proj, up within gate_up_proj): not offered.
-"""
+"""Phi-3: Llama-shaped, but its fused qkv_proj and gate_up_proj leave the paper's sites only."""
 
 from __future__ import annotations
 
@@ -29,6 +25,6 @@ PHI3 = Architecture(
         ("post_attention_layernorm", "mlp", "resid_mlp_dropout"),
         mixer="self_attn",
     ),
-    # Phi-3's config defaults name token ids of its 32k vocabulary; a tiny vocabulary needs its own
+    # a tiny vocabulary needs its own token ids
     tiny_config=tiny_config_of("phi3", pad_token_id=0, bos_token_id=1, eos_token_id=2),
 )

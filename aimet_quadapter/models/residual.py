@@ -1,11 +1,4 @@
-"""The residual stream as modules: each block's two residual sums computed by AIMET's elementwise ``Add``.
-
-Transformers writes a block's sums as ``residual + hidden_states`` inside its forward, where no sim can hold a
-quantizer; a device graph holds every tensor, the sums too, each with an encoding. Here each block gets two
-``Add`` modules (``residual_adds``) and a forward that calls the block's own modules in its own order, the sums
-through them: the FP function is the same to the bit (a float sum does not depend on its operands' order). The
-placement decides whether they are quantized (``htp``) or not (the paper's, which quantizes no addition).
-"""
+"""Each block's two residual sums through AIMET ``Add`` modules a sim can quantize (``htp``), the same FP function."""
 
 from __future__ import annotations
 
@@ -20,21 +13,19 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ResidualSpec:
-    """A block's two residual branches: the modules from the stream to each sum, in the order they run.
-
-    ``mixer`` (in ``attention``) is called with the block's own arguments (mask, positions, cache) and returns a
-    tuple whose first element is the branch's tensor; every other module takes and returns one tensor."""
+    """A block's two residual branches, the modules from the stream to each sum in order. ``mixer`` takes the
+    block's own arguments and returns a tuple, its branch's tensor first; the others map one tensor to one."""
 
     attention: tuple[str, ...]
     mlp: tuple[str, ...]
     mixer: str
-    # arguments of the block that its mixer does not take (GPT-2's cross-attention inputs): refused unless None
+    # block arguments its mixer does not take (GPT-2's cross-attention inputs): refused unless None
     unsupported: tuple[str, ...] = ()
 
 
 def install_residual_adds(blocks: nn.Module, spec: ResidualSpec) -> None:
     """Give every block of ``blocks`` its two ``Add`` modules and a forward that sums through them (in place)."""
-    from aimet_torch.nn.modules.custom import Add  # imported here: AIMET takes seconds, and loading models must not
+    from aimet_torch.nn.modules.custom import Add  # AIMET takes seconds to import
 
     for block in blocks.children():
         if hasattr(block, "residual_adds"):

@@ -1,11 +1,9 @@
-"""Weights held once: a copy of a model on the original's storage, and what tells and changes whom a weight's
-storage belongs to. Every sim this package builds starts on the FP model's storage; a method changes a sim's
-weights by giving them new data, and the parking of weights on disk (``fast_inference``, the export) moves
-only the storage a model owns."""
+"""Weights held once: a model copy on the original's storage, and parking weights on disk."""
 
 from __future__ import annotations
 
 import shutil
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,10 +19,8 @@ _SHARED_WITH = "_aimet_quadapter_shared_storage"
 
 
 def weight_sharing_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` whose parameters are new parameters on the original's storage: a second model
-    for the memory of its buffers. Its weights are changed by giving a parameter new data (``p.data = ...``),
-    which leaves the original as it was; a write in place would reach the original too (:func:`own_storage`
-    first)."""
+    """A deep copy of ``model`` whose parameters are new parameters on the original's storage. Give a parameter new
+    data (``p.data = ...``) to change it: a write in place reaches the original too (:func:`own_storage` first)."""
     import copy
 
     memo: dict[int, Any] = {id(p): sharing_twin(p) for p in model.parameters()}
@@ -39,7 +35,7 @@ def sharing_twin(p: torch.Tensor) -> nn.Parameter:
 
 
 def parameter_bytes(model: nn.Module) -> int:
-    """The bytes of ``model``'s parameters as they are held (each Parameter once)."""
+    """The bytes of ``model``'s parameters (each Parameter once)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
@@ -50,8 +46,7 @@ def shares_storage(p: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def reset_to(p: torch.Tensor, source: torch.Tensor) -> None:
-    """Give ``p`` the values of ``source``, a tensor of the original model: its storage where ``p`` belongs to a
-    :func:`weight_sharing_copy`, else a copy (a sim that owns its weights keeps owning them)."""
+    """Give ``p`` the values of ``source`` (the original model's): its storage where ``p`` shares it, else a copy."""
     if hasattr(p, _SHARED_WITH):
         p.data = source.detach()
         setattr(p, _SHARED_WITH, source.untyped_storage().data_ptr())
@@ -61,20 +56,16 @@ def reset_to(p: torch.Tensor, source: torch.Tensor) -> None:
 
 @torch.no_grad()
 def own_storage(params: Iterable[torch.Tensor]) -> None:
-    """Give each of ``params`` that shares the original model's storage a copy of its own, before a write in
-    place (an optimizer's step)."""
+    """Give each of ``params`` that shares the original model's storage a copy of its own, before a write in place."""
     for p in params:
         if shares_storage(p):
             p.data = p.detach().clone()
 
 
 class ParkedWeights:
-    """Parameters of ``model`` that wait in ``folder`` while nothing reads them: all of them
-    (:meth:`park_all`), or those AIMET has swapped out for the duration of an export (:meth:`park_displaced`:
-    its exports trace a quantize-dequantized copy of every quantized weight and keep the original aside until
-    they return). :meth:`restore` reads them back, bit for bit, into the same Parameter objects. A storage that
-    ``besides`` (other models) also holds stays: parking it would free nothing.
-    """
+    """Parameters of ``model`` that wait in ``folder`` while nothing reads them: all (:meth:`park_all`), or those
+    AIMET swapped out during an export (:meth:`park_displaced`). :meth:`restore` reads them back, bit for bit, into
+    the same Parameters. A storage ``besides`` (other models) also holds stays."""
 
     def __init__(self, model: torch.nn.Module, folder: Path, besides: Iterable[nn.Module] = ()):
         self.model, self.folder = model, folder
@@ -82,12 +73,8 @@ class ParkedWeights:
         held_elsewhere = {p.untyped_storage().data_ptr() for other in besides for p in other.parameters()}
         self.own = {id(p) for p in params}
         self.own_storage = {p.untyped_storage().data_ptr() for p in params if p.numel()}
-        storages: dict[int, int] = {}
-        for p in params:
-            key = p.untyped_storage().data_ptr()
-            storages[key] = storages.get(key, 0) + 1
-        # a storage shared by two Parameters would come back as two, and one shared with the FP model (a sim
-        # that shares its weights) would come back as a copy of it without freeing anything: both stay
+        storages = Counter(p.untyped_storage().data_ptr() for p in params)
+        # a storage shared by two Parameters, or with the FP model, stays: it would come back as copies
         self.params = [
             p
             for p in params
@@ -112,19 +99,16 @@ class ParkedWeights:
             release_freed_memory()
 
     def park_displaced(self, release: bool = True) -> None:
-        """Move to disk every parameter that the model no longer holds (AIMET's copy stands in for it).
-        ``release``: give the freed memory back to the system now (a garbage collection: not after every module)."""
-        # AIMET rewraps a parameter it does not quantize in a new Parameter over the same storage: nothing to free
+        """Move to disk every parameter that the model no longer holds; ``release``: give the memory back now."""
+        # AIMET rewraps a parameter it does not quantize in a new Parameter over the same storage
         in_use = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         self._park(in_use, release)
 
     def park_all(self) -> None:
-        """Move every parameter of the model to disk (while nothing reads them)."""
         self._park(set())
 
     def drop_stand_ins(self) -> None:
-        """Empty the copies AIMET swapped in, once torch has written them: AIMET's passes after torch's export
-        read the file, and AIMET puts the sim's own Parameters back when it returns."""
+        """Empty the copies AIMET swapped in, once torch has written them to the file."""
         for p in self.model.parameters():
             if id(p) not in self.own and p.numel() and p.untyped_storage().data_ptr() not in self.own_storage:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -139,8 +123,7 @@ class ParkedWeights:
 
 @contextmanager
 def weights_parked(model: nn.Module, folder: Path, besides: Iterable[nn.Module] = ()) -> Iterator[None]:
-    """``model``'s weights wait in ``folder`` (removed afterwards) while nothing reads them; those ``besides``
-    also holds stay."""
+    """``model``'s weights wait in ``folder`` (removed afterwards); those ``besides`` also holds stay."""
     parked = ParkedWeights(model, folder, besides)
     try:
         parked.park_all()

@@ -1,11 +1,5 @@
-"""The technique: Quadapter sites and their alpha, phase 1 (block-wise), phase 2 (end to end), CLE, saved states.
-
-Only :mod:`aimet_quadapter.models` (which sites exist) and :mod:`aimet_quadapter.quant` (the sim) are used
-from here; nothing in this folder knows about recipes, reports or the command line.
-
-The names below are imported on first use: importing AIMET takes seconds, and the settings in
-:mod:`aimet_quadapter.quadapter.config` must be usable (to check a recipe) without it.
-"""
+"""The technique: Quadapter sites and their alpha, phase 1, phase 2, CLE, saved states. The names below are imported
+on first use, so that the settings in :mod:`aimet_quadapter.quadapter.config` are usable without AIMET."""
 
 from __future__ import annotations
 
@@ -28,18 +22,14 @@ if TYPE_CHECKING:
     from aimet_quadapter.quadapter.phase2 import Phase2Result
     from aimet_quadapter.quadapter.state import QuadapterState
 
-_LAZY = {
-    "QuadapterSet": "adapter",
-    "QuadapterResult": "api",
-    "apply_cle": "api",
-    "apply_phase1": "api",
-    "apply_phase2": "api",
-    "apply_quadapter": "api",
-    "attach_quadapters": "api",
-    "Phase1Result": "phase1",
-    "Phase2Result": "phase2",
-    "QuadapterState": "state",
+_MODULES = {
+    "adapter": ["QuadapterSet"],
+    "api": ["QuadapterResult", "apply_cle", "apply_phase1", "apply_phase2", "apply_quadapter", "attach_quadapters"],
+    "phase1": ["Phase1Result"],
+    "phase2": ["Phase2Result"],
+    "state": ["QuadapterState"],
 }
+_LAZY = {name: module for module, names in _MODULES.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:

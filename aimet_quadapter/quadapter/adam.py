@@ -1,10 +1,4 @@
-"""Adam over many parameter groups in one pass.
-
-Phase 2 gives every quantizer range its own learning rate (relative to its width), so ``torch.optim.Adam`` sees
-hundreds of one-tensor groups and runs its update group by group: on a GPU that is thousands of small kernel
-launches per step, more than the model's forward. :class:`GroupedAdam` runs the same update over all groups at
-once with multi-tensor operations and a learning rate per tensor.
-"""
+"""Adam over many parameter groups in one multi-tensor pass (phase 2 has a group per quantizer range)."""
 
 from __future__ import annotations
 
@@ -14,13 +8,8 @@ import torch
 
 
 class GroupedAdam(torch.optim.Adam):
-    """``torch.optim.Adam`` whose step updates every group in one multi-tensor pass.
-
-    The arithmetic is that of torch's single-tensor Adam (the one a CPU runs), elementwise and in the same order,
-    so the parameters are the same bit for bit; the state (``step``, ``exp_avg``, ``exp_avg_sq``) and the
-    groups are Adam's, so schedulers, ``state_dict`` and checkpoints work unchanged. Options this pass does not
-    cover (weight decay, AMSGrad, maximize, capturable, fused, differentiable) take Adam's own step.
-    """
+    """``torch.optim.Adam`` whose step updates every group in one multi-tensor pass, bit for bit as the single-tensor
+    Adam, with Adam's state; weight decay, AMSGrad, maximize, capturable, fused or differentiable take Adam's step."""
 
     def _plain(self) -> bool:
         return all(

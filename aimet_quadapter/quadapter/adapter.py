@@ -1,15 +1,6 @@
-"""The Quadapter: one learnable positive scale per channel at each site (Eq. 2 and 3 of the paper).
-
-At a site the producer's output channels are multiplied by alpha (a norm's gamma and beta, or a
-linear's rows and bias) and the consumers' input columns are divided by alpha. Without quantizers
-that is the identity for any alpha; with them, the producer's weight quantizer, the activation
-quantizer between the two and the consumers' weight quantizers all see the scaled tensors.
-
-As in peft, nothing in the model is replaced: :meth:`QuadapterSet.attach` hooks the producer and
-consumer modules so that, during their forward, their ``weight``/``bias`` are the scaled tensors
-(the same substitution AIMET uses for weight fake-quant), and the gradient reaches alpha through
-every quantizer. :meth:`QuadapterSet.fold` writes alpha into the weights for good (Eq. 3).
-"""
+"""The Quadapter (Eq. 2 and 3): a positive scale per channel, multiplying a producer's output channels and dividing
+its consumers' input columns, applied by forward hooks that substitute the scaled ``weight``/``bias``: as in peft,
+nothing is replaced, and AIMET's quantizers, reading ``weight``, see the scaled tensors and pass alpha its gradient."""
 
 from __future__ import annotations
 
@@ -33,8 +24,7 @@ def fold_site(model: nn.Module, site: Site, alpha: torch.Tensor) -> None:
     for path, producer in [(site.producer, True), *((path, False) for path in site.consumers)]:
         module = model.get_submodule(path)
         # new data, not a write in place: a sim's weights can be the FP model's storage (weight_sharing_copy)
-        w = tensor_of(module, "weight")
-        b = _bias_of(module)
+        w, b = tensor_of(module, "weight"), _bias_of(module)
         w.data, folded_bias = folded_tensors(w, b, site, alpha, producer)
         if b is not None and folded_bias is not None:
             b.data = folded_bias
@@ -43,8 +33,7 @@ def fold_site(model: nn.Module, site: Site, alpha: torch.Tensor) -> None:
 def folded_tensors(
     weight: torch.Tensor, bias: torch.Tensor | None, site: Site, alpha: torch.Tensor, producer: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A module's weight and bias with one site's alpha folded in, as its producer (rows and bias times alpha) or
-    as a consumer (columns divided by alpha; rows and bias for a product of two projections): new tensors."""
+    """A module's weight and bias with one site's alpha folded in, as its producer or a consumer: new tensors."""
     if producer or site.consumer_rows:
         scale = site.producer_scale(alpha) if producer else 1 / site.consumer_scale(alpha)
         weight = rows_scaled(weight, scale, site.norm_offset if producer else 0.0)
@@ -64,8 +53,8 @@ def rows_scaled(weight: torch.Tensor, scale: torch.Tensor, norm_offset: float) -
 
 
 def fold_alphas(model: nn.Module, sites: Iterable[Site], alphas: dict[str, torch.Tensor]) -> None:
-    """Fold ``alphas`` (site name -> alpha) into ``model``, site by site in the order of ``sites``. An alpha of
-    ones changes nothing and is not folded: the weights stay as they are, the FP model's storage included."""
+    """Fold ``alphas`` (site name -> alpha) into ``model`` in the order of ``sites``; an alpha of ones is skipped:
+    the weights stay as they are, the FP model's storage (a weight-sharing copy's) included."""
     for site in sites:
         alpha = alphas.get(site.name)
         if alpha is not None and not bool((alpha == 1).all()):
@@ -77,11 +66,8 @@ def _key(site_name: str) -> str:
 
 
 class Quadapter(nn.Module):
-    """alpha = exp(theta), theta initialised to 0 (alpha = 1): positive by construction.
-
-    Learning rates (the paper's 0.1 in phase 1, 1e-3 in phase 2) act on theta, i.e. on relative
-    changes of alpha, which lets an outlier channel's alpha fall by decades without crossing zero.
-    """
+    """alpha = exp(theta), theta initialised to 0: positive, and learning rates act on relative changes of alpha, so
+    an outlier channel's alpha can fall by decades without crossing zero."""
 
     theta: nn.Parameter
     folded: torch.Tensor
@@ -90,9 +76,8 @@ class Quadapter(nn.Module):
         super().__init__()
         self.site = site
         self.theta = nn.Parameter(torch.zeros(channels))
-        self.held: torch.Tensor | None = None  # alpha while QuadapterSet.alphas_held holds it
-        # Product of every alpha folded into the weights so far: what must be applied to the FP model
-        # to reproduce this sim's weights (export, fresh sims).
+        self.held: torch.Tensor | None = None  # alpha while QuadapterSet.fused holds it
+        # the product of every alpha folded into the weights so far: what the FP model needs to become this sim's
         self.register_buffer("folded", torch.ones(channels))
 
     @property
@@ -110,9 +95,7 @@ def _scaled_tensors(
     """diag(row) weight diag(1 / col), and the bias times row (None where row is None or there is no bias)."""
     if row is not None:
         weight = rows_scaled(weight, row, offset)
-        bias = bias * row if bias is not None else None
-    else:
-        bias = None
+    bias = bias * row if row is not None and bias is not None else None
     if col is not None:
         weight = weight / col[None, :]
     return weight, bias
@@ -120,7 +103,6 @@ def _scaled_tensors(
 
 @functools.cache
 def _compiled_scaling():
-    # forward and backward each fused by torch.compile; one graph per kind of module (rank, bias, row, col)
     return torch.compile(_scaled_tensors, dynamic=True)
 
 
@@ -131,23 +113,17 @@ class _ModulePatch:
         self.rows: list[Quadapter] = []  # this module is the producer of these sites
         self.cols: list[Quadapter] = []  # ... and a consumer of these
         self.saved: dict[str, nn.Parameter | None] = {}
-        # With `unfolded`, the module holds the FP weights and each forward first folds the Quadapters' `folded`
-        # alphas in, site by site as fold_site does: the same tensors, without keeping them.
+        # unfolded: the module holds the FP weights and each forward folds the `folded` alphas in, as fold_site does
         self.unfolded = False
         self.folds: list[tuple[Quadapter, bool]] = []  # (Quadapter, True where this module is its producer)
         self.replay: list[tuple[Quadapter, bool]] = []  # the folds whose alpha is not all ones, set by unfold
         self.fused = False  # set by QuadapterSet.fused
 
-    def _folded(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        for q, producer in self.replay:
-            weight, bias = folded_tensors(weight, bias, q.site, q.folded, producer)
-        return weight, bias
-
     def scaled(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        weight = tensor_of(module, "weight")
-        bias = _bias_of(module)
+        weight, bias = tensor_of(module, "weight"), _bias_of(module)
         if self.unfolded:
-            weight, bias = self._folded(weight, bias)
+            for q, producer in self.replay:
+                weight, bias = folded_tensors(weight, bias, q.site, q.folded, producer)
         row: torch.Tensor | None = None
         col: torch.Tensor | None = None
         offset = 0.0
@@ -180,8 +156,7 @@ class _ModulePatch:
     def pre_hook(self, module: nn.Module, args):
         for name, tensor in self.scaled(module).items():
             self.saved[name] = module._parameters.pop(name)
-            # A plain attribute shadows the parameter for this forward only; AIMET's quantized
-            # modules read `self.weight`, so their weight quantizers see the scaled tensor.
+            # a plain attribute shadows the parameter for this forward: AIMET's weight quantizers read `self.weight`
             object.__setattr__(module, name, tensor)
 
     def post_hook(self, module: nn.Module, args, output):
@@ -219,7 +194,6 @@ class QuadapterSet(nn.Module):
     def __len__(self) -> int:
         return len(self.adapters)
 
-    # --- hooks ------------------------------------------------------------------------------------
     def attach(self, *models: nn.Module) -> QuadapterSet:
         """Make each model's forward use the scaled weights (the sim's model, the FP PreparedLM, or both)."""
         self.detach()
@@ -243,28 +217,24 @@ class QuadapterSet(nn.Module):
 
     @contextmanager
     def fused(self) -> Iterator[None]:
-        """While inside, each site's alpha is computed once for every module that reads it, and a module's scaled
-        weight and bias are made by one compiled kernel each way: a few kernel launches per module and pass, where
-        the eager ops take a dozen. The same values; the gradients of theta are summed in another order."""
-        for q in self:
-            q.held = q.theta.exp()
-        for patch in self._patches.values():
-            patch.fused = True
+        """While inside, each alpha is computed once per pass and a module's scaled tensors by compiled kernels: the
+        same values, theta's gradients summed in another order."""
+        self._fuse(True)
         try:
             yield
         finally:
-            for q in self:
-                q.held = None
-            for patch in self._patches.values():
-                patch.fused = False
+            self._fuse(False)
 
-    # --- folding ----------------------------------------------------------------------------------
+    def _fuse(self, on: bool) -> None:
+        for q in self:
+            q.held = q.theta.exp() if on else None
+        for patch in self._patches.values():
+            patch.fused = on
+
     @torch.no_grad()
     def unfold(self, model: nn.Module, reference: nn.Module) -> None:
-        """Give the weights of the attached ``model`` that the sites touch ``reference``'s values back (its
-        storage, for a weight-sharing copy) and make the hooks fold the ``folded`` alphas in at every forward,
-        op for op as :meth:`fold` folds them: the same function, without a folded copy of the weights kept.
-        :meth:`fold` with ``reference`` ends it."""
+        """Give the attached ``model``'s touched weights ``reference``'s back, the hooks folding the ``folded`` alphas
+        in at every forward as :meth:`fold` does: no folded copy kept. :meth:`fold` with ``reference`` ends it."""
         if any(id(model.get_submodule(q.site.producer)) not in self._patches for q in self):
             raise QuadapterError("unfold: the set is not attached to this model (attach it first)")
         for target in self._reset_to(model, reference):
@@ -287,13 +257,8 @@ class QuadapterSet(nn.Module):
 
     @torch.no_grad()
     def fold(self, model: nn.Module, reference: nn.Module | None = None) -> None:
-        """Write every alpha into ``model``'s weights (Eq. 3) and reset alpha to 1.
-
-        ``model`` must be the one the set acts on; its forward is unchanged by the fold. With
-        ``reference`` (the FP model ``model`` was made from), the touched weights are first reset from
-        it and the *total* alphas folded in one go, exactly as :class:`~aimet_quadapter.quadapter.state.
-        QuadapterState` rebuilds them, so a saved result reloads bit for bit.
-        """
+        """Write every alpha into ``model``'s weights (Eq. 3) and reset alpha to 1; with ``reference`` (its FP model),
+        the total alphas fold into the FP weights in one go, as a saved state rebuilds them, bit for bit."""
         if reference is not None:
             self._reset_to(model, reference)
         if any(patch.unfolded for patch in self._patches.values()) and reference is None:
@@ -309,13 +274,9 @@ class QuadapterSet(nn.Module):
 
         refresh_prefix(model)
 
-    # --- state ------------------------------------------------------------------------------------
     @torch.no_grad()
     def set_total(self, alphas: dict[str, torch.Tensor]) -> None:
-        """Make ``alphas`` the whole scale of each site (a site not named: 1), nothing counted as folded.
-
-        Followed by :meth:`fold` with ``reference``, the model then holds exactly these alphas.
-        """
+        """Make ``alphas`` the whole scale of each site (a site not named: 1), nothing counted as folded."""
         # a name of no site (another model's state, a prefixed key) would otherwise leave that site at 1
         unknown = sorted(set(alphas) - {q.site.name for q in self})
         if unknown:

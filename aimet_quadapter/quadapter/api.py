@@ -1,12 +1,5 @@
-"""``apply_quadapter``: the whole method on an AIMET sim, in the style of ``apply_adaround``/``apply_seq_mse``.
-
->>> sim = build_sim(fp_model)                          # or any QuantizationSimModel of a PreparedLM
->>> result = apply_quadapter(sim, fp_model, calib_batches, finetune_batches, QuadapterParameters())
->>> # how it runs, apart from what it computes: RunOptions(checkpoint_dir="ckpt", micro_batch_size=2)
->>> result.state.save("quadapter.safetensors")         # alphas + quantizer ranges
-
-On return the sim holds the folded weights and the learned encodings: evaluate or export it as is.
-"""
+"""``apply_quadapter``, in the style of AIMET's ``apply_adaround``: on return the sim holds the folded weights and the
+learned encodings; ``result.state.save(path)`` keeps the alphas and ranges."""
 
 from __future__ import annotations
 
@@ -36,15 +29,11 @@ class QuadapterResult:
     phase2: Phase2Result | None
 
 
-def _model_of(sim: QuantizationSimModel) -> PreparedLM:
-    if not isinstance(sim.model, PreparedLM):
-        raise QuadapterError("apply_quadapter needs a sim of a PreparedLM (see aimet_quadapter.models.prepare_model)")
-    return sim.model
-
-
 def attach_quadapters(sim: QuantizationSimModel, extra_sites: bool | Sequence[str] | None = None) -> QuadapterSet:
     """A Quadapter (alpha = 1) at every site of the sim's model, hooked into its forward."""
-    return QuadapterSet.for_model(_model_of(sim), extra_sites).attach(sim.model)
+    if not isinstance(sim.model, PreparedLM):
+        raise QuadapterError("apply_quadapter needs a sim of a PreparedLM (see aimet_quadapter.models.prepare_model)")
+    return QuadapterSet.for_model(sim.model, extra_sites).attach(sim.model)
 
 
 def apply_cle(
@@ -69,9 +58,7 @@ def _fold_and_calibrate(
     alphas: dict[str, torch.Tensor],
     calibration_batches: Sequence[torch.Tensor],
 ) -> None:
-    """The sim with exactly ``alphas`` folded into its weights (from the FP ones), statically calibrated; the
-    set's hooks are taken off (at alpha 1 they would only copy every weight they touch at each forward, the
-    head's among them, and compute a norm's offset form where the fold left the weight itself)."""
+    """The sim with exactly ``alphas`` folded into its FP weights, statically calibrated, the set's hooks off."""
     qset.set_total(alphas)
     qset.fold(sim.model, reference=fp_model)
     qset.detach()
@@ -107,20 +94,8 @@ def apply_quadapter(
     validation_batches: Sequence[torch.Tensor] | None = None,
     options: RunOptions | None = None,
 ) -> QuadapterResult:
-    """Quadapter on ``sim`` (built from ``fp_model``, which stays untouched), Algorithm 1 of the paper.
-
-    1. a Quadapter per site, alpha = 1 (or CLE's alpha); phase 1 block-wise calibration under dynamic
-       quantization on ``calibration_batches``;
-    2. static encodings with AIMET's ``compute_encodings`` on the same calibration data, through alpha;
-       with ``validation_batches`` (held-out text), the start, phase 1's result and the points between them
-       (``phase1.check_points``, in log alpha) are scored there with static ranges, and the best is kept
-       (the start on a tie);
-    3. phase 2 on ``finetune_batches``: alpha and quantizer ranges on the LM loss (or, with
-       ``phase2.loss = "kd"``, distilled from ``fp_model``), weights frozen;
-    4. fold alpha into the sim's weights. The sim then holds the final weights and encodings.
-
-    ``options`` say how both phases run (memory, kernels, checkpoints), not what they compute.
-    """
+    """Quadapter (Algorithm 1) on ``sim``, built from ``fp_model`` (untouched): phase 1, static calibration (with
+    ``validation_batches``, the best alphas on the way from the start there), phase 2, alpha folded into the sim."""
     params = params or QuadapterParameters()
     result = apply_phase1(sim, fp_model, calibration_batches, params, progress, validation_batches, options)
     if params.phase2.steps > 0:
@@ -144,9 +119,8 @@ def apply_phase1(
     qset = attach_quadapters(sim, params.extra_sites)
     if params.init == "cle":
         init_with_cle(qset, fp_model, calibration_batches, sim.model)
-    start = qset.total_alpha()
+    start = kept = qset.total_alpha()
     phase1 = None
-    kept = start
     if params.phase1.steps > 0:
         start_loss = None
         if validation_batches:
@@ -158,16 +132,14 @@ def apply_phase1(
             qset.attach(sim.model)
         folder = options.checkpoint_dir if options is not None else None
         phase1 = run_phase1(
-            sim.model, fp_model, qset, calibration_batches, params.phase1, progress=progress, checkpoint_dir=folder
+            sim.model, fp_model, qset, calibration_batches, params.phase1, progress, checkpoint_dir=folder
         )
         kept = qset.total_alpha()
         if start_loss is not None and validation_batches:
-            # Fold from the FP weights: the sim then holds exactly the weights a fresh sim of the folded FP
-            # model holds, and static calibration and phase 2 start from the model that will be deployed.
-            end = kept
+            # folded from the FP weights: the sim holds exactly what a fresh sim of the folded FP model holds
             losses = {0.0: start_loss}
             for t in sorted({*params.phase1.check_points, 1.0}):
-                _fold_and_calibrate(sim, fp_model, qset, _on_the_way(start, end, t), calibration_batches)
+                _fold_and_calibrate(sim, fp_model, qset, _on_the_way(start, kept, t), calibration_batches)
                 losses[t] = _validation_loss(sim, validation_batches)
             best = min(losses, key=lambda t: losses[t])  # the start wins a tie: never worse than the start
             phase1.validation = {
@@ -176,7 +148,7 @@ def apply_phase1(
                 "points": {f"{t:g}": loss for t, loss in losses.items()},
                 "kept": {0.0: "start", 1.0: "end"}.get(best, f"{best:g}"),
             }
-            kept = _on_the_way(start, end, best)
+            kept = _on_the_way(start, kept, best)
             if best != 1.0:
                 _fold_and_calibrate(sim, fp_model, qset, kept, calibration_batches)
     if phase1 is None or phase1.validation is None:
@@ -197,15 +169,12 @@ def apply_phase2(
 ) -> QuadapterResult:
     """Steps 3-4 alone, on a sim that :func:`apply_phase1` returned."""
     qset = previous.qset.attach(sim.model)
-    # The FP model stays for the fold below (and as the teacher): training on its weights, the folded alphas
-    # in the hooks, keeps no second copy of every weight the sites touch.
+    # trained on the FP weights, the folded alphas in the hooks: no second copy of the weights the sites touch
     qset.unfold(sim.model, fp_model)
     try:
         params = params or Phase2Parameters()
         loss_fn = phase2_loss(params, fp_model)
-        phase2 = run_phase2(
-            sim.model, qset, finetune_batches, params, loss_fn=loss_fn, progress=progress, options=options
-        )
+        phase2 = run_phase2(sim.model, qset, finetune_batches, params, loss_fn, progress, options=options)
         # one fold of the total alphas from the FP weights: the saved state rebuilds this sim exactly
         qset.fold(sim.model, reference=fp_model)
     finally:

@@ -1,15 +1,5 @@
-"""LayerNorm-aware cross-layer equalization: alpha set analytically (the paper's "CLE" row).
-
-AIMET's ``equalize_model`` pairs only convolutions. Here, as Nagel et al. (2019) do for two consecutive
-layers, each channel's share of the per-tensor range is made equal on both sides of the activation
-quantizer: with r1 the per-channel range of the quantized activation (the consumers' input) and r2 the
-per-column range of the consumers' weights, alpha = sqrt(r2 / r1), after which both are sqrt(r1 * r2).
-It is a baseline, and an optional initialisation of phase 1.
-
-Given the sim, alpha is also kept where the producer's rows stay within their tensor's range: a channel
-that barely fires in the calibration text gets a huge alpha, and its row alone would then widen the grid
-of every other row (Nagel et al. weigh both weights' ranges for this reason).
-"""
+"""LayerNorm-aware cross-layer equalization (the paper's "CLE" row, and an optional start of phase 1): alpha =
+sqrt(r2 / r1) equalizes each channel's share of the activation's and the consumers' weights' per-tensor ranges."""
 
 from __future__ import annotations
 
@@ -30,8 +20,7 @@ def _reduce_rotary(values: torch.Tensor, site: Site, reduce=torch.amax) -> torch
 
 
 def _per_alpha(values: torch.Tensor, site: Site, reduce=torch.amax) -> torch.Tensor:
-    """Statistics laid out along the consumers' scaled channels, reduced to one value per free alpha (the max,
-    or ``reduce``, over a head group, then over a rotated pair)."""
+    """Statistics along the consumers' scaled channels, reduced (``reduce``) to one value per free alpha."""
     if site.expand is not None:
         repeat, head_dim = site.expand
         values = reduce(values.view(-1, repeat, head_dim), dim=1).reshape(-1)
@@ -54,6 +43,12 @@ def _absmax(model: nn.Module, points: dict[str, tuple[str, bool]], batches: Sequ
             handles.append(module.register_forward_hook(lambda _m, _a, out, record=record: record(out)))
         else:
             handles.append(module.register_forward_pre_hook(lambda _m, args, record=record: record(args[0])))
+    _run_hooked(model, batches, handles)
+    return found
+
+
+def _run_hooked(model: nn.Module, batches: Sequence[torch.Tensor], handles: list) -> None:
+    """Run ``model`` on ``batches``, then remove the hooks ``handles``."""
     try:
         device = device_of(model)
         for batch in batches:
@@ -61,15 +56,13 @@ def _absmax(model: nn.Module, points: dict[str, tuple[str, bool]], batches: Sequ
     finally:
         for h in handles:
             h.remove()
-    return found
 
 
 _INF = float("inf")
 
 
 def _row_factor_range(w: torch.Tensor, q, offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lowest, highest) factor of each row of ``w`` (each element of a norm's, which scales offset + w) that
-    keeps the range the min-max weight quantizer ``q`` takes of ``w``. Per-row ranges, or none: no bound."""
+    """(lowest, highest) factor of each row of ``w`` that keeps the per-tensor min-max range ``q`` takes of it."""
     n = w.shape[0]
     low, high = torch.zeros(n, device=w.device), torch.full((n,), _INF, device=w.device)
     if q is None or not all(size == 1 for size in q.shape):
@@ -89,12 +82,7 @@ def _row_factor_range(w: torch.Tensor, q, offset: float = 0.0) -> tuple[torch.Te
 
 
 class _ScaledWeights:
-    """The FP weights as the alphas chosen so far scale them, and how far a next alpha may scale their rows.
-
-    CLE's alpha weighs the activation against the consumers' columns; the producer's rows (and, for Q . K^T,
-    the consumer's rows) it scales unweighed. A row that alpha lifts past the range of its tensor widens the
-    grid of every other row of a per-tensor weight quantizer: alpha is kept below that.
-    """
+    """The FP weights as the alphas so far scale them, and how far a next alpha may scale rows within their range."""
 
     def __init__(self, model: nn.Module, sim_model: nn.Module):
         self.model, self.sim_model = model, sim_model
@@ -136,14 +124,8 @@ class _ScaledWeights:
 def cle_alphas(
     model: nn.Module, sites: Sequence[Site], batches: Sequence[torch.Tensor], sim_model: nn.Module | None = None
 ) -> dict[str, torch.Tensor]:
-    """The analytic alpha of every site, from FP ``model`` and calibration ``batches``.
-
-    A site whose consumers take the activation (norm -> linears, ...): r1 the per-channel range of that
-    activation, r2 the per-column range of the consumers' weights. A product of two projections (Q . K^T):
-    r1 and r2 the per-channel ranges of the two outputs. alpha = sqrt(r2 / r1) makes both sqrt(r1 * r2).
-    With ``sim_model`` (a sim's model of ``model``), alpha is then kept where the rows it scales stay within
-    the ranges of their per-tensor weight quantizers (see :class:`_ScaledWeights`), site after site.
-    """
+    """The analytic alpha sqrt(r2 / r1) of every site (r1, r2: the per-channel ranges either side of the activation
+    quantizer), kept with ``sim_model`` where the rows it scales stay within their weight quantizer's range."""
     points = {}
     for site in sites:
         if site.consumer_rows:
@@ -185,13 +167,7 @@ def channel_min_max(model: nn.Module, site: Site, batches: Sequence[torch.Tensor
         lo.append(x.amin(dim=0))
         hi.append(x.amax(dim=0))
 
-    handle = model.get_submodule(site.consumers[0]).register_forward_pre_hook(hook)
-    try:
-        device = device_of(model)
-        for batch in batches:
-            model(batch.to(device))
-    finally:
-        handle.remove()
+    _run_hooked(model, batches, [model.get_submodule(site.consumers[0]).register_forward_pre_hook(hook)])
     return torch.stack(lo).amin(dim=0), torch.stack(hi).amax(dim=0)
 
 

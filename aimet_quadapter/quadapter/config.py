@@ -1,7 +1,4 @@
-"""Quadapter's settings, apart from the code that uses them: the recipe sections ``phase1``, ``phase2`` and
-``quadapter`` are these classes, and the command-line options are built from their fields, so a bad value is
-refused before torch, transformers or AIMET are imported.
-"""
+"""Quadapter's settings (the recipe sections ``phase1``, ``phase2``, ``quadapter``, ``execution``), torch-free."""
 
 from __future__ import annotations
 
@@ -26,10 +23,7 @@ class Phase1Parameters(Settings):
 
     steps: int = setting(500, ge=0, help="Adam steps per site (the paper: 500)")
     lr: float = setting(0.1, gt=0, help="learning rate of log alpha (the paper's, for its 500 steps; see reach_steps)")
-    # Adam moves theta = log(alpha) by about the learning rate per step, so the number of steps caps how far
-    # alpha can travel. A run shorter than reach_steps has its learning rate scaled by reach_steps / steps,
-    # so that its first stage reaches as far as the paper's; each later stage restarts from the best alpha
-    # so far, so a start that was already good is refined, not lost.
+    # Adam moves log(alpha) by about the rate per step: a shorter run needs a larger rate to reach as far
     reach_steps: int | None = setting(
         500, ge=1, help="a run of fewer steps scales the lr by reach_steps / steps (None: the lr as given)"
     )
@@ -40,14 +34,13 @@ class Phase1Parameters(Settings):
     loss_tokens: int | None = setting(
         None, ge=1, help="token-wise sites: the loss on this many calibration tokens (None: all)"
     )
-    # A block-wise optimum fitted to the calibration text can generalise worse than the start (docs/method.md, phase 1).
+    # a block-wise optimum fitted to the calibration text can generalise worse than the start
     keep_start: tuple[str, ...] = setting(
         (),
         help=f"sites left at their start alpha, in effect but not trained: site roles ({', '.join(SITE_ROLES)}; "
         "a role the model has no site of matches none) or fnmatch patterns of site names",
     )
-    # Each site is optimised alone, under dynamic ranges: the sum of those moves can overshoot for the static
-    # model. The held-out check also scores points on the way, and keeps the best of all.
+    # sites optimised alone under dynamic ranges can overshoot together for the static model
     check_points: tuple[float, ...] = setting(
         (0.25, 0.5, 0.75),
         help="with held-out text, these fractions of the way from the start to phase 1's alpha (in log alpha) "
@@ -93,8 +86,7 @@ class Phase2Parameters(Settings):
     steps: int = setting(10_000, ge=0, help="training steps (0: Quadapter BC alone)")
     batch_size: int = setting(4, ge=1, help="sequences per step")
     seq_len: int = setting(512, ge=2, help="tokens per sequence")
-    # Distillation needs no labels, so it does not pull the model toward the fine-tuning text's own
-    # next-token statistics: only toward the FP model's behaviour on it.
+    # distillation pulls toward the FP model's behaviour, not the fine-tuning text's own statistics
     loss: Literal["lm", "kd"] = setting(
         "lm",
         before="lm",
@@ -103,17 +95,14 @@ class Phase2Parameters(Settings):
     )
     lr_alpha: float = setting(1e-3, ge=0, help="learning rate of log alpha, decaying linearly to 0")
     lr_ranges: float = setting(1e-3, ge=0, help="learning rate of the quantizers' min/max (LSQ+)")
-    # Adam moves a parameter by about its learning rate per step, whatever the gradient's size, while the
-    # ranges of one model span from 1 (softmax probabilities) to over a hundred (SmolLM2's down_proj inputs): one
-    # absolute rate leaves the wide ranges where they are or throws the narrow ones about.
+    # Adam moves a parameter by about its rate per step, and one model's ranges span from 1 to over a hundred
     lr_ranges_relative: bool = setting(
         False,
         before=False,
         help="lr_ranges is a fraction of each quantizer's calibrated width (max - min) instead of a step in its "
         "own units (the paper)",
     )
-    # One kind of range (a device graph's residual stream) may need another rate than the rest: raising the rate
-    # of all throws the narrow ones about.
+    # one kind of range (a device graph's residual stream) may need another rate than the rest
     lr_ranges_overrides: tuple[str, ...] = setting(
         (),
         before=(),
@@ -155,14 +144,12 @@ def _range_rate_factors(entries: tuple[str, ...]) -> list[tuple[str, float]]:
 
 
 class RunOptions(Settings):
-    """How phase 1 and phase 2 run, not what they compute: memory, kernels and checkpoints (the recipe section
-    ``execution``). Any value gives the same result, up to the order of float sums where said."""
+    """How phase 1 and phase 2 run, not what they compute: any value gives the same result, up to the order of
+    float sums where said."""
 
     section = "execution"
 
-    # Gradients of the slices are summed into the step's gradient, so the result is the whole batch's up to
-    # float rounding; activations for the backward pass are kept for one slice at a time. A GPU has the memory
-    # for the whole batch, and each slice would cost it a pass of kernel launches.
+    # the slices' gradients sum to the batch's, up to float rounding; only one slice's activations are kept
     micro_batch_size: int | None = setting(
         None,
         ge=1,
@@ -170,16 +157,13 @@ class RunOptions(Settings):
         help="phase 2's sequences per forward/backward pass, accumulated to phase2.batch_size (None: 1 on a CPU, "
         "the whole batch on a GPU)",
     )
-    # Every block's fake-quantized weights and activations would otherwise be kept for the backward pass;
-    # recomputed, only one block's are alive at a time, for one more forward pass per step.
+    # one block's activations alive at a time, for one more forward pass per step
     recompute_blocks: bool | None = setting(
         None,
         result=False,
         help="recompute each decoder block in phase 2's backward pass, for less memory (None: on a CPU, not on a GPU)",
     )
-    # Where every small op is a kernel launch: one compiled kernel for a trained range's fake-quant forward and
-    # one for its backward instead of a dozen each way, and every range's encoding made in one computation per
-    # pass. The same values; the ranges' gradients are summed in another order.
+    # the same values; the ranges' gradients are summed in another order
     fused_fake_quant: bool | None = setting(
         None,
         result=False,
@@ -187,12 +171,11 @@ class RunOptions(Settings):
         "GPU, not on a CPU)",
     )
     checkpoint_every: int = setting(200, ge=1, result=False, help="phase-2 steps between checkpoints")
-    # phase1.pt after every site, phase2.pt every checkpoint_every steps: a run given the folder again resumes
     checkpoint_dir: str | None = setting(None, result=False, help="folder of the resumable checkpoints")
 
 
 class AdapterParameters(Settings):
-    """The adapter's own settings: where its sites are and where phase 1 starts (the recipe section ``quadapter``)."""
+    """The adapter's own settings: where its sites are and where phase 1 starts."""
 
     section = "quadapter"
 

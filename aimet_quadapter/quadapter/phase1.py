@@ -1,34 +1,15 @@
-"""Phase 1: block-wise calibration of the Quadapters ("Quadapter BC", Section 3.2 of the paper).
+"""Phase 1, Quadapter BC (Section 3.2): each site's alpha trained alone, bottom to top, on its block's L2 error
+under dynamic ranges taken over the whole calibration set, as static calibration will set them. docs/method.md
+gives the design; beyond it:
 
-Each site is trained on its own, bottom to top, to minimise the L2 error between the FP output of its
-Quadapter block and the quantized block's output, with dynamic quantization of weights and activations.
-A block is the producer followed by its consumers, or, for a site whose producer and consumers are not
-directly chained, the architecture's scope module (the attention, the MLP).
-
-What makes the block's loss agree with the model that is deployed:
-
-* **Ranges as static calibration sets them.** Every step runs the block on the whole calibration set at
-  once, so each dynamic range is the min-max range of all calibration data: exactly what AIMET's
-  ``compute_encodings`` will set. ``loss_tokens`` subsamples only the rows the loss is computed on
-  (token-wise blocks), never the rows a range is taken from.
-* **A gradient that sees the ranges** (``range_gradient``): min and max are computed where autograd sees
-  them, with straight-through rounding (:class:`~aimet_quadapter.quant.quantizers.DynamicRanges`).
-* **A fair choice.** The loss rows are one fixed sample, so every step's loss scores its alpha on the
-  same tokens; the alpha with the lowest loss is kept, the start included.
-* **Reach at any budget.** The paper's schedule, x ``lr_decay`` at ``lr_stages - 1`` equal intervals
-  (x0.2 every 100 of 500 steps), keeps its shape in a shorter run, and the learning rate is scaled by
-  ``reach_steps / steps`` so that the first stage reaches as far as the paper's. Every stage restarts from
-  the best alpha so far: the large first steps may explore, the later, smaller ones refine what was
-  best, and a start that was already good (CLE's) is never lost.
-
-The block's input comes from one of two places (``input_source``): ``"fp"``, the FP model's activations,
-or ``"quantized"``, the sim with every lower site calibrated and in effect, as AdaRound does. The target is
-always the FP block on FP inputs. Every block has every site at its current alpha (those calibrated
-already, the others at their start), as in the model that will be deployed: a norm's alpha is worth what it
-is next to the q/k/v rows a v->o or Q*K^T alpha scales, since those rows share the per-tensor weight range.
-A token-wise block's target is therefore the FP output of its linears in the frame the other sites put it
-in; a scope block's output does not depend on the frame, and its FP input is scaled as the norm's output
-before it would be.
+* A block is the producer and its consumers, or the scope module (attention, MLP) where they are not chained.
+* ``loss_tokens`` subsamples only the rows the loss is taken on, one fixed sample so that every step scores its alpha
+  on the same tokens; ranges always come from every row (:meth:`DynamicRanges.pin`).
+* Every stage of the schedule restarts from the best alpha so far: the large first steps may explore, the later
+  ones refine, and a good start (CLE's) is never lost.
+* ``input_source``: the FP model's activations, or the sim's with every lower site calibrated (as AdaRound); the
+  target is always the FP block on FP inputs. Other sites sit at their current alpha because a norm's alpha is worth
+  what it is next to the q/k/v rows a v->o or Q*K^T alpha scales: those rows share one per-tensor weight range.
 """
 
 from __future__ import annotations
@@ -68,14 +49,13 @@ class _Stop(Exception):
 
 def capture_inputs(model: nn.Module, path: str, batches: Sequence[torch.Tensor]) -> list[Captured]:
     """The (args, kwargs) that the module at ``path`` receives for each batch; the rest of the model is skipped."""
-    module = model.get_submodule(path)
     seen: list[Captured] = []
 
     def hook(_module, args, kwargs):
         seen.append((args, kwargs))
         raise _Stop
 
-    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True)
     device = device_of(model)
     try:
         with torch.no_grad():
@@ -103,7 +83,7 @@ def _with_hidden(call: Captured, hidden: torch.Tensor) -> Captured:
 
 
 def _own_prefix(call: Captured, model: PreparedLM) -> Captured:
-    """``call`` with ``model``'s prefix cache where it holds another model's: a fold changes the keys and values."""
+    """``call`` with ``model``'s prefix cache where it holds another's: a fold changes the keys and values."""
 
     def own(value: Any) -> Any:
         return model.prefix_cache() if isinstance(value, FixedPrefixCache) else value
@@ -113,10 +93,7 @@ def _own_prefix(call: Captured, model: PreparedLM) -> Captured:
 
 
 def batched(calls: list[Captured]) -> Captured:
-    """The calls of every calibration batch as one call, so that a dynamic range covers all the data.
-
-    The other arguments (mask, positions) are those of the first call: calibration sequences have one length.
-    """
+    """The calls of every calibration batch as one (mask and positions the first's), so a range covers all data."""
     hidden = [_first_input(c) for c in calls]
     if any(h.shape[1:] != hidden[0].shape[1:] for h in hidden):
         raise QuadapterError("phase 1 needs calibration sequences of one length")
@@ -141,8 +118,7 @@ def run_capturing(block: nn.Module, call: Captured, model: nn.Module, paths: lis
     return out, got
 
 
-# A token-wise block whose target holds more elements than this has its loss taken in row chunks of about
-# this size (see SiteBlock.loss): 128 MB of float32 per chunk.
+# a token-wise target larger than this is scored in row chunks of about this size: 128 MB of float32 each
 CHUNK_ELEMENTS = 1 << 25
 
 
@@ -176,15 +152,13 @@ class SiteBlock:
             else:  # token-wise: all rows feed the ranges, a fixed sample of them the loss
                 fp_rows = _rows(_first_input(fp_input))
                 self.q_input = ((_rows(_first_input(q_input)),), {})
-                n = fp_rows.shape[0]
-                take = params.loss_tokens
+                n, take = fp_rows.shape[0], params.loss_tokens
                 generator = torch.Generator().manual_seed(params.seed)  # on the CPU: the same rows on any device
                 rows = torch.randperm(n, generator=generator)[:take].sort().values if take and take < n else None
                 self.rows = None if rows is None else rows.to(fp_rows.device)
                 picked = fp_rows if self.rows is None else fp_rows[self.rows]
-                # The consumers' outputs in the frame the sites around them put them in (a v->o alpha scales
-                # v_proj's rows): the FP function of the sim's own modules with every alpha as it is now.
-                # This site's alpha leaves that function unchanged; the others stay put while it is trained.
+                # the FP function of the sim's modules at every current alpha: the frame the other sites set (this
+                # site's alpha leaves it unchanged, the others stay put while it trains: computed once)
                 with self.quantizing(), self.ranges.off():
                     self.target = self._consumed(self.q_producer(picked))
 
@@ -195,14 +169,17 @@ class SiteBlock:
 
     def output(self) -> torch.Tensor:
         """The quantized block's output on the loss rows (inside :meth:`quantizing`)."""
-        args, kwargs = self.q_input
         if self.site.scope:
+            args, kwargs = self.q_input
             return _hidden(self.q_scope(*args, **kwargs))
+        return self._consumed(self._mid())
+
+    def _mid(self) -> torch.Tensor:
+        """The producer's output, its range pinned on every row, on the loss rows."""
+        args, kwargs = self.q_input
         mid = self.q_producer(*args, **kwargs)
         self.ranges.pin(self.shared_input, mid)
-        if self.rows is not None:
-            mid = mid[self.rows]
-        return self._consumed(mid)
+        return mid if self.rows is None else mid[self.rows]
 
     def _consumed(self, mid: torch.Tensor) -> torch.Tensor:
         return torch.cat([c(mid) for c in self.q_consumers], dim=-1)
@@ -211,19 +188,10 @@ class SiteBlock:
         return (self._consumed(mid) - target).pow(2).sum()
 
     def loss(self) -> torch.Tensor:
-        """The mean squared error of :meth:`output` (inside :meth:`quantizing`).
-
-        A wide token-wise block (the head site: vocabulary-wide outputs) is scored in row chunks, each
-        recomputed in the backward pass, so its outputs and their gradients are never all held at once.
-        The ranges are those of every row all the same: they are pinned before the rows are cut.
-        """
+        """The mean squared error of :meth:`output`; a wide token-wise block's in row chunks recomputed backward."""
         if self.site.scope or self.target.numel() <= CHUNK_ELEMENTS:
             return (self.output() - self.target).pow(2).mean()
-        args, kwargs = self.q_input
-        mid = self.q_producer(*args, **kwargs)
-        self.ranges.pin(self.shared_input, mid)
-        if self.rows is not None:
-            mid = mid[self.rows]
+        mid = self._mid()
         step = max(1, CHUNK_ELEMENTS // self.target.shape[-1])
         chunks = [
             checkpoint(self._squared_error, mid[i : i + step], self.target[i : i + step], use_reentrant=False)
@@ -243,10 +211,8 @@ class SiteResult:
 
 
 def calibrate_site(block: SiteBlock, qset: QuadapterSet, params: Phase1Parameters, progress: bool = True) -> SiteResult:
-    """Adam on one site's alpha, in ``lr_stages`` stages of falling learning rate, each from the best alpha
-    so far; keeps the alpha of the lowest loss seen (the start included)."""
-    quadapter = qset[block.site.name]
-    theta = quadapter.theta
+    """Adam on one site's alpha in stages of falling rate, each from the best alpha so far, which it keeps."""
+    theta = qset[block.site.name].theta
     losses: list[float] = []
     best, best_theta = math.inf, theta.detach().clone()
     bar = tqdm(total=params.steps, desc=f"phase 1 {block.site.name}", leave=False, disable=not progress)
@@ -295,9 +261,7 @@ class Phase1Result:
 
 
 def kept_at_start(sites: Sequence[Site], patterns: Sequence[str]) -> set[str]:
-    """The names of the ``sites`` that ``patterns`` (``phase1.keep_start``) match: a role matches every site of it,
-    none on a model without one (a recipe holds for every family); a glob of site names that matches none is an
-    error."""
+    """The names of the ``sites`` that ``phase1.keep_start`` matches (a role: all its sites; a glob: at least one)."""
     names = [s.name for s in sites]
     kept: set[str] = set()
     for pattern in patterns:
@@ -314,36 +278,28 @@ def kept_at_start(sites: Sequence[Site], patterns: Sequence[str]) -> set[str]:
 
 @torch.no_grad()
 def _input_scale(qset: QuadapterSet, scope: str) -> torch.Tensor | float:
-    """The scale the sites feeding ``scope`` from outside (a norm before the attention) put on its input.
-
-    In a scope block every site acts at its current alpha, as in the model that will be deployed (a v->o
-    alpha is worth what it is next to the q/k/v columns the norm's alpha has already scaled); the FP input
-    is then scaled as that norm's scaled output would be.
-    """
+    """The scale the sites feeding ``scope`` from outside (a norm before the attention) put on its input: a scope
+    block's output does not depend on that frame, so its FP input is scaled as the norm's output would be."""
     scale: torch.Tensor | float = 1.0
     for q in qset:
-        inside = [c for c in q.site.consumers if c.startswith(scope + ".")]
-        if inside and not q.site.producer.startswith(scope + "."):
+        if any(c.startswith(scope + ".") for c in q.site.consumers) and not q.site.producer.startswith(scope + "."):
             scale = scale * q.site.producer_scale(q.alpha)
     return scale
 
 
-class _Checkpoint:
-    """Phase 1's alphas and curves after every finished site, so that a killed run resumes from there.
+_CURVES = ("losses", "error_before", "error_after")
 
-    The file names what it was computed from (settings, the quantization policy, sites, starting alphas, the
-    calibration activations), and a run from anything else starts over rather than resume another run's sites.
-    """
+
+class _Checkpoint:
+    """Phase 1's alphas and curves after every finished site, keyed by all they were computed from."""
 
     def __init__(
         self, folder: str, params: Phase1Parameters, qset: QuadapterSet, fp_call: Captured, sim_model: nn.Module
     ):
         self.path = Path(folder) / "phase1.pt"
-        settings = params.model_dump()
-        # the policy as phase 1 meets it, the sim's quantizers: which tensors, their bits, symmetry and granularity
-        # (its ranges are the min-max of each tensor, whatever the policy's calibration scheme)
+        # the sim's quantizers: phase 1 takes min-max ranges whatever the policy's calibration scheme
         policy = [(f"{p}.{r}", q.bitwidth, bool(q.symmetric), tuple(q.shape)) for p, r, q in quantizers(sim_model)]
-        digest = hashlib.sha256(json.dumps([settings, policy], sort_keys=True, default=str).encode())
+        digest = hashlib.sha256(json.dumps([params.model_dump(), policy], sort_keys=True, default=str).encode())
         for q in qset:
             digest.update(q.site.name.encode())
             digest.update(q.theta.detach().cpu().numpy().tobytes())
@@ -364,19 +320,12 @@ class _Checkpoint:
         if state.get("key") != self.key:
             return set()
         qset.load_state_dict(state["qset"])
-        result.losses.update(state["losses"])
-        result.error_before.update(state["error_before"])
-        result.error_after.update(state["error_after"])
+        for name in _CURVES:
+            getattr(result, name).update(state[name])
         return set(state["losses"])
 
     def save(self, qset: QuadapterSet, result: Phase1Result) -> None:
-        state = {
-            "key": self.key,
-            "qset": qset.state_dict(),
-            "losses": result.losses,
-            "error_before": result.error_before,
-            "error_after": result.error_after,
-        }
+        state = {"key": self.key, "qset": qset.state_dict(), **{name: getattr(result, name) for name in _CURVES}}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path, lambda tmp: torch.save(state, tmp))
 
@@ -385,8 +334,7 @@ def _kept_sites(sim_model: PreparedLM, qset: QuadapterSet, params: Phase1Paramet
     """The sites phase 1 leaves at their starting alpha; with a prefix, its cache is refreshed through them."""
     kept = kept_at_start([q.site for q in qset], params.keep_start)
     if sim_model.prefix_ids is not None:
-        # Their alphas change the prefix's cached keys or values, which stay fixed while a site trains here;
-        # phase 2 trains them, the cache recomputed after every step.
+        # their alphas change the prefix's cached keys or values: phase 2 trains them, recomputing the cache
         kept |= {q.site.name for q in qset if q.site.cached}
         refresh_prefix(sim_model)  # through the alphas the hooks apply now
     return kept
@@ -399,8 +347,7 @@ def _first_block_inputs(
     calibration_batches: Sequence[torch.Tensor],
     from_fp: bool,
 ) -> tuple[Captured, Captured]:
-    """The FP model's and the sim's calls of the first block (the sim's: the FP one's under its own prefix when
-    phase 1's inputs come from the FP model)."""
+    """The FP model's and the sim's calls of the first block."""
     fp_call = batched(capture_inputs(fp_model, first_block, calibration_batches))
     if from_fp:
         return fp_call, _own_prefix(fp_call, sim_model)
@@ -430,8 +377,7 @@ def _calibrate_block(
     from_fp: bool,
     calibrate: Callable[[Site, Captured, Captured], None],
 ) -> tuple[Captured, Captured]:
-    """``calibrate`` on each of block ``path``'s sites, bottom to top, with its FP and sim inputs; the calls of
-    the next block (the FP one's, and the sim's through the alphas just calibrated)."""
+    """``calibrate`` on each of block ``path``'s sites, bottom to top; the FP and sim calls of the next block."""
     fp_block, q_block = fp_model.get_submodule(path), sim_model.get_submodule(path)
     entries = [s.scope or s.producer for s in sites]
     fp_out, fp_seen = run_capturing(fp_block, fp_call, fp_model, entries)
@@ -462,8 +408,7 @@ def run_phase1(
     on_site_done: Callable[[Site, list[float]], None] | None = None,
     checkpoint_dir: str | None = None,
 ) -> Phase1Result:
-    """Phase 1 on every site of ``qset`` (attached to ``sim_model``), bottom to top; with ``checkpoint_dir``, a
-    checkpoint there after every site, from which a run given the folder again resumes."""
+    """Phase 1 on every site of ``qset`` (attached to ``sim_model``); with ``checkpoint_dir``, resumable by site."""
     params = params or Phase1Parameters()
     kept = _kept_sites(sim_model, qset, params)
     from_fp = params.input_source == "fp"
@@ -487,8 +432,7 @@ def run_phase1(
             return
         if from_fp and site.scope:
             q_in = _with_hidden(q_in, _first_input(q_in) * _input_scale(qset, site.scope))
-        block = SiteBlock(site, fp_model, sim_model, fp_in, q_in, params)
-        site_result = calibrate_site(block, qset, params, progress=progress)
+        site_result = calibrate_site(SiteBlock(site, fp_model, sim_model, fp_in, q_in, params), qset, params, progress)
         result.losses[site.name] = site_result.losses
         result.error_before[site.name] = site_result.losses[0] if site_result.losses else math.nan
         result.error_after[site.name] = site_result.best
@@ -499,12 +443,9 @@ def run_phase1(
         outer.update(1)
         outer.set_postfix(site=site.name, err=f"{result.error_before[site.name]:.3g}->{site_result.best:.3g}")
 
-    for path in blocks:
-        fp_call, q_call = _calibrate_block(
-            path, by_block[path], fp_model, sim_model, fp_call, q_call, from_fp, calibrate
-        )
-
-    # The head site's producer (the final norm) takes the last block's output.
+    for path, sites in by_block.items():
+        fp_call, q_call = _calibrate_block(path, sites, fp_model, sim_model, fp_call, q_call, from_fp, calibrate)
+    # the head site's producer (the final norm) takes the last block's output
     for site in head_sites:
         calibrate(site, ((_first_input(fp_call),), {}), ((_first_input(q_call),), {}))
     outer.close()

@@ -1,11 +1,4 @@
-"""Phase 2: end-to-end fine-tuning on the language-modelling loss (Section 3.2 and Appendix of the paper).
-
-Trains the Quadapters' alpha (lr 1e-3) and the quantizers' min/max (LSQ+-style range learning, lr 1e-3)
-with the model weights frozen; batch 4 x 512, learning rate decaying linearly to 0. The same loop with
-the weights trainable (lr 1e-5) is the paper's QAT baseline. A checkpoint is written every
-``checkpoint_every`` steps, atomically; a run given the same checkpoint directory resumes from it and
-loses at most one interval.
-"""
+"""Phase 2 (Section 3.2): end-to-end training of alpha and ranges (weights for QAT), resumable from checkpoints."""
 
 from __future__ import annotations
 
@@ -73,12 +66,7 @@ def distillation_loss(teacher: nn.Module) -> LossFn:
 
 
 class _KlDivergenceSum(torch.autograd.Function):
-    """``F.kl_div(log_probs, target, log_target=True, reduction="sum")`` a block of rows at a time.
-
-    The native composite holds exp(target), the difference and their product at once, each the size of the
-    logits (a vocabulary per token); this holds a block's. Its gradient is the composite's, element for element
-    (``-(grad * exp(target))``); only the loss's summation order differs.
-    """
+    """``F.kl_div(..., log_target=True, reduction="sum")`` a block of rows at a time: no logits-sized temporaries."""
 
     ROWS = 64
 
@@ -126,10 +114,9 @@ def run_phase2(
     desc: str = "phase 2 (end-to-end)",
     options: RunOptions | None = None,
 ) -> Phase2Result:
-    """Train alpha (``qset``, attached to ``sim_model``), quantizer ranges and optionally the weights; ``options``
-    say how the steps run. ``batches`` is indexed by step (``batches[step % len(batches)]``), so a resumed run sees
-    the same data as an uninterrupted one. ``loss_fn``: by default the LM loss; :func:`phase2_loss` gives the one
-    ``params.loss`` names."""
+    """Train alpha (``qset``, attached to ``sim_model``), quantizer ranges and optionally the weights, step ``i`` on
+    ``batches[i % len(batches)]`` (a resumed run sees an uninterrupted one's data); ``loss_fn``: by default the LM
+    loss (:func:`phase2_loss` gives ``params.loss``'s)."""
     params = params or Phase2Parameters()
     options = for_device(options or RunOptions(), device_of(sim_model))
     loss_fn = _loss_or_lm(params, loss_fn)
@@ -159,7 +146,6 @@ def run_phase2(
     ):
         for step in bar:
             optimizer.zero_grad(set_to_none=True)
-            # under torchrun each process takes its share of the global batch; gradients are averaged
             part = distributed.local_part(batches[step % len(batches)])
             held = qset if qset is not None and options.fused_fake_quant else None
             loss = _accumulate(sim_model, part, loss_fn, options.micro_batch_size, batched, held)
@@ -196,9 +182,8 @@ def _optimizer(groups: list[dict[str, Any]], params: Phase2Parameters) -> tuple[
 
 
 def _finite_mean(loss: float, step: int, params: Phase2Parameters, desc: str, ckpt: Path | None) -> float:
-    """The loss's mean over the processes, or :class:`TrainingDiverged` before the step is taken (the
-    parameters and checkpoint stay the last good ones). A loss that is not finite on one process stops every
-    one of them here, with the same line, instead of leaving the others waiting in the gradients' all-reduce."""
+    """The loss's mean over the processes; where not finite, :class:`TrainingDiverged` on every one of them, before
+    the step (parameters and checkpoint stay the last good), not the others left waiting in the all-reduce."""
     value = distributed.mean_over_ranks(loss)
     if not math.isfinite(value):
         where = f"; the last checkpoint ({ckpt}) holds step {_saved_step(ckpt)}" if ckpt else ""
@@ -208,13 +193,11 @@ def _finite_mean(loss: float, step: int, params: Phase2Parameters, desc: str, ck
 
 def _loss_or_lm(params: Phase2Parameters, loss_fn: LossFn | None) -> LossFn:
     """``loss_fn``, or the LM loss where none is given and ``params.loss`` asks for it."""
-    if loss_fn is None:
-        if params.loss != "lm":  # not silently the LM loss: the teacher is the caller's to give
-            raise QuadapterError(
-                f"phase2.loss = {params.loss!r} needs its teacher: pass loss_fn=phase2_loss(params, fp_model)"
-            )
-        loss_fn = lm_loss
-    return loss_fn
+    if loss_fn is None and params.loss != "lm":  # not silently the LM loss: the teacher is the caller's to give
+        raise QuadapterError(
+            f"phase2.loss = {params.loss!r} needs its teacher: pass loss_fn=phase2_loss(params, fp_model)"
+        )
+    return lm_loss if loss_fn is None else loss_fn
 
 
 def _resume(
@@ -226,8 +209,7 @@ def _resume(
     schedule: torch.optim.lr_scheduler.LambdaLR,
     result: Phase2Result,
 ) -> int:
-    """The step to start from: where this run's own checkpoint ``ckpt`` stopped (its parameters, optimizer,
-    schedule and losses loaded), else 0."""
+    """The step to start from: where this run's own checkpoint stopped (its state loaded), else 0."""
     state = _read_checkpoint(ckpt, key, device_of(sim_model)) if ckpt is not None else None
     if state is None:
         return 0
@@ -241,8 +223,7 @@ def _resume(
 
 
 def _trained_groups(sim_model: nn.Module, qset: QuadapterSet | None, params: Phase2Parameters) -> list[dict[str, Any]]:
-    """The optimizer's groups: the alphas, the quantizer ranges (one group each where their rate is relative to
-    their width), the weights (QAT); what is not trained is frozen."""
+    """The optimizer's groups (alphas, ranges, weights); what is not trained is frozen."""
     widths = range_parameter_widths(sim_model)
     ranges = [p for p, _ in widths]
     range_ids = {id(p) for p in ranges}
@@ -276,25 +257,23 @@ def _factor_of_each_range(sim_model: nn.Module, params: Phase2Parameters) -> dic
     pairs = params.range_rate_factors()
     if not pairs:
         return {}
-    found = quantizers_by_name(sim_model)
-    factors: dict[int, float] = {}
-    for factor, hits in matching_quantizers(found, pairs, "phase2.lr_ranges_overrides"):
-        for q in hits.values():
-            for name, p in q.named_parameters():
-                if name in ("min", "max"):
-                    factors[id(p)] = factor
-    return factors
+    return {
+        id(p): factor
+        for factor, hits in matching_quantizers(quantizers_by_name(sim_model), pairs, "phase2.lr_ranges_overrides")
+        for q in hits.values()
+        for name, p in q.named_parameters()
+        if name in ("min", "max")
+    }
 
 
 def _write_checkpoint(ckpt: Path, state: dict, optimizer: GroupedAdam, schedule: Any, trained: dict) -> None:
     state = state | {"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()} | trained
     ckpt.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(ckpt, partial(_save, state))
+    write_atomic(ckpt, lambda tmp: torch.save(state, tmp))
 
 
 def for_device(options: RunOptions, device: torch.device) -> RunOptions:
-    """``options`` with the memory and speed settings left at None decided for ``device``: a GPU has the memory to
-    keep a whole batch's activations and pays for every extra pass in kernel launches; a CPU keeps the memory."""
+    """``options`` with the settings left at None decided for ``device``: a GPU spends memory, a CPU saves it."""
     gpu = device.type == "cuda"
     return options.replace(
         micro_batch_size=options.micro_batch_size if options.micro_batch_size is not None else (None if gpu else 1),
@@ -305,9 +284,7 @@ def for_device(options: RunOptions, device: torch.device) -> RunOptions:
 
 @contextmanager
 def _recomputed_blocks(model: nn.Module, recompute: bool) -> Iterator[None]:
-    """With ``recompute``, run each decoder block of ``model`` (a PreparedLM or its sim's
-    model) through non-reentrant activation checkpointing: its activations are recomputed in the backward
-    pass, with the same values, instead of being kept."""
+    """With ``recompute``, each decoder block of ``model`` under activation checkpointing (the same values)."""
     block_paths = getattr(model, "block_paths", None) if recompute else None
     paths: list[str] = block_paths() if callable(block_paths) else []
     blocks = [model.get_submodule(path) for path in paths]
@@ -332,8 +309,7 @@ def _saved_step(ckpt: Path) -> int:
 def _checkpoint_key(
     params: Phase2Parameters, model: nn.Module, qset: QuadapterSet | None, batches: Sequence[torch.Tensor]
 ) -> str:
-    """What a phase-2 run computes from: the settings that change a result, the start of everything it trains
-    (alphas and their folded part, ranges, weights) and its data. A checkpoint of another key is not resumed."""
+    """What a phase-2 run computes from: the settings that change a result, the start of all it trains, its data."""
     settings = result_view(Phase2Parameters, params.model_dump())
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
     start = [(f"qset.{k}", v) for k, v in (qset.state_dict() if qset is not None else {}).items()]
@@ -347,8 +323,7 @@ def _checkpoint_key(
 
 
 def _read_checkpoint(ckpt: Path, key: str, device: torch.device) -> dict | None:
-    """The checkpoint to resume from: None where there is none, or where it is unreadable or of another run
-    (each said in a warning: that run's steps are computed again, not resumed)."""
+    """The checkpoint to resume from; None where there is none, or (warned) it is unreadable or another run's."""
     if not ckpt.is_file():
         return None
     try:  # tensors and plain data only: a checkpoint is data, not code
@@ -370,14 +345,8 @@ def _accumulate(
     batched: Sequence[QuantizeDequantize] = (),
     held: QuadapterSet | None = None,
 ) -> float:
-    """Backward of ``loss_fn`` on ``batch`` in slices of ``micro_batch_size`` sequences (None: one slice); the
-    batch's mean loss.
-    The quantizers ``batched`` take their encodings from :func:`batched_range_encodings`, made for each slice,
-    and the sites of ``held`` their scaled weights from :meth:`QuadapterSet.fused`, likewise.
-
-    A slice's loss is weighted by its share of the sequences: with sequences of one length the sum of the
-    slices' gradients is the gradient of the whole batch's mean loss.
-    """
+    """Backward of ``loss_fn`` on ``batch`` in slices of ``micro_batch_size`` sequences, each weighted by its share:
+    with sequences of one length, the slices' gradients sum to that of the whole batch's mean loss."""
     size = micro_batch_size or len(batch)
     on_cpu = device_of(model).type == "cpu"
     total = 0.0
@@ -391,15 +360,9 @@ def _accumulate(
     return total
 
 
-def _save(state: dict, path: Path) -> None:
-    torch.save(state, path)
-
-
 def _trainable_state(named: list[tuple[str, nn.Parameter]], qset: QuadapterSet | None) -> dict:
-    state = {"qset": qset.state_dict() if qset is not None else None}
     trained = {name: p.detach().clone() for name, p in named if p.requires_grad}
-    state["params"] = trained
-    return state
+    return {"qset": qset.state_dict() if qset is not None else None, "params": trained}
 
 
 def _load_trainable(sim_model: nn.Module, qset: QuadapterSet | None, state: dict) -> None:

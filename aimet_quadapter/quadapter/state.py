@@ -1,11 +1,5 @@
-"""The Quadapter state: every site's alpha and every quantizer's range, saved with safetensors.
-
-That is all a trained result needs besides the FP model: fold the alphas into a copy of the FP model,
-build a sim under the same policy, set the ranges, and it computes what the trained sim computed.
-
-Reading a state needs no AIMET (imported where a sim is built): a missing or corrupt file is refused in
-the first seconds of a command.
-"""
+"""The Quadapter state: every site's alpha and quantizer range (safetensors), all a result needs besides the FP
+model. Reading one needs no AIMET, so a bad file is refused in a command's first seconds."""
 
 from __future__ import annotations
 
@@ -38,13 +32,11 @@ class QuadapterState:
     policy: QuantPolicy = field(default_factory=QuantPolicy)
     metadata: dict = field(default_factory=dict)
     source: Path | None = field(default=None, compare=False)  # the file it was read from, for messages
-    # parameter name -> value, for the weights a method changed beyond the alphas (a rotation, rounding, a learned
-    # transform): they replace the FP model's before the alphas are folded in; empty for most methods
+    # the weights a method changed beyond the alphas, by name: they replace the FP model's before the alphas fold in
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def with_weights(self, model: torch.nn.Module, fp_model: PreparedLM) -> QuadapterState:
-        """This state with every parameter of ``model`` (an FP model the alphas are relative to, or a sim's model
-        with no alpha folded in) that differs from ``fp_model``'s."""
+        """This state with every parameter of ``model`` (unfolded) that differs from ``fp_model``'s."""
         reference = dict(fp_model.named_parameters())
         changed = {
             name: p.detach().clone()
@@ -63,14 +55,13 @@ class QuadapterState:
             if q.is_initialized():
                 # the raw parameters: get_min()/get_max() return values rounded onto the grid
                 ranges[f"{path}.{role}"] = (q.min.detach().clone(), q.max.detach().clone())
-        policy = sim_policy(sim)
         arch = getattr(sim.model, "arch", None)
         if arch is not None:  # `export` and `eval --state` refuse a state of another family before loading a model
             metadata.setdefault("family", arch.name)
         prefix = getattr(sim.model, "prefix_ids", None)
         if prefix is not None:  # the deployable model reads its text after this prefix
             metadata["prefix"] = prefix[0].tolist()
-        return cls({k: v.detach().clone() for k, v in alphas.items()}, ranges, policy, dict(metadata))
+        return cls({k: v.detach().clone() for k, v in alphas.items()}, ranges, sim_policy(sim), dict(metadata))
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -94,8 +85,7 @@ class QuadapterState:
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
-            # read, not mapped: a mapped file stays resident as long as one of its tensors lives, and the sim
-            # keeps some (the unfolded sites' weights) while the others are replaced by folded copies
+            # read, not mapped: a mapped file stays resident while any one of its tensors lives
             tensors = tensors_from_bytes(path.read_bytes())
             policy = QuantPolicy(**json.loads(meta.get("policy", "{}")))
             metadata = json.loads(meta.get("metadata", "{}"))
@@ -114,8 +104,7 @@ class QuadapterState:
         return cls(alphas, ranges, policy, metadata, source=path, weights=weights)
 
     def folded_model(self, fp_model: PreparedLM, in_place: bool = False, share_weights: bool = False) -> PreparedLM:
-        """A copy of ``fp_model`` (``in_place``: the model itself) with every alpha folded into its weights (Eq. 3);
-        ``share_weights``: a copy on ``fp_model``'s storage but for the folded weights (see ``build_sim``)."""
+        """A copy of ``fp_model`` (``in_place``: itself; ``share_weights``: on its storage), every alpha folded in."""
         self.check_fits(fp_model)
         if in_place and share_weights:
             raise ValueError("folded_model: share_weights makes a copy; in_place uses the model itself")
@@ -129,7 +118,7 @@ class QuadapterState:
                 for name, value in self.weights.items():
                     if params[name].shape != value.shape:
                         raise QuadapterError(
-                            f"{self._name()}'s weight {name} has shape {tuple(value.shape)}, this model's "
+                            f"{self.described}'s weight {name} has shape {tuple(value.shape)}, this model's "
                             f"{tuple(params[name].shape)}: the state was trained on another model"
                         )
                     params[name].data = value.to(params[name].device)  # new data: the copy may share the FP storage
@@ -139,7 +128,7 @@ class QuadapterState:
             width = site.channels(tensor_of(model.get_submodule(site.producer)).shape[0])
             if alpha is not None and alpha.shape != (width,):
                 raise QuadapterError(
-                    f"{self._name()}'s alpha for {site.name} has {alpha.numel()} channels, this model's site "
+                    f"{self.described}'s alpha for {site.name} has {alpha.numel()} channels, this model's site "
                     f"{width}: the state was trained on another model"
                 )
         fold_alphas(model, sites, self.alphas)
@@ -147,8 +136,7 @@ class QuadapterState:
         return model
 
     def check_fits(self, fp_model: PreparedLM) -> None:
-        """Refuse a state made for another model by the names it holds, before any copy or sim is built
-        (building a sim traces the model: seconds, where this takes microseconds)."""
+        """Refuse a state made for another model by the names it holds, before any copy or sim is built."""
         missing = sorted(set(self.alphas) - {s.name for s in fp_model.sites(extra=True)})
         modules = {name for name, _ in fp_model.named_modules()}
         # a htp sim's modules for the graph's own ops (models/device_ops.py), which the FP model does not hold
@@ -159,12 +147,9 @@ class QuadapterState:
         missing += sorted(set(self.weights) - {name for name, _ in fp_model.named_parameters()})
         if missing:
             raise QuadapterError(
-                f"{self._name()} was trained on another model: this one has no {', '.join(missing[:3])}"
+                f"{self.described} was trained on another model: this one has no {', '.join(missing[:3])}"
                 + (f" (and {len(missing) - 3} more)" if len(missing) > 3 else "")
             )
-
-    def _name(self) -> str:
-        return self.described
 
     @property
     def described(self) -> str:
@@ -178,19 +163,13 @@ class QuadapterState:
         merge_shared_ranges: bool = False,
         share_weights: bool = False,
     ) -> QuantizationSimModel:
-        """A fresh sim of the folded FP model with this state's ranges: the deployable result.
-
-        ``in_place``: fold into ``fp_model`` and make it the sim's model (it is no longer the FP model then);
-        for a caller that needs the FP model no more, one copy of the weights fewer. ``share_weights``: the
-        sim's weights that no alpha changes are ``fp_model``'s storage (see ``quant.policy.build_sim``).
-        ``merge_shared_ranges``: see :func:`load_ranges`; the merged tensors are kept as
-        ``sim.quadapter_merged_ranges``.
-        """
+        """A fresh sim of the folded FP model with this state's ranges: the deployable result. ``in_place``: fold into
+        ``fp_model`` itself; ``merge_shared_ranges``: see :func:`load_ranges` (``sim.quadapter_merged_ranges``)."""
         from aimet_quadapter.quant.policy import build_sim
 
         model = self.folded_model(fp_model, in_place, share_weights)
         sim = build_sim(model, self.policy, in_place=True)
-        sim.quadapter_merged_ranges = load_ranges(sim, self.ranges, merge_shared_ranges, source=self._name())
+        sim.quadapter_merged_ranges = load_ranges(sim, self.ranges, merge_shared_ranges, source=self.described)
         return sim
 
 
@@ -200,12 +179,8 @@ def load_ranges(
     merge_shared_ranges: bool = False,
     source: str = "the state",
 ) -> list[dict]:
-    """Set the sim's quantizer ranges from ``ranges``.
-
-    The readers of one tensor share one range in the sim (``tie_shared_ranges``). A state saved before they
-    did may hold different ranges for them: refused, or with ``merge_shared_ranges`` given the union of them
-    (nothing any of them kept is clipped). Returns one row per merged tensor, its quantizers and their ranges.
-    """
+    """Set the sim's quantizer ranges from ``ranges``; one tensor's readers share one range, so different ranges for
+    them are refused, or with ``merge_shared_ranges`` merged (their union): one row per merged tensor is returned."""
     from aimet_quadapter.quant.quantizers import quantizers_by_name
 
     found = quantizers_by_name(sim.model)
@@ -213,9 +188,8 @@ def load_ranges(
     if unknown:
         raise QuadapterError(f"{source} has ranges for quantizers this sim does not have: {', '.join(unknown[:3])}")
     tied: dict[int, list[str]] = {}
-    for key in ranges:
+    for key, (lo, hi) in ranges.items():
         q = found[key]
-        lo, hi = ranges[key]
         if lo.shape != q.min.shape or hi.shape != q.max.shape:
             raise QuadapterError(
                 f"{source}'s range for {key} has shape {tuple(lo.shape)}, this sim's quantizer "
@@ -243,11 +217,7 @@ def load_ranges(
 
 
 def resolve_state(path: str | Path) -> Path:
-    """A Quadapter state file from ``path``: the file itself, or a run folder holding exactly one.
-
-    In a folder, the candidates are the ``*.safetensors`` files beside its ``results.json``, or the
-    files that ``results.json`` lists under ``"states"`` where it does.
-    """
+    """A Quadapter state file from ``path``: the file, or the one state of a run folder (or its ``results.json``)."""
     path = Path(path).expanduser()
     if path.is_file():
         if path.suffix != ".safetensors":

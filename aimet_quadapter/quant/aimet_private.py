@@ -1,15 +1,8 @@
-"""Every call into AIMET's private API, in one place (checked against aimet-torch 2.42).
+"""Every call into AIMET's private API (aimet-torch 2.42): no other module names an underscored AIMET symbol.
 
-This module is the one place AIMET's private calls sit: the shims over its underscored symbols (QTensor casting,
-precomputed encodings, the minimum scale, Sequential MSE's bit-width limit, its ONNX export and QDQ passes, the
-transposed weights of that export, its fixed-range fake-quant call), the Hadamard orders AIMET lacks, the screen
-before its weight-grid search, the patches FPTQuant and OmniQuant run under, the path of AIMET's HTP quantsim
-config inside its install (package data, not an API), aimet-onnx's step that adds the quantizers an encodings file
-needs, and the release of the graph its supergroup fusion keeps. Nothing else in the package names an underscored
-AIMET symbol: when AIMET changes one of these, this module is the one to fix, and its tests (tests/test_methods.py,
-tests/test_quadapter.py, tests/test_aimet_techniques.py, tests/test_device_check.py, tests/test_export.py,
-tests/test_policy.py) say which. (Named for what it wraps, not "adapter": quadapter/adapter.py is the technique's
-own.)
+When AIMET changes one, this module is the one to fix; tests/test_methods.py, test_quadapter.py,
+test_aimet_techniques.py, test_device_check.py, test_export.py and test_policy.py say which. (Named for what it
+wraps: quadapter/adapter.py is the technique's own.)
 """
 
 from __future__ import annotations
@@ -63,9 +56,8 @@ def seq_mse_bitwidth_limit(limit: int) -> Iterator[None]:
 
 @contextmanager
 def wrapped_aimet_onnx_export(wrapper: Callable[..., Any]) -> Iterator[None]:
-    """AIMET's ONNX exports (``sim.onnx.export``, ``aimet_torch.onnx.export``) call torch's exporter through
-    one private function; inside, ``wrapper(original, module, args, f, **kwargs)`` is called instead, after
-    AIMET has swapped its quantize-dequantized weights in and before it reads back and rewrites the file."""
+    """Inside, AIMET's ONNX exports call ``wrapper(original, module, args, f, **kwargs)`` instead of torch's
+    exporter: after AIMET swaps its quantize-dequantized weights in, before it rewrites the file."""
     from aimet_torch.experimental import onnx as aimet_onnx_export
 
     original = aimet_onnx_export.export
@@ -94,12 +86,11 @@ class _ModuleWith(types.ModuleType):
 
 @contextmanager
 def transposed_weights_written_out() -> Iterator[list[str]]:
-    """AIMET's ONNX export makes a transposed copy of each Linear weight it read from external data
-    (``transpose_2d`` in ``_fold_linear_weight_transpose``), moves its bytes to a file and clears them; protobuf's
-    upb runtime keeps a cleared field's bytes in the message's arena, and the pass keeps every such message until
-    it returns, so a copy of all Linear weights stays in memory. Inside, each of those copies is made without
-    bytes: they go to the same file AIMET would write, under the same external-data fields. Yields the names of
-    the tensors that went this way; other ``from_array`` calls are AIMET's own."""
+    """Inside, AIMET's ONNX export writes its transposed copies of external Linear weights straight to their file,
+    not into protobuf arenas that keep them until it returns. Yields the names of the tensors that went this way.
+
+    (AIMET moves each copy's bytes to a file and clears them, but protobuf's upb runtime keeps a cleared field's
+    bytes in the message's arena, and the pass keeps every message: a copy of all Linear weights.)"""
     import sys
 
     import aimet_torch.onnx as aimet_onnx
@@ -134,9 +125,8 @@ def transposed_weights_written_out() -> Iterator[list[str]]:
 
 @contextmanager
 def qdq_weights_module_by_module(after_each: Callable[[], None]) -> Iterator[None]:
-    """AIMET's exports swap the weights of every quantized module for quantize-dequantized copies in one pass
-    (``_apply_qdq_to_model_parameters``) before tracing; inside, that pass goes one outermost quantized module
-    at a time and calls ``after_each()`` after each, so that the originals can leave as their copies arrive."""
+    """Inside, AIMET's exports swap in quantize-dequantized weights one outermost quantized module at a time,
+    calling ``after_each()`` after each, so that the originals can leave as their copies arrive."""
     from aimet_torch.nn import BaseQuantizationMixin
     from aimet_torch.quantsim import QuantizationSimModel
 
@@ -167,16 +157,15 @@ def qdq_weights_module_by_module(after_each: Callable[[], None]) -> Iterator[Non
         QuantizationSimModel._apply_qdq_to_model_parameters = original  # type: ignore[method-assign]
 
 
-# Hadamard orders AIMET lacks, as factors of factor x 2^n (AIMET: 12, 20, 28): a Kronecker product of Hadamard
-# matrices is one. 144 = 12 x 12 gives SmolLM2's hidden size, 576 = 144 x 4.
+# Hadamard orders AIMET lacks (it builds factor x 2^n for 12, 20, 28), as Kronecker factors (a Kronecker product of
+# Hadamard matrices is one): 144 = 12 x 12 gives SmolLM2's hidden size, 576 = 144 x 4
 EXTRA_HADAMARD_FACTORS = {144: (12, 12)}
 
 
 @contextmanager
 def fake_quantize_replaced(fn: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
-    """AIMET's fixed-range fake-quant call (``torch_builtins._torch_fake_quantize``: ``(tensor, scale, offset, qmin,
-    qmax) -> tensor``, per tensor and per channel) replaced by ``fn``: the path every quantizer takes while no
-    gradient is recorded. Yields AIMET's own, for ``fn`` to hand some calls back to."""
+    """AIMET's fixed-range fake-quant call, ``(tensor, scale, offset, qmin, qmax) -> tensor``, replaced by ``fn``:
+    every quantizer's path while no gradient is recorded. Yields AIMET's own, for ``fn`` to hand calls back to."""
     from aimet_torch.quantization.affine.backends import torch_builtins
 
     before = torch_builtins._torch_fake_quantize
@@ -187,20 +176,18 @@ def fake_quantize_replaced(fn: Callable[..., Any]) -> Iterator[Callable[..., Any
         torch_builtins._torch_fake_quantize = before
 
 
-# How many of a weight's per-channel blocks the grid screen below reads whole (AIMET's own sample: 64 blocks).
+# How many of a weight's per-channel blocks the grid screen below reads whole (AIMET's own sample: 64 blocks)
 GRID_SCREEN_BLOCKS = 64
 
 
 @contextmanager
 def weight_grid_screened() -> Iterator[None]:
-    """AIMET's search for the integer grid a symmetric weight already lies on (``_decompose_prequantized_tensor``,
-    run before each weight's min-max calibration), refused at once where one of the weight's first
+    """AIMET's search for the grid a symmetric weight lies on, refused at once where one of its first
     :data:`GRID_SCREEN_BLOCKS` per-channel blocks holds more distinct magnitudes than the grid has levels.
 
-    That is AIMET's own test, which it applies to the first ``2 x levels`` elements of those blocks only: a weight
-    expanded from smaller asymmetric blocks (GGUF's Q4_1: 32 elements, 16 levels each) passes that sample, and the
-    full search then runs and fails. Read whole, such a block fails the test; a weight on a grid passes it and
-    meets AIMET's search as before. Other layouts (per-tensor, blockwise) go to AIMET's search unscreened."""
+    AIMET applies that test to the first ``2 x levels`` elements of those blocks only: a weight expanded from smaller
+    asymmetric blocks (GGUF's Q4_1) passes the sample, and the full search then runs and fails. Other layouts
+    (per-tensor, blockwise) go to AIMET's search unscreened."""
     import aimet_torch.nn.base as aimet_base
     from aimet_torch.utils import _DecompositionError
 
@@ -214,8 +201,7 @@ def weight_grid_screened() -> Iterator[None]:
         )
         if per_channel:
             levels = max(abs(qmin), abs(qmax)) + 1
-            rows = tensor.detach()[:GRID_SCREEN_BLOCKS].reshape(-1, tensor[0].numel()).float().abs()
-            rows = rows.sort(dim=1).values
+            rows = tensor.detach()[:GRID_SCREEN_BLOCKS].reshape(-1, tensor[0].numel()).float().abs().sort(dim=1).values
             distinct = (rows[:, 1:] != rows[:, :-1]).sum(dim=1) + 1
             if bool((distinct > levels).any()):
                 raise _DecompositionError(f"a per-channel block holds more than {levels} distinct magnitudes")
@@ -232,9 +218,7 @@ def weight_grid_screened() -> Iterator[None]:
 
 @contextmanager
 def extra_hadamard_orders() -> Iterator[None]:
-    """While inside, AIMET's Hadamard builder (SpinQuant's and FPTQuant's) also knows the orders
-    :data:`EXTRA_HADAMARD_FACTORS` give, each a true Hadamard matrix (entries +-1, H H^T = n I); the orders it
-    knows are built as before."""
+    """While inside, AIMET's Hadamard builder also knows the orders :data:`EXTRA_HADAMARD_FACTORS` give."""
     import numpy as np
     from aimet_torch.common.hadamard import hadamard_utils
 
@@ -270,18 +254,13 @@ def fptquant(iterations: int) -> Iterator[Any]:
 
 @contextmanager
 def omniquant_view(sim: Any) -> Iterator[Callable[..., Any]]:
-    """AIMET's ``apply_omniquant``, with ``sim.model`` (a PreparedLM) showing it the attributes it reads of a
-    Hugging Face model (``model``: the decoder's backbone holder, ``device``) for as long as it runs."""
+    """AIMET's ``apply_omniquant``, with ``sim.model`` showing it a Hugging Face model's ``model`` and ``device``."""
     from aimet_torch.experimental.omniquant import apply_omniquant
 
     from aimet_quadapter.models import device_of
 
     model = sim.model
-    before = {
-        module: dict(module.param_quantizers.items())
-        for module in model.modules()
-        if hasattr(module, "param_quantizers")
-    }
+    before = {m: dict(m.param_quantizers.items()) for m in model.modules() if hasattr(m, "param_quantizers")}
     object.__setattr__(model, "model", model.lm)  # a plain attribute: not a second registered child
     object.__setattr__(model, "device", device_of(model))
     try:
@@ -293,9 +272,7 @@ def omniquant_view(sim: Any) -> Iterator[Callable[..., Any]]:
 
 
 def _plain_weight_quantizers(before: dict) -> None:
-    """AIMET's OmniQuant leaves its own quantizer class on every weight it touched (one that applies its scales,
-    folded by then), and one on weights that had none: each goes back to a plain ``QuantizeDequantize`` with the
-    learned range, locked against ``compute_encodings``, or to none."""
+    """OmniQuant's quantizers back to plain ones with the learned range, locked, or to none where there was none."""
     from aimet_torch.experimental.omniquant.let_quantizer import OmqQuantizeDequantize
 
     for module, quantizers in before.items():
@@ -307,27 +284,24 @@ def _plain_weight_quantizers(before: dict) -> None:
                 continue
             plain = QuantizeDequantize(q.shape, q.bitwidth, q.symmetric, block_size=q.block_size).to(q.min.device)
             plain.set_range(q.min.detach(), q.max.detach())
-            # locked, as AIMET locks AdaScale's and SeqMSE's: the static calibration after it would otherwise
-            # recompute the range from the quantize-dequantized weights, close to the learned one but not it
+            # as AIMET locks AdaScale's and SeqMSE's: calibration would otherwise recompute the range from the
+            # quantize-dequantized weights, close to the learned one but not it
             plain.allow_overwrite(False)
             module.param_quantizers[name] = plain
 
 
 def add_missing_onnx_quantizers(sim: Any, params: list[str], activations: list[str]) -> None:
-    """aimet-onnx's own step for an encodings file naming tensors its ``sim`` holds no quantizer for: one added
-    (disabled until an encoding loads) for each. Its loader takes it for a 1.0.0 file only; a 2.0.0 file, which
-    does not say which tensors are parameters, is refused instead."""
+    """aimet-onnx's step adding a quantizer, disabled until an encoding loads, for each tensor ``sim`` lacks one for.
+    Its loader takes it for a 1.0.0 file only; a 2.0.0 file does not say which tensors are parameters."""
     from aimet_onnx.quantsim import _add_missing_quantizers
 
     _add_missing_quantizers(sim, params, activations)
 
 
 def release_fused_graph() -> None:
-    """Let go of the graph aimet-onnx's supergroup fusion last matched. Its rewrite rules are module globals
-    (onnxscript's), and each rule's matcher keeps the last graph, node and match it saw: through them the IR of the
-    model a quantsim was built from, and the ModelProto under it, with every weight, stay alive beside the sim's
-    own fused copy for as long as the process runs. Safe between builds: a matcher sets all four afresh for
-    each match."""
+    """Let go of the graph, and its weights, that aimet-onnx's global fusion rules keep; safe between builds.
+    Each rule's matcher (onnxscript's, module globals) keeps the last graph, node and match it saw, and with them the
+    source model's ModelProto for the life of the process; it sets all four afresh for each match."""
     from aimet_onnx.graph_passes.fusions.fusion_registry import FUSION_PASS_REGISTRY
 
     for rules in FUSION_PASS_REGISTRY.passes.values():

@@ -1,9 +1,4 @@
-"""AIMET's own PTQ techniques (AdaRound, Sequential MSE) run under this package's quantization policy.
-
-Both are used as AIMET ships them; what is added here is only what makes their result comparable with
-the other rows: the same weight quantizers as :func:`~aimet_quadapter.quant.policy.build_sim` makes, and a
-measure of what each one actually changed.
-"""
+"""AIMET's own PTQ techniques (AdaRound, Sequential MSE) under this package's policy, with what each changed."""
 
 from __future__ import annotations
 
@@ -30,8 +25,7 @@ from aimet_quadapter.quant.quantizers import refresh_prefix
 
 
 def aimet_forward(model: nn.Module, batch: torch.Tensor):
-    """AIMET's ``forward_fn(model, inputs)`` for every technique here and in :mod:`.llm_techniques`: our batches
-    are plain id tensors, moved to the model's device."""
+    """AIMET's ``forward_fn(model, inputs)`` for every technique: id tensors, moved to the model's device."""
     return model(batch.to(device_of(model)))
 
 
@@ -72,18 +66,12 @@ def apply_adaround(
     out_dir: Path | None = None,
     calibrate_after: bool = True,
 ) -> dict:
-    """AIMET AdaRound of ``fp_model``'s Linear weights into ``sim`` (a sim of ``fp_model``), calibrated; without
-    ``calibrate_after``, the sim's other ranges (a trained sim's) stay as they are.
-
-    ``Adaround.apply_adaround`` returns a copy of the FP model with rounded weights and writes their
-    encodings; the weights go into ``sim``, their encodings are frozen there with
-    ``set_and_freeze_param_encodings``, and the other encodings (activations, embedding, norms) come from
-    the usual calibration. Returns what AdaRound did (frozen encodings, weights rounded away from nearest).
-    """
+    """AIMET AdaRound of ``fp_model``'s Linear weights into ``sim`` (a sim of ``fp_model``), their encodings frozen,
+    then calibrated unless ``calibrate_after`` is False. Returns what it did."""
     policy = sim_policy(sim)
     batches = list(calibration)
     with tempfile.TemporaryDirectory() as tmp:
-        # AIMET writes the encodings file; each process (torchrun) writes its own, the first one keeps a copy.
+        # each process (torchrun) writes its own encodings file; the first one keeps a copy
         folder = Path(tmp)
         rounded, num_batches = _aimet_adaround(fp_model, batches, params, policy, folder)
         encodings = folder / "adaround.encodings"
@@ -110,8 +98,7 @@ def apply_adaround(
 def _aimet_adaround(
     fp_model: PreparedLM, batches: list[torch.Tensor], params: AdaroundParameters, policy: QuantPolicy, folder: Path
 ) -> tuple[torch.nn.Module, int]:
-    """AIMET's ``Adaround.apply_adaround`` of ``fp_model``, its encodings written into ``folder``: the rounded
-    copy and the number of batches it read."""
+    """AIMET's AdaRound of ``fp_model``, encodings written into ``folder``: the rounded copy, the batches it read."""
     from aimet_torch.adaround.adaround_weight import Adaround
     from aimet_torch.adaround.adaround_weight import AdaroundParameters as AimetAdaroundParameters
 
@@ -132,8 +119,7 @@ def _aimet_adaround(
         set_mask_fill(fp_model, HTP_MASK_FILL)
     try:
         with warnings.catch_warnings():
-            # AIMET traces the FP model (torch and transformers warn about the tracer) and reads its losses
-            # with float() of a tensor that requires grad: nothing the user can act on
+            # AIMET's trace and its losses' float(): nothing the user can act on
             warnings.simplefilter("ignore", FutureWarning)
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad=True to a scalar")
@@ -172,12 +158,8 @@ def apply_seq_mse(
     calibrate_after: bool = True,
     within_ranges: bool = False,
 ) -> dict:
-    """AIMET Sequential MSE on ``sim`` (weight ranges by grid search on each layer's output error), calibrated;
-    without ``calibrate_after``, the sim's other ranges (a trained sim's) stay as they are. ``within_ranges``: the
-    candidates are fractions of the sim's own weight ranges (a trained sim's), not of the weights' min-max.
-
-    ``fp_model`` is not needed by AIMET 2's SeqMSE (it reads the sim alone); it is taken so that every
-    technique here has the call shape ``(sim, fp_model, data, params)``. Returns how many ranges moved.
+    """AIMET Sequential MSE on ``sim``, then calibrated unless ``calibrate_after`` is False; ``within_ranges``:
+    candidates are fractions of the sim's own weight ranges. ``fp_model`` is not read. Returns how many ranges moved.
     """
     import logging
 
@@ -198,12 +180,9 @@ def apply_seq_mse(
 
 @torch.no_grad()
 def seq_mse_changes(sim: QuantizationSimModel) -> dict:
-    """How far SeqMSE moved each Linear weight range from plain min/max (AIMET does not say whether it ran).
-
-    A range counts as changed when either end moved by more than half a quantization step: SeqMSE
-    re-derives even an unchanged range through the grid, which moves it by a fraction of a step.
-    """
-    layers = clipped = 0
+    """How far SeqMSE moved each Linear weight range from plain min/max: changed when either end moved by more than
+    half a step (SeqMSE moves even an unchanged range by a fraction of one)."""
+    clipped = 0
     ratios = []
     for _, (module, q) in linear_weight_quantizers(sim.model).items():
         ref = QuantizeDequantize(q.shape, q.bitwidth, q.symmetric).to(module.weight.device)
@@ -211,11 +190,10 @@ def seq_mse_changes(sim: QuantizationSimModel) -> dict:
             ref(module.weight)
         lo0, hi0, lo1, hi1 = ref.get_min(), ref.get_max(), q.get_min(), q.get_max()
         step = (hi0 - lo0) / (2**q.bitwidth - 1)
-        layers += 1
         clipped += bool(((lo1 - lo0).abs() > step / 2).any() or ((hi1 - hi0).abs() > step / 2).any())
         ratios.append(float(((hi1 - lo1) / (hi0 - lo0)).mean()))
     return {
-        "seq_mse_layers": layers,
+        "seq_mse_layers": len(ratios),
         "seq_mse_layers_changed": clipped,
         "seq_mse_mean_range_ratio": sum(ratios) / max(len(ratios), 1),
     }

@@ -1,7 +1,4 @@
-"""The quantization policy and the baseline techniques' settings, apart from AIMET: the recipe sections
-``policy`` and ``baselines`` are these classes, and the command-line options are built from their fields, so a
-bad value is refused before AIMET is imported.
-"""
+"""The recipe sections ``policy`` and ``baselines``, apart from AIMET: a bad value is refused before AIMET loads."""
 
 from __future__ import annotations
 
@@ -27,23 +24,17 @@ TARGETS: dict[str, str] = {
 }
 
 
-# A target's placement as the code makes it, revised when the code places other quantizers: a cell's fingerprint
-# holds it, so that a cell computed under an earlier placement is computed again (absent: the first revision).
-# htp 2: the rotation, its tables and SiLU as the exported graph's ops (models/device_ops.py).
+# A target's placement revision, in a cell's fingerprint so that a new placement recomputes it (absent: the first).
+# htp 2: the rotation, its tables and SiLU as the exported graph's ops.
 PLACEMENT_REVISION: dict[str, int] = {"htp": 2}
 
 
-# LPBQ, AIMET's low-power blockwise quantization of weights: blocks of input channels on 4-bit symmetric grids
-# whose scales are 8-bit integers times one float scale per output channel (AIMET's decompressed_bw). The widths
-# of AIMET's documented example, and of the W4A16 configuration Qualcomm publishes its LLMs at.
+# LPBQ, AIMET's low-power blockwise weights: 4-bit blocks whose scales are 8-bit integers times a per-channel float
 LPBQ_BITS = 4
 LPBQ_SCALE_BITS = 8
 
 
-# precision -> the fields it sets: a named device configuration, one setting to reach it
-PRECISIONS: dict[str, dict[str, Any]] = {
-    "w4a16-lpbq": {"activation_bits": 16, "lpbq_block_size": 64},
-}
+PRECISIONS: dict[str, dict[str, Any]] = {"w4a16-lpbq": {"activation_bits": 16, "lpbq_block_size": 64}}
 
 
 def _bits(text: str) -> int:
@@ -70,15 +61,12 @@ class QuantPolicy(Settings):
     activation_bits: Annotated[int, Strict()] = setting(8, ge=2, le=16, help="activation bit-width")
     per_channel_weights: bool = setting(False, help="per-output-channel weight ranges")
     symmetric_weights: bool = setting(False, help="symmetric weight ranges")
-    # the paper's W1 of the LayerNorm -> Linear block
     quantize_norm_weights: bool = setting(True, help="quantize the norms' gamma")
     quantize_logits: bool = setting(False, help="quantize the lm_head output too (a choice the paper leaves open)")
     quant_scheme: Literal[tuple(QUANT_SCHEMES)] = setting(  # type: ignore[valid-type]
-        "min_max",
-        help="how compute_encodings sets ranges: min_max (alias tf), tf_enhanced (SQNR) or percentile",
+        "min_max", help="how compute_encodings sets ranges: min_max (alias tf), tf_enhanced (SQNR) or percentile"
     )
     percentile: float = setting(99.99, ge=50, le=100, help="the kept share of values under 'percentile', in %")
-    # a shorthand for the fields it sets, which carry the result (and the fingerprints)
     precision: Literal[tuple(PRECISIONS)] | None = setting(  # type: ignore[valid-type]
         None,
         result=False,
@@ -92,8 +80,7 @@ class QuantPolicy(Settings):
         help=f"the Linear weights but lm_head's as AIMET's LPBQ: {LPBQ_BITS}-bit blocks of this many input "
         f"channels, their scales {LPBQ_SCALE_BITS}-bit per output channel (target htp; None: off)",
     )
-    # Mixed precision, as these targets fall back for the few tensors 8 bits cannot hold (e.g. 16-bit inputs
-    # of a Llama's down_proj). Patterns match quantizer names as `describe` prints them.
+    # patterns match quantizer names as `describe` prints them
     bit_overrides: tuple[str, ...] = setting(
         (),
         help="PATTERN=BITS entries: the quantizers whose name matches PATTERN (wildcards * and ?) get BITS "
@@ -132,7 +119,6 @@ class QuantPolicy(Settings):
                 "the paper's placement does not hold"
             )
         if self.target != "paper":
-            # these four place quantizers the paper's way; under another target its config decides
             fields = type(self).model_fields
             changed = [n for n in _PAPER_ONLY if getattr(self, n) != fields[n].default]
             if changed:
@@ -152,58 +138,52 @@ class QuantPolicy(Settings):
         return self.model_dump()
 
     def label(self) -> str:
-        if self.target != "paper":
-            label = f"W{self.weight_bits}A{self.activation_bits} under target {self.target} ({TARGETS[self.target]})"
-            if self.lpbq_block_size is not None:
-                label = (
-                    f"W{LPBQ_BITS}A{self.activation_bits} under target {self.target} ({TARGETS[self.target]}), "
-                    f"the Linear weights but lm_head's LPBQ ({LPBQ_BITS}-bit blocks of {self.lpbq_block_size}, "
-                    f"{LPBQ_SCALE_BITS}-bit per-channel scales), the other weights {self.weight_bits}-bit"
-                )
-            return label + "".join(f", {bits} bits at {pattern}" for pattern, bits in self.overrides())
-        gran = "per-channel" if self.per_channel_weights else "per-tensor"
-        sym = "symmetric" if self.symmetric_weights else "asymmetric"
-        label = f"W{self.weight_bits}A{self.activation_bits} ({sym} {gran} weights, asymmetric activations)"
-        return label + "".join(f", {bits} bits at {pattern}" for pattern, bits in self.overrides())
+        overrides = "".join(f", {bits} bits at {pattern}" for pattern, bits in self.overrides())
+        bits = f"W{self.weight_bits}A{self.activation_bits}"
+        if self.target == "paper":
+            gran = "per-channel" if self.per_channel_weights else "per-tensor"
+            sym = "symmetric" if self.symmetric_weights else "asymmetric"
+            return f"{bits} ({sym} {gran} weights, asymmetric activations){overrides}"
+        under = f"under target {self.target} ({TARGETS[self.target]})"
+        if self.lpbq_block_size is None:
+            return f"{bits} {under}{overrides}"
+        return (
+            f"W{LPBQ_BITS}A{self.activation_bits} {under}, "
+            f"the Linear weights but lm_head's LPBQ ({LPBQ_BITS}-bit blocks of {self.lpbq_block_size}, "
+            f"{LPBQ_SCALE_BITS}-bit per-channel scales), the other weights {self.weight_bits}-bit{overrides}"
+        )
 
 
-# Each AIMET technique's own settings, as the recipe section ``baselines`` names them (one flat section: a field
-# is prefixed with its technique). A method's catalog entry names the classes it reads, and its cells'
-# fingerprints hold those fields and no other of the section.
-class AdaroundParameters(Settings):
-    """AIMET's AdaRound (its own default: 10,000 iterations per layer)."""
+class _Baselines(Settings):
+    """The one flat recipe section ``baselines``: each AIMET technique's fields, prefixed with its name."""
 
     section = "baselines"
+
+
+class AdaroundParameters(_Baselines):
+    """AIMET's AdaRound (its own default: 10,000 iterations per layer)."""
 
     adaround_iterations: int = setting(10_000, ge=1, help="AdaRound optimisation steps per layer")
     adaround_reg_param: float = setting(0.01, ge=0, help="AdaRound's rounding regulariser weight")
-    # AIMET reruns the model on each of these batches for every layer it rounds, to sample that layer's
-    # inputs and outputs, on top of the iterations.
+    # AIMET reruns the model on each of these batches for every layer it rounds
     adaround_batches: int | None = setting(None, ge=1, help="calibration batches AdaRound uses (None: all)")
 
 
-class SeqMseParameters(Settings):
+class SeqMseParameters(_Baselines):
     """AIMET's SeqMSE."""
 
-    section = "baselines"
-
     seq_mse_candidates: int = setting(20, ge=1, help="SeqMSE's candidate ranges per layer")
-    # AIMET skips every layer above 4 weight bits (see quant/aimet_private.py)
     seq_mse_any_bits: bool = setting(True, help="lift AIMET's 4-bit limit so that SeqMSE searches 8-bit ranges")
 
 
-class QatParameters(Settings):
+class QatParameters(_Baselines):
     """The paper's QAT: phase 2's loop with the weights trained too."""
-
-    section = "baselines"
 
     qat_lr_weights: float = setting(1e-5, gt=0, help="learning rate of the model weights in every QAT-style row")
 
 
-class SpinQuantParameters(Settings):
+class SpinQuantParameters(_Baselines):
     """AIMET's SpinQuant rotation."""
-
-    section = "baselines"
 
     spinquant_r2: bool = setting(
         False, before=False, help="SpinQuant: also rotate each attention head's values and outputs (R2)"
@@ -211,26 +191,20 @@ class SpinQuantParameters(Settings):
 
 
 # AIMET's defaults: 1500 and 800 steps per block, 200 for FPTQuant's local (data-free) optimiser
-class AdaScaleParameters(Settings):
+class AdaScaleParameters(_Baselines):
     """AIMET's AdaScale."""
-
-    section = "baselines"
 
     adascale_iterations: int = setting(1500, ge=1, before=1500, help="AdaScale optimisation steps per block")
 
 
-class OmniQuantParameters(Settings):
+class OmniQuantParameters(_Baselines):
     """AIMET's OmniQuant."""
-
-    section = "baselines"
 
     omniquant_iterations: int = setting(800, ge=1, before=800, help="OmniQuant optimisation steps per block")
 
 
-class FPTQuantParameters(Settings):
+class FPTQuantParameters(_Baselines):
     """AIMET's FPTQuant transforms."""
-
-    section = "baselines"
 
     fptquant_iterations: int = setting(200, ge=1, before=200, help="FPTQuant's local transform optimisation steps")
 
@@ -245,5 +219,3 @@ class BaselineParameters(
     AdaroundParameters,
 ):
     """Settings of the non-Quadapter rows: every AIMET technique's class above, together."""
-
-    section = "baselines"

@@ -1,18 +1,5 @@
-"""AIMET's own LLM techniques, each through AIMET's entry point, under this package's policy and prefix.
-
-Two kinds, one call shape each:
-
-* FP-equivalent transforms of the model, merged into its weights before any quantizer sees them: SpinQuant
-  (Hadamard rotations R1, and R2 per head) and FPTQuant (its mergeable transforms, locally optimised). They take
-  the FP model and return a transformed copy, on which any method (PTQ, Quadapter) then runs:
-  ``spinquant_model(fp_model, params)``, ``fptquant_model(fp_model, params)``.
-* Block-wise reconstruction on a sim, before its static calibration: AdaScale and OmniQuant, called as this
-  package's other techniques are: ``apply_adascale(sim, fp_model, calibration, params)``.
-
-What AIMET supports is data here (:data:`AIMET_SUPPORT`, checked against AIMET's own registries by the tests), so
-that a recipe naming a technique on a family or policy AIMET refuses is refused in its first second, with
-AIMET's reason, before any model loads.
-"""
+"""AIMET's LLM techniques: FP-equivalent transforms of a copy (SpinQuant, FPTQuant), block-wise reconstruction on a
+sim (AdaScale, OmniQuant); :data:`AIMET_SUPPORT` refuses what AIMET would, before any model loads."""
 
 from __future__ import annotations
 
@@ -49,8 +36,6 @@ log = logging.getLogger(__name__)
 class AimetSupport:
     families: tuple[str, ...]  # this package's family names whose backbone AIMET's registry holds
     symmetric_weights_only: bool = False  # AIMET asserts symmetric weight quantizers
-    per_tensor_reason: str = ""
-    # run under the paper's placement only: its block reconstruction is not wired to target htp's AIMET config
     htp_refused: bool = False
 
 
@@ -92,19 +77,15 @@ def _transformed_copy(fp_model: PreparedLM) -> PreparedLM:
 
 
 def _finish_transform(model: PreparedLM, fp_model: PreparedLM) -> None:
-    # AIMET's merges leave weights transposed in memory; a saved state holds them row-major, and a matmul sums in
-    # another order on each layout: row-major here, so that the transformed model computes as its state rebuilt does
+    # AIMET's merges leave weights transposed: row-major, so that the model computes as its saved state rebuilt does
     for p in model.parameters():
         p.data = p.data.contiguous()
-    # the prefix's full-precision keys and values, from the transformed weights
     ids = fp_model.prefix_ids
     model.set_prefix(None if ids is None else ids[0].tolist())
 
 
 def spinquant_model(fp_model: PreparedLM, params: SpinQuantParameters | None = None) -> PreparedLM:
-    """``fp_model`` rotated by AIMET's SpinQuant (R1 on the residual stream; R2 per head with
-    ``params.spinquant_r2``), the rotations merged into the weights: the same function, other weights. A hidden
-    size AIMET has no Hadamard matrix for (SmolLM2's 576) takes one from :func:`extra_hadamard_orders`."""
+    """``fp_model`` rotated by AIMET's SpinQuant (R1; R2 with ``params.spinquant_r2``), merged into the weights."""
     import torch
     from aimet_torch.spinquant import apply_spinquant
 
@@ -140,16 +121,12 @@ def fptquant_model(fp_model: PreparedLM, params: FPTQuantParameters | None = Non
 
 
 def _fit_file(fp_model: PreparedLM, fit: str) -> Path:
-    """Where the weights of ``fit`` on ``fp_model`` are kept. FPTQuant's local optimiser reads no data, only the
-    weights it transforms (an hour on SmolLM2-135M on one CPU core), so its merged weights are a function of the FP
-    weights, the step count, AIMET's version and how this package calls it: every FPTQuant cell of every run, seed
-    and target after the first reads them here."""
+    """Where ``fit``'s weights on ``fp_model`` are kept, keyed by all they depend on (the fitting calls' source too)."""
     import aimet_torch
     import torch
 
     from aimet_quadapter.quant import aimet_private
 
-    # the calls that fit: a change to them (another transform enabled, say) is another key, not a stale file
     calls = "".join(inspect.getsource(f) for f in (fptquant_model, aimet_private.fptquant))
     digest = hashlib.sha256(f"{fit}:aimet-torch {aimet_torch.__version__}:{calls}".encode())
     for name, p in fp_model.lm.named_parameters():
@@ -159,7 +136,7 @@ def _fit_file(fp_model: PreparedLM, fit: str) -> Path:
 
 
 def _load_fit(model: PreparedLM, path: Path) -> bool:
-    """Copy the kept weights into ``model``; False when there are none, or none this model can take."""
+    """Copy the kept weights into ``model``; False when there are none this model can take."""
     import torch
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -175,7 +152,7 @@ def _load_fit(model: PreparedLM, path: Path) -> bool:
     if weights.keys() != params.keys() or any(weights[n].shape != p.shape for n, p in params.items()):
         log.warning("ignoring the cached fit %s: not this model's parameters", path)
         return False
-    with torch.no_grad():  # checked whole first: a refit never starts from half-copied weights
+    with torch.no_grad():
         for name, p in params.items():
             p.copy_(weights[name])
     log.info("transformed weights from the cache: %s", path)
@@ -196,9 +173,7 @@ def _save_fit(model: PreparedLM, path: Path) -> None:
 def apply_adascale(
     sim, fp_model: PreparedLM, calibration: Sequence[torch.Tensor], params: AdaScaleParameters | None = None
 ) -> dict:
-    """AIMET's AdaScale on ``sim`` (uncalibrated, its weights its own): per block, the Linear weights' scales and
-    ranges fitted to the FP block's output, folded into the weights; then static calibration. ``fp_model`` is not
-    read (AIMET samples the FP blocks from the sim with its quantizers off): the call shape of every technique."""
+    """AIMET's AdaScale on ``sim`` (uncalibrated, its weights its own), then static calibration; ``fp_model`` unread."""
     from aimet_torch.adascale import apply_adascale as aimet_adascale
 
     from aimet_quadapter.quant.baselines import aimet_forward
@@ -218,10 +193,8 @@ def apply_adascale(
 def apply_omniquant(
     sim, fp_model: PreparedLM, calibration: Sequence[torch.Tensor], params: OmniQuantParameters | None = None
 ) -> dict:
-    """AIMET's OmniQuant on ``sim`` (uncalibrated, its weights its own): per block, learnable equivalent
-    transforms (norm -> q/k/v, v -> o, norm -> gate/up, up -> down) and the Linear weights' ranges, fitted with the
-    activation quantizers off and folded; AIMET leaves the weights quantize-dequantized. Then static calibration.
-    One sequence a batch: AIMET's loss reads the first sequence of each (docs/method.md)."""
+    """AIMET's OmniQuant on ``sim`` (uncalibrated, its weights its own), then static calibration. One sequence a
+    batch: AIMET's loss reads the first sequence of each."""
     from aimet_quadapter.quant.aimet_private import omniquant_view
     from aimet_quadapter.quant.baselines import aimet_forward
     from aimet_quadapter.quant.policy import calibrate
@@ -234,8 +207,7 @@ def apply_omniquant(
         omniquant_view(sim) as omniquant,
         warnings.catch_warnings(),
     ):
-        # AIMET lists a shared transform scale once per quantizer holding it; torch warns of the duplicate
-        # parameters, which docs/method.md explains and the user cannot change
+        # AIMET lists a shared transform scale once per quantizer holding it
         warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
         omniquant(
             sim, batches, forward_fn=aimet_forward, num_iterations=params.omniquant_iterations, output_path=folder

@@ -1,10 +1,4 @@
-"""Choosing mixed precision from measured sensitivity: which kind of quantizer costs most at the policy's bits.
-
-A *kind* is one quantizer role repeated across the layers (``*.mlp.down_proj.input[0]``: every down_proj
-input), the unit a ``policy.bit_overrides`` entry names. Each kind in turn is given more bits in the
-calibrated sim, and the LM loss on held-out text says how much of the quantization loss it carries.
-AIMET's QuantAnalyzer answers the same question per layer; per kind the answer is an override one can write.
-"""
+"""Mixed precision from measured sensitivity: each kind of quantizer given more bits in turn, scored by LM loss."""
 
 from __future__ import annotations
 
@@ -22,14 +16,12 @@ _BLOCK = re.compile(r"^.*?\.\d+\.")
 
 
 def kind_of(name: str) -> str:
-    """The pattern of the kind quantizer ``name`` belongs to: its path below the repeated block, or the
-    name itself outside the blocks (the embedding, the head)."""
+    """The kind pattern of quantizer ``name``: its path below the repeated block, or the name outside the blocks."""
     return _BLOCK.sub("*.", name, count=1)
 
 
 def quantizer_kinds(sim_model: nn.Module) -> dict[str, list[str]]:
-    """Kind pattern -> the quantizer names of that kind, in model order. Kinds that read one tensor
-    (q/k/v's input) are one kind, named after its first reader, as an override of one reaches all."""
+    """Kind pattern -> the quantizer names of that kind, in model order; kinds that read one tensor are one."""
     kinds: dict[str, list[str]] = {}
     for path, role, _ in quantizers(sim_model):
         name = f"{path}.{role}"
@@ -62,11 +54,8 @@ def bit_sensitivity(
     bits: int = 16,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[float, list[Sensitivity]]:
-    """``(loss of the sim as it is, one row per kind, most recovered first)``; ``sim_model`` calibrated.
-
-    Each kind is set to ``bits`` alone (its ranges kept: a min-max range does not depend on the bit-width)
-    and put back. ``fp_loss`` is the FP model's loss on ``held_out``, the floor a kind's row is compared with.
-    """
+    """``(loss of the calibrated sim, one row per kind, most recovered first)``: each kind set to ``bits`` alone, its
+    ranges kept. ``fp_loss``: the FP model's loss on ``held_out``."""
     found = quantizers_by_name(sim_model)
 
     def loss() -> float:

@@ -1,21 +1,7 @@
-"""The quantization policy, and the ``QuantizationSimModel`` it makes.
-
-The paper's policy (Section 4, after Bondarenko et al. 2021): uniform asymmetric 8-bit per-tensor
-quantization of all weights and activations except biases, non-linear operations and additions.
-Here that means: every Linear and Embedding weight, optionally the norms' gamma (the paper quantizes
-the LayerNorm affine as a weight), and one activation quantizer at the input of every Linear and of
-both attention matmuls. Outputs of norms, activations, softmax and residual adds are not quantized
-on their own: each reaches the next quantizer as that layer's input, so no tensor is quantized twice.
-
-AIMET's JSON config cannot say "inputs of Linear and MatMul only" (its validator insists on output
-quantization), so the sim is built with AIMET's defaults and every quantizer is then set here.
-
-The ``htp`` target is what a Qualcomm HTP graph quantizes instead: AIMET's own HTP quantsim config places
-the quantizers (every op output, the residual sums' and the rotary embedding's included, symmetric per-channel
-Linear weights) on a copy whose ops are those of the exported graph (``models/device_ops.py``); this
-module adds the one at the residual stream's start, removes the second quantizer AIMET puts on a tensor that
-is already quantized, and makes the attention mask finite.
-"""
+"""The quantization policy and the sim it makes: the paper's placement (weights, the inputs of every Linear and
+attention matmul) or AIMET's HTP config (``htp``); docs/method.md lists both. AIMET's JSON config cannot say
+"inputs of Linear and MatMul only" (its validator insists on output quantization): the paper's placement is built
+with AIMET's defaults and every quantizer then set here."""
 
 from __future__ import annotations
 
@@ -57,19 +43,16 @@ from aimet_quadapter.quant.quantizers import (
     shared_activation_groups,
 )
 
-# The value masked attention scores take under the htp target, where the softmax input is quantized: far
-# enough below real scores that the softmax does not change, near enough that 8 bits still resolve them.
+# Masked attention scores under htp: far enough below real scores to leave the softmax, near enough for 8 bits
 HTP_MASK_FILL = -50.0
 
 
 def aimet_quant_scheme(policy: QuantPolicy) -> QuantScheme:
-    """AIMET's ``QuantScheme`` for ``policy.quant_scheme``."""
     return getattr(QuantScheme, QUANT_SCHEMES[policy.quant_scheme])
 
 
 def encoding_analyzer(policy: QuantPolicy, shape: tuple[int, ...]) -> EncodingAnalyzer:
-    """The AIMET encoding analyzer ``compute_encodings`` uses under ``policy.quant_scheme``, as AIMET's own
-    quantsim builder picks it: min-max, SQNR-based clipping (tf_enhanced), or a percentile of the values."""
+    """The AIMET encoding analyzer for ``policy.quant_scheme``, as AIMET's own quantsim builder picks it."""
     if policy.quant_scheme == "tf_enhanced":
         return TfEnhancedEncodingAnalyzer(shape)
     if policy.quant_scheme == "percentile":
@@ -78,8 +61,7 @@ def encoding_analyzer(policy: QuantPolicy, shape: tuple[int, ...]) -> EncodingAn
 
 
 def _is_norm(module: nn.Module) -> bool:
-    # Norm modules are recognised by shape, not class: LayerNorm, RMSNorm and their quantized forms
-    # all carry a 1-D `weight` and are neither Linear nor Embedding.
+    # by shape, not class: LayerNorm, RMSNorm and their quantized forms carry a 1-D `weight`
     weight = getattr(module, "weight", None)
     return isinstance(weight, torch.Tensor) and weight.dim() == 1 and not isinstance(module, (nn.Linear, nn.Embedding))
 
@@ -89,8 +71,8 @@ def _quantizer(policy: QuantPolicy, shape: tuple[int, ...], bits: int, symmetric
 
 
 def _weight_quantizer(module: Any, policy: QuantPolicy) -> QuantizeDequantize:
-    channels = module.weight.shape[0]
-    shape = (channels, 1) if policy.per_channel_weights else ()
+    # a norm's gamma is a vector: one range for all of it, whatever the weight granularity
+    shape = (module.weight.shape[0], 1) if policy.per_channel_weights and not _is_norm(module) else ()
     return _quantizer(policy, shape, policy.weight_bits, policy.symmetric_weights)
 
 
@@ -115,43 +97,30 @@ def apply_policy(sim_model: nn.Module, policy: QuantPolicy, logits_module: nn.Mo
             quantize = name == "weight" and (
                 is_linear or isinstance(module, nn.Embedding) or (_is_norm(module) and policy.quantize_norm_weights)
             )
-            if quantize and _is_norm(module):
-                # gamma is a vector: one range for all of it, whatever the weight granularity
-                qm.param_quantizers[name] = _quantizer(policy, (), policy.weight_bits, policy.symmetric_weights)
-            else:
-                qm.param_quantizers[name] = _weight_quantizer(module, policy) if quantize else None
+            qm.param_quantizers[name] = _weight_quantizer(module, policy) if quantize else None
 
 
 def quantize_stream_input(sim_model: nn.Module, model: PreparedLM, policy: QuantPolicy) -> list[str]:
-    """Quantize the residual stream where it starts, the input of the first block (in place).
-
-    That tensor (the embedding output, or GPT-2's sum of token and position embeddings) is made outside any
-    module; its two readers in the first block, the first norm and the first residual sum, each get an input
-    quantizer, and :func:`tie_shared_ranges` gives them one range: the tensor quantized once, as the device
-    holds it. Every later stream tensor is a residual sum's output, quantized by the placement. Returns the
-    quantizers' names."""
+    """Quantize the residual stream where it starts, made outside any module (in place): its two readers in the
+    first block each get an input quantizer, which :func:`tie_shared_ranges` gives one range. Returns their names."""
     spec = model.arch.residual
     if spec is None:
         return []
     block = f"lm.{model.arch.blocks}.0"
-    readers = [(f"{block}.{spec.attention[0]}", 0), (f"{block}.residual_adds.0", 0)]
     names = []
-    for path, index in readers:
+    for path in (f"{block}.{spec.attention[0]}", f"{block}.residual_adds.0"):
         module: Any = sim_model.get_submodule(path)  # an AIMET quantized module
-        if module.input_quantizers[index] is None:
-            module.input_quantizers[index] = _activation_quantizer(policy)
-        names.append(f"{path}.input[{index}]")
+        if module.input_quantizers[0] is None:
+            module.input_quantizers[0] = _activation_quantizer(policy)
+        names.append(f"{path}.input[0]")
     return names
 
 
 def quantize_cached_inputs(sim_model: nn.Module, policy: QuantPolicy) -> list[str]:
-    """Quantize the keys and values where the attention matmuls read them (in place).
-
-    AIMET's placement leaves those inputs alone when the tensor came from a quantized module (k's rotation,
-    v_proj) through functional ops; but on their way the prefix's cached keys and values join them, which the
-    device holds in the same tensor, on its one grid. For a model with a prefix only: without one, what the
-    matmul reads is the module's output moved (repeated heads, GPT-2's split), on that output's grid on a device
-    too. Returns the quantizers' names."""
+    """Quantize the keys and values where the attention matmuls read them (in place), for a model with a prefix:
+    the prefix's cached keys and values join them there, in one tensor on a device. Returns the names. (AIMET leaves
+    these inputs alone when they come from a quantized module through functional ops: without a prefix, what the
+    matmul reads is that module's output moved, on its grid on a device too.)"""
     names = []
     for path, module in sim_model.named_modules():
         if isinstance(module, MatMul) and path.rsplit(".", 1)[-1] in ("qk_matmul", "av_matmul"):
@@ -163,8 +132,7 @@ def quantize_cached_inputs(sim_model: nn.Module, policy: QuantPolicy) -> list[st
 
 
 def unquantize_angles(sim_model: nn.Module) -> list[str]:
-    """Take the quantizers off the rotary tables' angles (in place): AIMET reads them as a graph input, but in
-    a graph of fixed length they are constants a converter folds into the tables, which stay quantized."""
+    """Take the quantizers off the rotary tables' angles (in place): constants a converter folds into the tables."""
     names = []
     for path, module in sim_model.named_modules():
         if isinstance(module, RotaryTables):
@@ -176,20 +144,16 @@ def unquantize_angles(sim_model: nn.Module) -> list[str]:
 
 
 def drop_requantization(sim_model: nn.Module, seq_len: int = 8) -> list[str]:
-    """Remove every input quantizer whose input is already the output of a quantizer (in place).
-
-    AIMET's placement quantizes a norm's output and again the inputs of q, k and v that read it; a device
-    graph holds that tensor once, with one encoding. Found by one forward pass (tensor identity), so a
-    tensor reshaped or rotated on its way (RoPE) keeps its quantizer: on the device that op's output is
-    quantized too. Returns the names of the removed quantizers.
-    """
+    """Remove every input quantizer whose input is already a quantizer's output (in place): a device holds that
+    tensor once. Found by one forward pass (tensor identity), so a tensor reshaped or rotated on its way (RoPE) keeps
+    its quantizer: on a device that op's output is quantized too. Returns the names of the removed quantizers."""
     produced: set[int] = set()  # ids of quantizer outputs alive now: an id is unique while its tensor lives
     doubled: list[tuple[Any, int, str]] = []
     handles = []
 
     def after(_q, _args, out):
         produced.add(id(out))
-        # not kept alive for the whole pass: every weight's quantized copy would be, a second copy of the weights
+        # not kept alive: every weight's quantized copy would be
         weakref.finalize(out, produced.discard, id(out))
 
     def before(module, index, key):
@@ -210,7 +174,6 @@ def drop_requantization(sim_model: nn.Module, seq_len: int = 8) -> list[str]:
             if q is not None:
                 handles.append(q.register_forward_pre_hook(before(qm, i, f"{path}.input[{i}]")))
     try:
-        # values do not matter, only which tensor is which: each quantizer hands on a new alias of its input
         with torch.no_grad(), DynamicRanges(quantizers_in([sim_model])) as ranges, ranges.off():
             sim_model(torch.zeros((1, seq_len), dtype=torch.long, device=device_of(sim_model)))
     finally:
@@ -222,14 +185,9 @@ def drop_requantization(sim_model: nn.Module, seq_len: int = 8) -> list[str]:
 
 
 def tie_shared_ranges(sim_model: nn.Module) -> list[list[str]]:
-    """Give the quantizers of one tensor (the inputs of q, k and v; of gate and up) one range (in place).
-
-    A device holds such a tensor once, with one encoding. The quantizers stay separate modules, one per
-    reader as AIMET places them, but share their ``min`` / ``max`` parameters: calibration writes the same
-    range through each of them, a learned range gets the gradient of every reader, and a trained state
-    exports as it is. Under ``htp`` AIMET's placement already leaves one quantizer on such tensors.
-    Returns the tied groups.
-    """
+    """Give the quantizers of one tensor (the inputs of q, k and v) one range (in place): separate modules sharing
+    their ``min`` / ``max`` parameters, as a device holds the tensor once: calibration writes one range through each,
+    a learned range gets every reader's gradient, a trained state exports as it is. Returns the tied groups."""
     found = quantizers_by_name(sim_model)
     groups = shared_activation_groups(sim_model)
     for keys in groups:
@@ -250,10 +208,8 @@ def _weight_quantized(module: Any) -> bool:
 
 def apply_lpbq(sim: QuantizationSimModel, policy: QuantPolicy) -> list[str]:
     """AIMET's LPBQ on the weight of every quantized Linear but lm_head (in place, before calibration), blocks of
-    ``policy.lpbq_block_size`` input channels. Returns the modules' paths.
-
-    lm_head keeps the target's 8-bit per-channel weights, as Qualcomm's published W4A16 LLMs hold it: its error
-    reaches every logit unmixed, and it is one layer of many."""
+    ``policy.lpbq_block_size`` input channels; lm_head stays 8-bit, as Qualcomm's W4A16 LLMs hold it (its error
+    reaches every logit unmixed, and it is one layer of many). Returns paths."""
     size = policy.lpbq_block_size
     if size is None:
         return []
@@ -263,27 +219,21 @@ def apply_lpbq(sim: QuantizationSimModel, policy: QuantPolicy) -> list[str]:
         for path, m in sim.model.named_modules()
         if isinstance(m, nn.Linear) and m is not head and _weight_quantized(m)
     ]
-    uneven = [(path, m.in_features) for path, m in chosen if m.in_features % size]
-    if uneven:
-        path, width = uneven[0]
-        raise QuadapterError(
-            f"policy.lpbq_block_size {size} does not divide {path}'s {width} input channels: take a divisor of "
-            f"every Linear's input width"
-        )
-    modules = [m for _, m in chosen]
+    for path, m in chosen:
+        if m.in_features % size:
+            raise QuadapterError(
+                f"policy.lpbq_block_size {size} does not divide {path}'s {m.in_features} input channels: take a "
+                f"divisor of every Linear's input width"
+            )
     set_grouped_blockwise_quantization_for_weights(
-        sim, modules, LPBQ_BITS, True, LPBQ_SCALE_BITS, block_size=size, block_grouping=-1
+        sim, [m for _, m in chosen], LPBQ_BITS, True, LPBQ_SCALE_BITS, block_size=size, block_grouping=-1
     )
     return [path for path, _ in chosen]
 
 
 def apply_bit_overrides(sim_model: nn.Module, policy: QuantPolicy) -> dict[str, int]:
-    """Give the quantizers ``policy.bit_overrides`` names their bit-width (in place, before calibration).
-
-    On a device a tensor read by several layers (the input of q, k and v) is one quantized tensor: an
-    override that names one of its readers applies to all of them, so that it keeps one encoding.
-    Returns the bit-width of every quantizer an override reached. A pattern that matches nothing is an error.
-    """
+    """Give the quantizers ``policy.bit_overrides`` names their bit-width (in place, before calibration), and all
+    readers of a tensor one of them reads. Returns every bit-width set; a pattern matching nothing fails."""
     pairs = policy.overrides()
     if not pairs:
         return {}
@@ -307,14 +257,10 @@ def build_sim(
     in_place: bool = False,
     share_weights: bool = False,
 ) -> QuantizationSimModel:
-    """A ``QuantizationSimModel`` of ``model`` under ``policy``: of a deep copy, the FP model staying as it is,
-    or, with ``in_place``, of ``model`` itself (a copy made for this sim: no second copy of the weights).
-
-    ``share_weights``: of a copy whose weights are the FP model's storage until the sim changes them (see
-    :func:`~aimet_quadapter.models.weight_sharing_copy`): for a caller whose every change of the sim's weights
-    gives them new data, as this package's methods do; a user's own training loop on ``sim.model`` would
-    write into the FP model's weights.
-    """
+    """A ``QuantizationSimModel`` of a deep copy of ``model`` under ``policy`` (``in_place``: of ``model``).
+    ``share_weights``: of a :func:`~aimet_quadapter.models.weight_sharing_copy`, whose in-place writes (a training
+    loop of one's own on ``sim.model``) would reach the FP model's weights: for callers whose every change gives the
+    weights new data, as this package's methods do."""
     if share_weights:
         if in_place:
             raise ValueError("build_sim: share_weights makes a copy; in_place uses the model itself")
@@ -325,8 +271,7 @@ def build_sim(
         install_device_ops(model)
     dummy = torch.zeros((1, seq_len), dtype=torch.long, device=device_of(model))
     with warnings.catch_warnings():
-        # AIMET traces the model with TorchScript to find its graph: torch and transformers warn that the
-        # tracer is deprecated and that a fixed-shape trace may not generalise, neither of which the user can act on
+        # AIMET's TorchScript trace: warnings the user cannot act on
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         sim = QuantizationSimModel(
@@ -341,24 +286,21 @@ def build_sim(
     if policy.target == "htp":
         _as_the_device_holds_it(sim, model, policy)
     else:
-        logits = sim.model.head()
-        apply_policy(sim.model, policy, logits_module=logits)
+        apply_policy(sim.model, policy, logits_module=sim.model.head())
     apply_bit_overrides(sim.model, policy)
     tie_shared_ranges(sim.model)
     sim.model.to(dummy.device)  # the policy's quantizers are made on the CPU; AIMET placed its own already
     sim.quadapter_policy = policy  # so that a saved state can rebuild the same sim
     sim.model.eval()
-    # Nothing trains unless a training phase asks for it: no gradient for weights or quantizer ranges.
     for p in sim.model.parameters():
         p.requires_grad_(False)
-    # The prefix's cache through the sim's own ops, as training refreshes it: the FP model's ops round otherwise
-    # (htp's device ops, AIMET's wrappers), and a sim rebuilt from a state would not score as the one it saved.
+    # through the sim's own ops, as training refreshes it (the FP model's ops round otherwise: htp's device ops,
+    # AIMET's wrappers): a sim rebuilt from a state then scores as the one it saved
     refresh_prefix(sim.model)
     return sim
 
 
 def _as_the_device_holds_it(sim: QuantizationSimModel, model: PreparedLM, policy: QuantPolicy) -> None:
-    """The htp sim's quantizers where AIMET's HTP config leaves them otherwise than the device graph has them."""
     set_mask_fill(sim.model, HTP_MASK_FILL)
     if policy.quant_scheme == "percentile":
         sim.set_percentile_value(policy.percentile)
@@ -371,7 +313,7 @@ def _as_the_device_holds_it(sim: QuantizationSimModel, model: PreparedLM, policy
 
 
 def sim_policy(sim: QuantizationSimModel) -> QuantPolicy:
-    """The policy a sim was built with by :func:`build_sim` (the default one for a sim built elsewhere)."""
+    """The policy :func:`build_sim` built a sim with (the default one for a sim built elsewhere)."""
     return getattr(sim, "quadapter_policy", QuantPolicy())
 
 
@@ -391,7 +333,7 @@ def _calibration_batches(model: nn.Module, batches: Iterable[torch.Tensor]) -> N
 def calibrate(sim: QuantizationSimModel, batches: Iterable[torch.Tensor]) -> None:
     """Static calibration: AIMET's ``compute_encodings`` over the calibration batches."""
     with warnings.catch_warnings():
-        # AIMET's bias-overflow check copies tensors with torch.tensor(tensor); torch's advice is for AIMET
+        # AIMET's bias-overflow check: torch's advice is for AIMET
         warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning)
         with heap_reused(head=head_of(sim.model)), weight_grid_screened():
             sim.compute_encodings(_calibration_batches, list(batches))

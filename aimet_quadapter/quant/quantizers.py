@@ -1,13 +1,12 @@
-"""Operations on the AIMET quantizers of a sim: enumerate, dynamic mode, learnable ranges, fast eval, the
-quantizers that share a tensor."""
+"""The AIMET quantizers of a sim: enumeration, dynamic mode, learnable ranges, fast evaluation, shared tensors."""
 
 from __future__ import annotations
 
 import functools
 import logging
 import re
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
@@ -31,10 +30,9 @@ log = logging.getLogger(__name__)
 
 
 def quantizers(model: nn.Module) -> Iterator[tuple[str, str, QuantizeDequantize]]:
-    """(module path, role, quantizer) for every quantizer in a sim model; role: weight, input[i] or output[i].
-
-    Each quantizer once, at the first place that holds it: AIMET's HTP placement gives an op that only moves or
-    negates values (the rotation's ``Neg`` and ``Concat``) its input's quantizer, one encoding for all three."""
+    """(module path, role, quantizer) for every quantizer, each once; role: weight, input[i] or output[i]. Once,
+    at its first place: AIMET's HTP placement gives ops that only move or negate values (RoPE's ``Neg``, ``Concat``)
+    their input's quantizer."""
     seen: set[int] = set()
     for path, module in model.named_modules():
         if not hasattr(module, "param_quantizers"):
@@ -56,17 +54,15 @@ def quantizers_by_name(model: nn.Module) -> dict[str, QuantizeDequantize]:
 
 
 def name_matches(name: str, pattern: str) -> bool:
-    """``*`` (any text) and ``?`` (one character) wildcards, everything else literal: quantizer names hold
-    brackets (``input[0]``) that fnmatch would read as a character class."""
+    """``*`` and ``?`` wildcards, everything else literal (fnmatch would read ``input[0]``'s brackets)."""
     return re.fullmatch(re.escape(pattern).replace(r"\*", ".*").replace(r"\?", "."), name) is not None
 
 
 def matching_quantizers(
     found: dict[str, QuantizeDequantize], pairs: list[tuple[str, Any]], field: str
 ) -> Iterator[tuple[Any, dict[str, QuantizeDequantize]]]:
-    """For each (pattern, value) of a ``PATTERN=VALUE`` setting, in order: the value and the quantizers of
-    ``found`` (by name) whose name matches. A pattern that matches nothing is refused, naming ``field`` and the
-    entry."""
+    """For each (pattern, value) of a ``PATTERN=VALUE`` setting, in order: the value and the quantizers of ``found``
+    whose name matches. A pattern that matches nothing is refused, naming ``field`` and the entry."""
     for i, (pattern, value) in enumerate(pairs):
         hits = {key: q for key, q in found.items() if name_matches(key, pattern)}
         if not hits:
@@ -79,7 +75,6 @@ def matching_quantizers(
 
 
 def quantizers_in(modules: Iterable[nn.Module]) -> list[QuantizeDequantize]:
-    """Every quantizer inside ``modules`` (and their children), each once."""
     seen: dict[int, QuantizeDequantize] = {}
     for module in modules:
         for _, _, q in quantizers(module):
@@ -87,7 +82,7 @@ def quantizers_in(modules: Iterable[nn.Module]) -> list[QuantizeDequantize]:
     return list(seen.values())
 
 
-# AIMET's smallest quantization scale (float32 eps; ``aimet_torch.common.quantsim._get_minimum_scale`` for 8 bits).
+# AIMET's smallest quantization scale for 8 bits (float32 eps)
 _MIN_SCALE = float(torch.finfo(torch.float32).eps)
 
 
@@ -104,11 +99,8 @@ def _reduce(x: torch.Tensor, shape: tuple[int, ...], fn) -> torch.Tensor:
 
 
 def min_max_encoding(q: QuantizeDequantize, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, offset) that AIMET's min-max analyzer and ``q`` derive from an observed range, differentiably.
-
-    As AIMET does: the range is widened to hold zero; an asymmetric grid puts its offset on an integer
-    (rounded with a straight-through gradient); a symmetric one is centred on zero with the larger half.
-    """
+    """(scale, offset) that AIMET's min-max analyzer and ``q`` derive from an observed range, differentiably:
+    widened to hold zero, an asymmetric offset rounded (straight-through), a symmetric grid centred on zero."""
     lo, hi = lo.clamp(max=0), hi.clamp(min=0)
     if q.symmetric:
         scale = torch.maximum(hi / q.qmax, lo / q.qmin).clamp_min(_MIN_SCALE)
@@ -118,8 +110,7 @@ def min_max_encoding(q: QuantizeDequantize, lo: torch.Tensor, hi: torch.Tensor) 
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
-    """Quantize-dequantize with straight-through rounding: the gradient reaches ``x`` (inside the grid) and the
-    encoding (LSQ's (Q(x) - x) / scale for the scale), so that whatever set the range is trained too."""
+    """Quantize-dequantize with straight-through rounding; the gradient reaches ``x`` and the encoding (LSQ)."""
     scale, offset = _broadcastable(scale, x), _broadcastable(offset, x)
     rows = _rows(x, scale) if x.device.type == "cpu" and x.is_contiguous() else None
     if rows is not None and _compiled() is not None:
@@ -128,8 +119,7 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qm
 
 
 def _rows(x: torch.Tensor, range_: torch.Tensor) -> tuple[int, int] | None:
-    """``x`` as (rows, elements per row) with one range value per row (one row per tensor), or None where the
-    range is laid out otherwise: the two shapes the compiled kernels take, so that each compiles once or twice."""
+    """``x`` as (rows, elements per row) with one range value per row, or None: the shapes the kernels take."""
     if range_.numel() == 1:
         return 1, x.numel()
     if range_.dim() == x.dim() and range_.shape[0] == x.shape[0] and all(n == 1 for n in range_.shape[1:]):
@@ -144,9 +134,7 @@ def _dynamic_forward(x: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: in
 def _dynamic_terms(
     grad: torch.Tensor, x: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax: int
 ) -> tuple[torch.Tensor, ...]:
-    # what autograd's backward of _dynamic_forward's ops computes, op by op: the input's gradient, then the
-    # scale's two terms (from the product, from the division) and the offset's two (the sum, the difference),
-    # each before autograd sums it to the range's shape
+    # autograd's backward of _dynamic_forward, op by op: the input's gradient, the scale's two terms, the offset's two
     u = x / s
     v = u + (u.round() - u) - o
     grad_z = grad * s
@@ -158,26 +146,21 @@ def _dynamic_terms_fixed_offset(*args) -> tuple[torch.Tensor, ...]:
     return _dynamic_terms(*args)[:3]
 
 
+# phase 1's fake-quant forward, and its backward's terms with (offset) or without (scale) the offset's
+_DYNAMIC: dict[str, Any] = {"forward": _dynamic_forward, "offset": _dynamic_terms, "scale": _dynamic_terms_fixed_offset}
+
+
 @functools.cache
 def _compiled_dynamic(part: str) -> Any:
-    """Phase 1's fake-quant ``forward``, or its backward's terms with (``offset``) or without (``scale``) the
-    offset's: three functions, each compiled for a flat tensor and for rows."""
-    parts: dict[str, Callable[..., Any]] = {
-        "forward": _dynamic_forward,
-        "offset": _dynamic_terms,
-        "scale": _dynamic_terms_fixed_offset,
-    }
-    return torch.compile(parts[part], dynamic=True)
+    return torch.compile(_DYNAMIC[part], dynamic=True)
 
 
 class _DynamicFakeQuant(torch.autograd.Function):
-    """:func:`_dynamic_forward` with autograd's gradients, in one kernel each way instead of a dozen passes over
-    ``x``: the same values, and the range's terms summed to its shape as autograd sums them (tested, to the bit).
-    ``s`` and ``o`` have ``x``'s rank; ``rows`` is :func:`_rows` of them."""
+    """:func:`_dynamic_forward` with autograd's gradients to the bit, one kernel each way; ``rows``: :func:`_rows`."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, s: torch.Tensor, o: torch.Tensor, qmin: int, qmax: int, rows: tuple[int, int]):
-        # detached, as (rows, row) and (rows, 1): one graph per kind whatever the rank and what needs a gradient
+        # as (rows, row) and (rows, 1): one graph whatever the rank and what needs a gradient
         flat = (x.detach().reshape(rows), s.detach().reshape(rows[0], 1), o.detach().reshape(rows[0], 1))
         ctx.save_for_backward(*flat)
         ctx.limits, ctx.shapes = (qmin, qmax), (x.shape, s.shape, o.shape)
@@ -196,7 +179,6 @@ class _DynamicFakeQuant(torch.autograd.Function):
             grad_x = terms[0]
 
         def summed(a: torch.Tensor, b: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-            # each to the range's own shape first, as autograd sums a broadcast operand's gradient
             return a.view(x_shape).sum_to_size(shape) + b.view(x_shape).sum_to_size(shape)
 
         grad_s = summed(terms[1], terms[2], s_shape) if need_s else None
@@ -205,13 +187,9 @@ class _DynamicFakeQuant(torch.autograd.Function):
 
 
 def observed_min_max(x: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_reduce(x, shape, torch.amin)`` and ``torch.amax``'s, values and gradients, in one function of autograd.
-
-    Autograd's amin and amax each spend about ten passes over ``x`` on their backward (a mask, its count, a
-    promoted copy, products), and a per-channel weight's range is taken at every phase-1 step. Here the backward is
-    two passes, compiled where torch.compile can build it; its terms are autograd's, ``(grad / count) * mask`` for
-    each end, and they meet in one sum in which one of them is zero wherever the two ends differ, so every gradient
-    is autograd's to the bit (tested)."""
+    """``_reduce`` of ``x`` by amin and by amax in one autograd function: autograd's gradients to the bit, faster.
+    A per-channel weight's range is taken at every phase-1 step; autograd's own backward makes many passes over ``x``.
+    Bitwise equal because the two ends' terms meet in one sum where one of them is zero wherever the ends differ."""
     full = (1,) * (x.dim() - len(shape)) + tuple(shape)
     dims = tuple(i for i, n in enumerate(full) if n == 1)
     return _MinMax.apply(x, dims, tuple(shape))
@@ -232,9 +210,7 @@ class _MinMax(torch.autograd.Function):
         rows = _rows(x, lo) if x.is_contiguous() else None
         if x.device.type != "cpu" or rows is None or _compiled() is None:
             return _min_max_gradient(x, lo, hi, grad_lo, grad_hi, ctx.dims), None, None
-        # as (rows, row): one graph for every tensor reduced whole and one for every row-wise range
-        n = rows[0]
-        ends = (t.reshape(n, 1) for t in (lo, hi, grad_lo, grad_hi))
+        ends = (t.reshape(rows[0], 1) for t in (lo, hi, grad_lo, grad_hi))
         return _compiled_min_max_gradient()(x.detach().reshape(rows), *ends, (1,)).view(x.shape), None, None
 
 
@@ -250,18 +226,12 @@ def _compiled_min_max_gradient() -> Any:
 
 
 class DynamicRanges:
-    """The paper's dynamic quantization (phase 1), with ranges that autograd sees.
-
-    While entered, each quantizer of ``qs`` quantizes a tensor with the min-max range of that same tensor
-    (weights and activations alike), as AIMET's own dynamic mode does. AIMET computes that range under
-    ``no_grad``, so a gradient only sees the rounding; here, with ``range_gradient``, the min and max are
-    part of the graph: shrinking an outlier channel is seen to narrow the range for every other channel,
-    which is how a Quadapter helps. ``range_gradient=False`` gives AIMET's behaviour (for ablations).
-
-    :meth:`pin` makes quantizers use the range of a larger tensor (the whole step batch) while they
-    quantize part of it (the rows a loss is computed on), so subsampling the loss does not change the
-    ranges. The quantizers' own state is not touched.
-    """
+    """The paper's dynamic quantization (phase 1): while entered, each quantizer of ``qs`` takes the min-max range of
+    the tensor it quantizes, part of the graph with ``range_gradient`` (False: AIMET's dynamic mode, under no_grad).
+    :meth:`pin` fixes the range of a larger tensor while part of it is quantized. The quantizers' state is kept.
+    AIMET's mode lets a gradient see only the rounding; with the range in the graph, shrinking an outlier channel is
+    seen to narrow the range of every other channel, which is how a Quadapter helps. ``pin``: so that subsampling the
+    loss rows does not change the ranges."""
 
     def __init__(self, qs: Iterable[QuantizeDequantize], range_gradient: bool = True):
         self.quantizers = list(dict.fromkeys(qs))
@@ -271,8 +241,7 @@ class DynamicRanges:
 
     @contextmanager
     def off(self) -> Iterator[None]:
-        """Inside the entered context, the quantizers pass their input through: the FP function of the
-        modules as they are (scaled by the Quadapters in effect)."""
+        """Inside the entered context, the quantizers pass their input through."""
         self.quantizing = False
         try:
             yield
@@ -310,8 +279,7 @@ class DynamicRanges:
 
     @staticmethod
     def _aimet_forward(q: QuantizeDequantize, x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
-        """``q``'s own forward on the range of ``scale`` and ``offset``: a block-wise grid (LPBQ's rounded block
-        scales among them) as AIMET computes it, the gradient reaching the range."""
+        """``q``'s own forward (a block-wise grid, LPBQ's among them) on the range of ``scale`` and ``offset``."""
         patched = q.__dict__.pop("forward")
         try:
             bounds = {"min": (offset + q.qmin) * scale, "max": (offset + q.qmax) * scale}
@@ -320,10 +288,8 @@ class DynamicRanges:
             q.forward = patched
 
     def __enter__(self) -> DynamicRanges:
-        # An AIMET module calibrates a parameter quantizer that has no range yet at its first call, inside
-        # its own compute-encodings context, which on exit deletes the ``forward`` patched below: the
-        # quantizer would then quantize with the range of the unscaled weight for the rest of the context.
-        # A placeholder range, put back on exit, keeps AIMET from doing that.
+        # AIMET calibrates a quantizer with no range at its first call, and that context deletes the ``forward``
+        # patched below on exit: a placeholder range, put back on exit, keeps AIMET from doing that.
         if any(q.zero_point_shift != 0 for q in self.quantizers):
             raise NotImplementedError("dynamic ranges: shifted grids are not supported")
         self._uninitialized = [(q, _clone_state(q.state_dict())) for q in self.quantizers if not q.is_initialized()]
@@ -339,9 +305,7 @@ class DynamicRanges:
             q.__dict__.pop("forward", None)
         for q, state in self._uninitialized:
             q.load_state_dict(state)
-        # The readers of one tensor share min/max (policy.tie_shared_ranges): loading a later reader's state
-        # writes the shared parameters again, which AIMET reads as the earlier readers being initialized.
-        # Marking them after every write puts each back as it was.
+        # readers of one tensor share min/max: a later reader's load marks the earlier ones initialized again
         for q, state in self._uninitialized:
             q.set_extra_state(state["_extra_state"])
 
@@ -355,14 +319,12 @@ def _clone_state(state):
 
 
 def range_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The learnable min/max of every activation and weight quantizer (LSQ+-style range learning), each once:
-    the readers of one tensor share theirs (``tie_shared_ranges``)."""
+    """The learnable min/max of every quantizer (LSQ+-style range learning), each once."""
     return [p for p, _ in range_parameter_widths(model)]
 
 
 def range_parameter_widths(model: nn.Module) -> list[tuple[nn.Parameter, float]]:
-    """:func:`range_parameters`, each with the width (max - min) of its quantizer's range as it is now,
-    averaged over the channels of a per-channel range (0 for a quantizer with no range yet)."""
+    """:func:`range_parameters`, each with its range's width (max - min), averaged over channels (0 uncalibrated)."""
     params: dict[int, tuple[nn.Parameter, float]] = {}
     for _, _, q in quantizers(model):
         named = dict(q.named_parameters())
@@ -374,32 +336,22 @@ def range_parameter_widths(model: nn.Module) -> list[tuple[nn.Parameter, float]]
     return list(params.values())
 
 
-@contextmanager
-def plain_tensors() -> Iterator[None]:
-    """Quantizers return plain tensors instead of AIMET's ``DequantizedTensor``.
-
-    The subclass only carries the encoding along; its ``__torch_function__`` runs on every op that touches
-    it (AIMET's own inference mode switches it off for that reason). Values and gradients are the same.
-    """
-    with qtensor_casting(False):
-        yield
+def plain_tensors() -> AbstractContextManager:
+    """Quantizers return plain tensors, not AIMET's ``DequantizedTensor``: the same values and gradients, faster
+    (the subclass only carries the encoding; its ``__torch_function__`` runs on every op; AIMET's inference mode
+    switches it off too)."""
+    return qtensor_casting(False)
 
 
-# Above this many bytes of weights, fast_inference keeps the float weights in a temporary file while their
-# quantized copies serve, instead of beside them: a large model's evaluation then holds one copy of its
-# weights, not two, for the cost of writing and reading them once (seconds, against minutes of evaluation).
+# Above this many bytes of weights, fast_inference keeps the float weights on disk while their quantized copies serve
 SPILL_BYTES = LARGE_WEIGHTS_BYTES
 
 
 @contextmanager
 def fast_inference(sim_model: nn.Module, spill_bytes: int = SPILL_BYTES) -> Iterator[None]:
-    """Evaluate the sim at lower cost with the same output: weights quantized once, encodings precomputed.
-
-    Weight fake-quant dominates a sim forward (the embedding and lm_head above all) and gives the
-    same result on every call while nothing trains; activation encodings are otherwise rebuilt from
-    min/max at every call; activations go through :func:`elementwise_fake_quant`, and quantizer outputs
-    are plain tensors (:func:`plain_tensors`). Weights of more than ``spill_bytes`` in all wait on disk.
-    """
+    """Evaluate the sim at lower cost with the same output: weights quantized once, encodings precomputed,
+    :func:`elementwise_fake_quant` and :func:`plain_tensors`. Weights of more than ``spill_bytes`` wait on disk.
+    Weight fake-quant dominates a sim forward and gives one result on every call while nothing trains."""
     with quantized_weights(sim_model, spill_bytes), ExitStack() as inner:
         active = [q for _, _, q in quantizers(sim_model) if q.is_initialized()]
         for q in active:
@@ -412,10 +364,9 @@ def fast_inference(sim_model: nn.Module, spill_bytes: int = SPILL_BYTES) -> Iter
 
 @contextmanager
 def calibration_passes(sim_model: nn.Module) -> Iterator[None]:
-    """Inside AIMET's ``compute_encodings`` (the quantizers it calibrates passing their input through), the same
-    statistics at lower cost: the quantizers whose fixed range AIMET keeps (a sigmoid's or softmax's output under
-    ``htp``) through :func:`elementwise_fake_quant`, quantizer outputs as plain tensors. The weights are quantized at
-    every batch still: once for all batches would hold a quantized copy of them beside the float one."""
+    """Inside AIMET's ``compute_encodings``, the same statistics at lower cost: its fixed ranges (a softmax's
+    output under ``htp``) through :func:`elementwise_fake_quant`, quantizer outputs as plain tensors. Weights are still
+    quantized at every batch: once for all would hold a quantized copy beside the float one."""
     fixed = [q for _, _, q in quantizers(sim_model) if q.is_initialized() and not q.is_overwrite_allowed()]
     with elementwise_fake_quant(fixed), plain_tensors():
         yield
@@ -423,8 +374,8 @@ def calibration_passes(sim_model: nn.Module) -> Iterator[None]:
 
 @contextmanager
 def quantized_weights(sim_model: nn.Module, spill_bytes: int = SPILL_BYTES) -> Iterator[None]:
-    """While inside, every calibrated weight quantizer's output is the weight itself and the quantizer is off;
-    weights of more than ``spill_bytes`` in all wait on disk; all put back on exit."""
+    """While inside, every calibrated weight holds its quantized value and its quantizer is off; weights of more
+    than ``spill_bytes`` in all wait on disk; all put back on exit."""
     quantized = []
     for module in sim_model.modules():
         if hasattr(module, "param_quantizers"):
@@ -447,7 +398,7 @@ def quantized_weights(sim_model: nn.Module, spill_bytes: int = SPILL_BYTES) -> I
                     if folder is not None and not shared:
                         path = folder / f"{len(saved)}.pt"
                         torch.save(original, path)
-                        original = path  # the float tensor's last reference: freed now
+                        original = path
                     saved.append((module, name, q, original))
                     module.param_quantizers[name] = None
             yield
@@ -465,15 +416,15 @@ def _zero_point(offset: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (-offset.to(torch.int32)).to(dtype)
 
 
-# True inside aimet_onnx_rounding(): activations round as aimet-onnx's kernel does
+# True inside aimet_onnx_rounding()
 _onnx_rounding = False
 
 
 def aimet_onnx_fake_quant(
     x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qmin: int, qmax: int
 ) -> torch.Tensor:
-    """Fake-quant as aimet-onnx's CPU kernel computes it (2.42): on its unsigned grid ``[0, qmax - qmin]``, the code
-    is ``x / scale - offset - qmin`` in float32 rounded half up. Per tensor or per channel (``scale``'s shape)."""
+    """Fake-quant as aimet-onnx's CPU kernel computes it: the code ``x / scale - offset - qmin`` in float32, rounded
+    half up, on the unsigned grid ``[0, qmax - qmin]``. Per tensor or per channel (``scale``'s shape)."""
     shape = (1,) * (x.dim() - scale.dim()) + tuple(scale.shape)
     s = scale.detach().to(torch.float32).reshape(shape)
     o = offset.detach().to(torch.float32).reshape(shape)
@@ -485,17 +436,13 @@ def aimet_onnx_fake_quant(
 
 @contextmanager
 def aimet_onnx_rounding(sim_model: nn.Module) -> Iterator[None]:
-    """Evaluate ``sim_model`` with every activation quantizer rounding as AIMET's ONNX simulation does, gradients off.
+    """Evaluate ``sim_model`` with every activation quantizer rounding as AIMET's ONNX simulation does (half up,
+    offset first, where the sim rounds half to even), gradients off. Weight quantizers keep the sim's arithmetic:
+    the export writes weights already on their grid. Tells that bias from a defect of the exported graph.
 
-    The sim's own arithmetic (``torch.fake_quantize``'s, and :class:`FakeQuantSTE`'s) rounds ``x * (1 / scale)``
-    half to even and then adds the zero point; aimet-onnx's activation quantizers subtract the offset first, in
-    float32, and round half up. A value within a float32 rounding of a half step gets the code above, never the one
-    below: a bias one code wide on few values, which an 8-bit residual stream carries from layer to layer. The
-    weight quantizers keep the sim's arithmetic: the export writes every weight already on its grid as the sim
-    rounded it, and aimet-onnx's kernel gives an on-grid value back unchanged, so the device graph never rounds a
-    raw weight (one rounded half up here would: weights expanded from a 4-bit file sit on half steps of their 8-bit
-    grid). Scoring the sim both ways tells that bias from a defect of the exported graph (``export
-    --device-check``, ``aimet-quadapter noise --rounding aimet-onnx``)."""
+    A value within a float32 rounding of a half step gets the code above, never the one below: a bias one code wide,
+    which an 8-bit residual stream carries from layer to layer. Weights must not round half up here: aimet-onnx gives
+    an on-grid value back unchanged, and weights expanded from a 4-bit file sit on half steps of their 8-bit grid."""
     global _onnx_rounding
     weights = [q for _, role, q in quantizers(sim_model) if not role.startswith(("input", "output"))]
     inside = [0]  # > 0 while a weight quantizer runs: AIMET's own arithmetic
@@ -507,9 +454,7 @@ def aimet_onnx_rounding(sim_model: nn.Module) -> Iterator[None]:
         inside[0] -= 1
 
     def fake_quant(x, scale, offset, qmin, qmax):
-        if inside[0]:
-            return aimet(x, scale, offset, qmin, qmax)
-        return aimet_onnx_fake_quant(x, scale, offset, qmin, qmax)
+        return (aimet if inside[0] else aimet_onnx_fake_quant)(x, scale, offset, qmin, qmax)
 
     handles = [h for q in weights for h in (q.register_forward_pre_hook(enter), q.register_forward_hook(leave))]
     before, _onnx_rounding = _onnx_rounding, True
@@ -530,7 +475,7 @@ class FakeQuantSTE(torch.autograd.Function):
         if _onnx_rounding:
             return aimet_onnx_fake_quant(x, scale, -zero_point, qmin, qmax)
         if not x.requires_grad and x.device.type == "cpu" and x.is_contiguous():
-            kernels = _compiled()  # the same values in one pass instead of five (tested)
+            kernels = _compiled()
             if kernels is not None:
                 return kernels[0](x.reshape(-1), scale, zero_point, qmin, qmax).view(x.shape)
         q = x.mul(1.0 / scale).round_().add_(zero_point)
@@ -545,15 +490,10 @@ class FakeQuantSTE(torch.autograd.Function):
 
 
 class FakeQuantLearnedRange(torch.autograd.Function):
-    """:class:`FakeQuantSTE`'s arithmetic, with AIMET's gradients for the scale and the offset as well (LSQ).
-
-    AIMET's own path for a range that trains divides by the scale where its fixed-range kernel multiplies by
-    the reciprocal; the two round a value on a grid boundary differently, and a model as sensitive to single
-    roundings as SmolLM2 then trains another function than the one evaluated and exported. With this
-    function a trained range computes, bit for bit, what the evaluation of the same range computes. The
-    gradients are those of AIMET's ``QuantDequantFunc``: to the input where it is in range, to the scale the
-    rounding error in range and the clamped grid value outside, to the offset the scale outside the range.
-    """
+    """:class:`FakeQuantSTE`'s arithmetic with the gradients of AIMET's ``QuantDequantFunc`` (whose own forward
+    divides by the scale and rounds otherwise): training computes, bit for bit, what evaluation computes. The two
+    round a value on a grid boundary differently, and a model as sensitive to single roundings as SmolLM2 would then
+    train another function than the one evaluated and exported."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, qmin: int, qmax: int):
@@ -566,9 +506,7 @@ class FakeQuantLearnedRange(torch.autograd.Function):
         kernels = _compiled() if x.device.type == "cpu" and x.is_contiguous() else None
         ctx.compiled = kernels is not None
         if kernels is not None:
-            # One pass over x instead of eight. The backward recomputes the masks from x element by element and
-            # sums as below: the same values and the same sums, bit for bit (tested). Flat where the range is
-            # one scale, so that one graph serves every shape; per channel, x keeps its rank for the broadcast.
+            # flat where the range is one scale, so that one graph serves every shape
             ctx.save_for_backward(x.detach(), s, zero_point)
             flat = x.detach() if ctx.per_channel else x.detach().reshape(-1)
             return kernels[0](flat, s, zero_point, qmin, qmax).view(x.shape)
@@ -583,10 +521,9 @@ class FakeQuantLearnedRange(torch.autograd.Function):
             x, s, zero_point = ctx.saved_tensors
             qmin, qmax = ctx.limits
             scale_factor: Any
-            if not grad.is_contiguous():  # the eager products would be laid out, and summed, in grad's order
+            if not grad.is_contiguous():  # summed in grad's layout, as the eager products are
                 mask, scale_factor, _ = _eager_terms(x, s, zero_point, qmin, qmax, ctx.needs_input_grad[1])
             else:
-                # per channel, x keeps its rank for the scale's broadcast
                 grad_, x_ = (grad, x) if ctx.per_channel else (grad.reshape(-1), x.reshape(-1))
                 flat = (grad_, x_, s, zero_point, qmin, qmax)
                 return (*_compiled_gradients(ctx.needs_input_grad, ctx.shapes, x.shape, flat), None, None)
@@ -605,22 +542,19 @@ def _broadcastable(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """``t`` summed over every dimension where a range of ``shape`` is one value (all of them per tensor)."""
     return _reduce(t, tuple(shape), torch.sum)
 
 
 def _eager_terms(
     x: torch.Tensor, s: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int, scale_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The in-range mask, the scale's gradient factor (where ``scale_grad``) and the grid value less the zero
-    point, as :class:`FakeQuantLearnedRange` computes them without kernels."""
+    """The in-range mask, the scale's gradient factor (where ``scale_grad``) and the grid value less the zero point."""
     scaled = x.mul(1.0 / s)
     rounded = scaled.round()
     q = rounded.add(zero_point)
     mask = (q >= qmin) & (q <= qmax)
-    q.clamp_(qmin, qmax).sub_(zero_point)  # the grid value relative to the zero point, as dequantized
-    # in place, the same values as torch.where(mask, rounded - scaled, q): on lm_head's weights each copy
-    # of the tensor is over 100 MB at a phase-2 step's peak
+    q.clamp_(qmin, qmax).sub_(zero_point)
+    # torch.where(mask, rounded - scaled, q) in place: on lm_head's weights each copy is over 100 MB
     scale_factor = None
     if scale_grad:
         scale_factor = rounded.sub_(scaled)
@@ -633,7 +567,6 @@ def _eager_terms(
 def _learned_terms(
     grad: torch.Tensor, x: torch.Tensor, s: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # FakeQuantLearnedRange.backward's three products, element by element; the caller sums them as it does
     scaled = x * (1.0 / s)
     rounded = scaled.round()
     q = rounded + zero_point
@@ -643,8 +576,7 @@ def _learned_terms(
 
 
 def _terms_input_and_scale(*args) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_x, by_scale, _ = _learned_terms(*args)
-    return grad_x, by_scale
+    return _learned_terms(*args)[:2]
 
 
 def _terms_input(*args) -> tuple[torch.Tensor]:
@@ -655,23 +587,20 @@ def _terms_scale(*args) -> tuple[torch.Tensor]:
     return (_learned_terms(*args)[1],)
 
 
-# One function (one code object) per selection: torch.compile keeps at most 8 graphs per code object and runs it
-# eagerly, every product made, after that; per tensor and per channel each selection needs two.
+# one code object per selection: torch.compile keeps at most 8 graphs per code object, then runs it eagerly (every
+# product made); per tensor and per channel each selection needs two
 _TERMS = {(0, 1): _terms_input_and_scale, (0,): _terms_input, (1,): _terms_scale}
 
 
 @functools.cache
 def _compiled_terms(which: tuple[int, ...]) -> Any:
-    """The products of :func:`_learned_terms` that ``which`` names, as one kernel: the same values element by
-    element."""
     return torch.compile(_TERMS[which], dynamic=True)
 
 
 def _compiled_gradients(needs: tuple[bool, ...], shapes: tuple, shape: torch.Size, flat: tuple) -> tuple:
-    """The input's, scale's and offset's gradients (those ``needs`` asks for) from flat ``(grad, x, s, zero_point,
-    qmin, qmax)``. Two input-sized tensors at a time, not three (each over 100 MB on the logits and lm_head's weights
-    at a phase-2 step's peak): the scale's products are summed before the offset's are made, as the gradient less
-    the input's gradient, the same values as ``grad * ~inside`` but for the sign of a zero, which no sum keeps."""
+    """The gradients ``needs`` asks for from flat ``(grad, x, s, zero_point, qmin, qmax)``, two big tensors at once:
+    the scale's products are summed before the offset's are made, as the gradient less the input's (``grad *
+    ~inside`` but for the sign of a zero, which no sum keeps)."""
     scale_shape, offset_shape = shapes
     grad_x = grad_scale = grad_offset = None
     if needs[0] or needs[2]:
@@ -689,22 +618,20 @@ def _compiled_gradients(needs: tuple[bool, ...], shapes: tuple, shape: torch.Siz
 
 
 def _learned_forward(x: torch.Tensor, s: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
-    # FakeQuantLearnedRange.forward's arithmetic, op for op, so that the compiled kernel rounds as it does
+    # FakeQuantLearnedRange.forward's arithmetic, op for op
     return (x * (1.0 / s)).round().add(zero_point).clamp(qmin, qmax).sub(zero_point).mul(s)
 
 
 def _learned_backward(
     grad: torch.Tensor, x: torch.Tensor, s: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # FakeQuantLearnedRange.backward's gradients, recomputed from the input instead of read from saved masks
     grad_x, by_scale, by_offset = _learned_terms(grad, x, s, zero_point, qmin, qmax)
     return grad_x, by_scale.sum(), by_offset.sum() * s
 
 
 @functools.cache
 def _compiled() -> tuple[Any, Any] | None:
-    """The two kernels, compiled once for flat inputs of any length; None where torch.compile cannot build them
-    here. They are called on flattened tensors without autograd, so that one graph serves every tensor's shape."""
+    """The learned-range forward and backward kernels, for flat inputs; None where torch.compile cannot build them."""
     try:
         forward = torch.compile(_learned_forward, dynamic=True)
         backward = torch.compile(_learned_backward, dynamic=True)
@@ -719,9 +646,7 @@ def _compiled() -> tuple[Any, Any] | None:
 
 
 class FusedFakeQuantLearnedRange(torch.autograd.Function):
-    """:class:`FakeQuantLearnedRange` as two compiled kernels: one forward, one backward that also sums the
-    range's gradients. The values are the eager function's bit for bit (tested); the sums of the scale's and
-    offset's gradients are taken in another order. Keeps the input for the backward pass instead of two masks."""
+    """:class:`FakeQuantLearnedRange` in two compiled kernels: range gradients summed in another order."""
 
     @staticmethod
     def forward(
@@ -739,8 +664,8 @@ class FusedFakeQuantLearnedRange(torch.autograd.Function):
         s = scale.detach()
         zero_point = _zero_point(offset.detach(), s.dtype) if zero_point is None else zero_point.detach()
         ctx.shapes, ctx.limits, ctx.eager = (scale.shape, offset.shape, x.shape), (qmin, qmax), False
-        # flat and not a view (the graph's guards would otherwise tell inputs apart by rank, strides, base and
-        # requires_grad): one compiled graph for every tensor of a dtype
+        # flat and not a view (guards would tell inputs apart by rank, strides, base and requires_grad): one compiled
+        # graph for every tensor of a dtype
         x = x.reshape(-1).detach()
         ctx.save_for_backward(x, s, zero_point)
         return kernels[0](x, s, zero_point, qmin, qmax).view(ctx.shapes[2])
@@ -765,17 +690,10 @@ class FusedFakeQuantLearnedRange(torch.autograd.Function):
 
 @contextmanager
 def elementwise_fake_quant(qs: Iterable[QuantizeDequantize], fused: bool = False) -> Iterator[None]:
-    """While inside, per-tensor fake-quant runs as five vectorised tensor ops, with fixed or learned ranges.
-
-    On a CPU, ``torch.fake_quantize_per_tensor_affine`` (what AIMET calls) is not vectorised and also
-    writes a gradient mask, so it costs many times the same float32 arithmetic written as tensor ops
-    (x * (1 / scale), round half to even, + zero point, clamp, - zero point, * scale), which gives
-    bit-identical outputs; the gradient is ATen's straight-through one (tested). A range that trains takes
-    :class:`FakeQuantLearnedRange`: the same arithmetic, so training and evaluation compute one function, on
-    every device, per tensor or per channel. Fixed per-channel ranges keep AIMET's path, and so do fixed ranges on
-    CUDA, whose kernels are vectorised already. ``fused``: a trained per-tensor range takes
-    :class:`FusedFakeQuantLearnedRange` instead, the same values in two kernels.
-    """
+    """While inside, fixed per-tensor fake-quant on a CPU runs as vectorised tensor ops (ATen's values, bit for bit),
+    and a range that trains takes :class:`FakeQuantLearnedRange` on every device (``fused``: per tensor, the fused
+    one). Fixed per-channel ranges and fixed ranges on CUDA keep AIMET's path. On a CPU,
+    ``torch.fake_quantize_per_tensor_affine`` is not vectorised and writes a gradient mask; CUDA's kernels are."""
     learned = FusedFakeQuantLearnedRange if fused else FakeQuantLearnedRange
     patched = []
     try:
@@ -795,7 +713,7 @@ def elementwise_fake_quant(qs: Iterable[QuantizeDequantize], fused: bool = False
                     return original(x)
                 per_tensor = enc.scale.numel() == 1
                 if torch.is_grad_enabled() and (enc.scale.requires_grad or enc.offset.requires_grad):
-                    plain = x.as_subclass(torch.Tensor)  # on every device: it is a matter of arithmetic
+                    plain = x.as_subclass(torch.Tensor)
                     function = learned if per_tensor else FakeQuantLearnedRange
                     return function.apply(plain, enc.scale, enc.offset, enc.qmin, enc.qmax)
                 # CUDA's kernels are vectorised already, and ATen's per-channel one also multiplies by 1 / scale
@@ -810,7 +728,7 @@ def elementwise_fake_quant(qs: Iterable[QuantizeDequantize], fused: bool = False
         yield
     finally:
         for q in patched:
-            q.__dict__.pop("forward", None)  # AIMET's own patch of `forward`, inside, may have removed it already
+            q.__dict__.pop("forward", None)  # AIMET's own patch of `forward` may have removed it already
 
 
 # (scale, offset, zero point) of a quantizer while :func:`batched_range_encodings` holds them, by id of the quantizer
@@ -820,14 +738,9 @@ _batched: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 @contextmanager
 def batched_range_encodings(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
     """While inside (and under :func:`elementwise_fake_quant`), the per-tensor quantizers of ``qs`` whose range
-    trains take their scale and offset from one computation for all of them, made on entry.
-
-    Each quantizer otherwise derives its encoding from its min and max at every call, a dozen tiny tensor ops
-    forward and as many backward, twice per step where blocks are recomputed: on a GPU each is a kernel launch.
-    The values are ``get_encodings``' to the bit; the gradients reach min and max as the same terms summed in
-    another order (the readers of a shared range add theirs before the encoding's backward instead of after).
-    Enter it anew for each forward and backward pass: the encodings are part of that pass's autograd graph.
-    """
+    trains take their encodings from one computation made on entry (``get_encodings``' values, gradients summed in
+    another order). Enter it anew for each pass: the encodings are part of its autograd graph. Otherwise each
+    quantizer derives its encoding at every call, a dozen tiny ops each way: on a GPU, each a kernel launch."""
     groups: dict[tuple[int, int, bool], dict[tuple[int, int], list[QuantizeDequantize]]] = {}
     for q in dict.fromkeys(qs):
         named = dict(q.named_parameters(recurse=False))
@@ -845,7 +758,7 @@ def batched_range_encodings(qs: Iterable[QuantizeDequantize]) -> Iterator[None]:
             first = [qs_[0] for qs_ in by_range.values()]
             lo = torch.stack([q.min.reshape(()) for q in first])
             hi = torch.stack([q.max.reshape(()) for q in first])
-            # AIMET's get_scale and _get_offset, elementwise over every range at once
+            # AIMET's get_scale and _get_offset, over every range at once
             scale = ((hi - lo) / (qmax - qmin)).abs().clamp_min_(minimum_scale(qmax - qmin))
             if symmetric:
                 offset = torch.full_like(scale, float(-round((qmin + qmax) / 2))).detach()
@@ -868,10 +781,8 @@ _full_precision: list[bool] = [False]
 
 @torch.no_grad()
 def refresh_prefix(sim_model: nn.Module) -> None:
-    """Recompute the keys and values of the prefix of ``sim_model`` (a PreparedLM, or a sim's model) from its
-    weights as they are now, every quantizer out of the way: the prefix's cache is kept in full precision
-    (PrefixQuant), so after the weights or alphas change it is computed again, not trained. A model
-    without a prefix is left alone."""
+    """Recompute the full-precision keys and values of the prefix of ``sim_model`` from its weights as they are now,
+    every quantizer out of the way: after the weights or alphas change. A model without a prefix is left alone."""
     if not isinstance(sim_model, PreparedLM) or sim_model.prefix_ids is None:
         return
     _full_precision[0] = True
@@ -892,13 +803,8 @@ def _per_tensor(q: QuantizeDequantize) -> bool:
 
 @contextmanager
 def gathered_embedding_quantization(sim_model: nn.Module) -> Iterator[None]:
-    """Fake-quantize only the embedding rows a batch looks up, not the whole table (training).
-
-    With a per-tensor range, quantizing rows after the lookup equals looking up rows of the quantized
-    table, element for element; with learned ranges the whole table's fake-quant and its backward are
-    a large share of a training step (50,257 x 768 for GPT-2). Static ranges only: a dynamic range
-    taken from the looked-up rows would differ from the table's.
-    """
+    """Fake-quantize only the embedding rows a batch looks up (training), under a static per-tensor range: then equal
+    to looking up the quantized table; a dynamic range taken from the looked-up rows would differ from the table's."""
     saved = []
     try:
         for module in sim_model.modules():
@@ -919,17 +825,14 @@ def gathered_embedding_quantization(sim_model: nn.Module) -> Iterator[None]:
 
 
 def shared_activation_groups(sim_model: nn.Module, seq_len: int = 8) -> list[list[str]]:
-    """Activation quantizers that quantize one and the same tensor, e.g. the inputs of q, k and v.
-
-    Found by one forward pass: each activation quantizer records the tensor object it is called with.
-    Works on an uncalibrated sim too, e.g. to give such a group one shared quantizer before training.
-    """
+    """Activation quantizers that quantize one and the same tensor, e.g. the inputs of q, k and v, found by one
+    forward pass (tensor identity). Works on an uncalibrated sim too."""
     calls: dict[int, tuple[torch.Tensor, list[str]]] = {}
     handles = []
 
     def recorder(key: str):
         def pre_hook(module, args):
-            # keeping the tensor in `calls` keeps it alive, so its id cannot be reused by another tensor
+            # kept alive in `calls`, so that its id cannot be reused
             calls.setdefault(id(args[0]), (args[0], []))[1].append(key)
 
         return pre_hook
@@ -941,8 +844,7 @@ def shared_activation_groups(sim_model: nn.Module, seq_len: int = 8) -> list[lis
             activations.append(q)
     device = device_of(sim_model)
     try:
-        # in dynamic mode an uncalibrated sim runs too; every quantizer's state is put back afterwards. Weights
-        # stay float: their quantized copies would only add to the peak (a 1B model's lm_head alone is 400 MB).
+        # dynamic mode runs an uncalibrated sim too; float weights: quantized copies would only add to the peak
         with torch.no_grad(), remove_param_quantizers(sim_model), DynamicRanges(activations):
             sim_model(torch.zeros((1, seq_len), dtype=torch.long, device=device))
     finally:

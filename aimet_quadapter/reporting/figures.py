@@ -1,6 +1,4 @@
-"""Figures of a whole run, drawn from its results.json: every cell's perplexity against FP32, the data-size
-sweep (the paper's Fig. 3) and the FP / FP-fine-tuned comparison (its Fig. 6). Per-cell figures (Fig. 4,
-Fig. 5) are drawn by the methods."""
+"""Figures of a whole run from its results.json: perplexity against FP32, the paper's Fig. 3 and Fig. 6."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ from matplotlib.ticker import NullFormatter  # noqa: E402
 
 from aimet_quadapter.running.plots import save_figure  # noqa: E402
 
-# Methods of the FP vs FP-fine-tuned comparison, in the order of the paper's Fig. 6.
+# in the order of the paper's Fig. 6
 COMPARISON = ("fp", "fp_finetuned", "qat", "quadapter_bc_qat", "quadapter")
 
 
@@ -29,8 +27,7 @@ def _bar_rows(rows: list[dict]) -> list[dict]:
 
 
 def perplexity_bars(results: dict, rows: list[dict]) -> tuple[list[str], dict[str, list[float]]]:
-    """The bars of :func:`plot_perplexities`: a label per quantized cell (``rows`` in table order, sweeps
-    left out) and, per eval dataset, each cell's perplexity / FP32's (NaN where either is missing)."""
+    """The bars of :func:`plot_perplexities`: labels and, per column, perplexity / FP32's (NaN where missing)."""
     columns = [d["label"] for d in results["datasets"]]
     fp = next((r for r in rows if r["method"] == "fp"), None)
     quantized = _bar_rows(rows)
@@ -47,8 +44,7 @@ def perplexity_bars(results: dict, rows: list[dict]) -> tuple[list[str], dict[st
 
 
 def plot_perplexities(results: dict, rows: list[dict], path: Path) -> Path | None:
-    """One bar per cell and eval dataset: perplexity / FP32's, so that texts of different perplexity share
-    one axis; each bar is labelled with the perplexity itself."""
+    """One bar per cell and column, perplexity / FP32's so that texts share one axis, labelled with the perplexity."""
     labels, series = perplexity_bars(results, rows)
     if not labels or not any(math.isfinite(v) for values in series.values() for v in values):
         return None
@@ -58,7 +54,6 @@ def plot_perplexities(results: dict, rows: list[dict], path: Path) -> Path | Non
     fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * len(labels) * max(len(series), 2) + 2), 3.8))
     for j, (column, ratios) in enumerate(series.items()):
         xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(labels))]
-        # the min-max over seeds, where a row has several
         spreads = [r.get("spread", {}).get("ppl", {}).get(column) for r in quantized]
         low = [v - s[0] / fp["ppl"][column] if s and math.isfinite(v) else 0.0 for v, s in zip(ratios, spreads)]
         high = [s[1] / fp["ppl"][column] - v if s and math.isfinite(v) else 0.0 for v, s in zip(ratios, spreads)]
@@ -69,8 +64,7 @@ def plot_perplexities(results: dict, rows: list[dict], path: Path) -> Path | Non
                 x = bar.get_x() + bar.get_width() / 2
                 ax.annotate(f"{ratio * fp['ppl'][column]:.1f}", (x, ratio), ha="center", va="bottom", fontsize=7)
     ax.axhline(1.0, ls="--", color="gray", lw=1, label="FP32")
-    ax.set_xticks(range(len(labels)))
-    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set_ylabel("perplexity / FP32's")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7)
@@ -105,14 +99,11 @@ def plot_data_size(results: dict, path: Path) -> Path | None:
             if _finite(value):
                 style = "--" if ref["method"] == "fp" else ":"
                 ax.axhline(value, ls=style, color="gray", lw=1, label=ref["label"])
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        ax.set(xscale="log", yscale="log", xlabel="fine-tuning sequences", ylabel="perplexity")
         sizes = sorted({c["size"] for c in cells})
         ax.set_xticks(sizes, [str(s) for s in sizes])
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(column + (" (F-ID)" if column in in_fid else " (F-OOD)"), fontsize=10)
-        ax.set_xlabel("fine-tuning sequences")
-        ax.set_ylabel("perplexity")
         ax.grid(alpha=0.3, which="both")
     for ax in list(axes.flat)[len(columns) :]:
         ax.axis("off")
@@ -147,10 +138,8 @@ def plot_fp_comparison(results: dict, fid: str, path: Path) -> Path | None:
         xs = [j + (i - (len(rows) - 1) / 2) * width for j in range(len(columns))]
         ys = [row["ppl"].get(c, float("nan")) for c in columns]
         ax.bar(xs, ys, width, label=row["label"])
-    ax.set_xticks(range(len(columns)))
-    ax.set_xticklabels([c + ("\n(F-ID)" if c in fid_labels else "") for c in columns])
-    ax.set_yscale("log")
-    ax.set_ylabel("perplexity")
+    ax.set_xticks(range(len(columns)), [c + ("\n(F-ID)" if c in fid_labels else "") for c in columns])
+    ax.set(yscale="log", ylabel="perplexity")
     ax.set_title(f"fine-tuned on {fid}", fontsize=10)
     ax.grid(alpha=0.3, axis="y", which="both")
     ax.legend(fontsize=7)

@@ -1,16 +1,4 @@
-"""The report of a run folder: markdown tables laid out like the paper's, and links to its figures.
-
-* Table 1 layout: one row per (group, method), one column per eval dataset. Groups: FP32, the
-  calibration-only methods of each calibration set, then each F-ID's fine-tuned methods. Perplexity on
-  a row's own F-ID is underlined (``<ins>``); the best quantized value of each column within a group is
-  bold (FP32 and FP fine-tuned are references, never bold).
-* Table 2 layout: for every F-ID, its rows with the mean perplexity over the F-ID and over the F-OOD
-  datasets.
-* Figures: data-size sweep (Fig. 3), per-channel ranges before/after (Fig. 4), phase-1 learning curves
-  (Fig. 5), FP vs FP fine-tuned (Fig. 6).
-
-Only results.json and the files next to it are read: the report needs neither the model nor AIMET.
-"""
+"""The report of a run folder, from results.json and its files alone: the paper's tables (Table 1, 2) and figures."""
 
 from __future__ import annotations
 
@@ -22,7 +10,7 @@ from aimet_quadapter.atomic import write_text_atomic
 from aimet_quadapter.errors import QuadapterError
 from aimet_quadapter.methods.catalog import CATALOG
 from aimet_quadapter.running.results_file import load_results
-from aimet_quadapter.running.statistics import machine_label, merge_seeds
+from aimet_quadapter.running.statistics import finite, machine_label, merge_seeds
 
 
 def _fmt(value) -> str:
@@ -36,34 +24,24 @@ def _fmt(value) -> str:
 def _group_title(group: str) -> str:
     if group == "-":
         return "–"
-    if group.startswith("calib:"):
-        return f"Calib. data ({group.removeprefix('calib:')})"
-    return group
+    return f"Calib. data ({group.removeprefix('calib:')})" if group.startswith("calib:") else group
 
 
 def ordered_rows(results: dict, seeds: bool = False) -> list[dict]:
-    """Rows in table order: FP first, calibration groups, then F-ID groups; by method, then sweep size. The
-    seeds of a cell are one row (mean, and min-max in ``spread``); ``seeds``: each its own row."""
+    """Rows in table order (FP, calibration groups, F-ID groups; method, size); ``seeds``: no seeds merged."""
     groups = ["-"] + [f"calib:{c}" for c in results.get("calibration_sets", {})] + list(results.get("fids", {}))
     cells = list((results["cells"] if seeds else merge_seeds(results["cells"])).values())
-    for c in cells:
-        if c["group"] not in groups:
-            groups.append(c["group"])
-    order = {g: i for i, g in enumerate(groups)}
+    order = {g: i for i, g in enumerate(dict.fromkeys([*groups, *(c["group"] for c in cells)]))}
     return sorted(cells, key=lambda c: (order[c["group"]], c.get("rank", 99), c.get("size") or 0, c.get("seed") or 0))
 
 
-def _stop_reason(error: str) -> str:
-    """What stopped a cell, short enough for a row label: the cells table gives its whole error."""
-    return "perplexity not finite" if error.startswith("perplexity ") else "training diverged"
-
-
 def _row_label(cell: dict) -> str:
-    reason = _stop_reason(str(cell.get("error", "")))
+    # what stopped a cell, short: the cells table gives its whole error
+    reason = "perplexity not finite" if str(cell.get("error", "")).startswith("perplexity ") else "training diverged"
     stopped = f" (stopped: {reason})" if cell.get("error") else ""
     if cell.get("stopped_seeds"):
         stopped = f" (seed {', '.join(map(str, cell['stopped_seeds']))} stopped: {reason}; the mean of the others)"
-    if cell.get("settings"):  # its key's seeds ran under more than one set of settings: which this row is
+    if cell.get("settings"):  # its key's seeds ran under more than one set of settings
         stopped += f" (settings {cell['settings']})"
     if cell.get("nonfinite_seeds"):
         seeds = ", ".join(map(str, cell["nonfinite_seeds"]))
@@ -75,8 +53,7 @@ def _row_label(cell: dict) -> str:
 
 
 def _versions_note(results: dict) -> str | None:
-    """Marks (``other_versions``) the cells computed under other library versions than the newest cell, and
-    says which; None when every cell that records them agrees."""
+    """Marks (``other_versions``) and names the cells computed under other versions than the newest cell."""
     cells = [c for c in results["cells"].values() if c.get("versions")]
     if not cells:
         return None
@@ -94,20 +71,15 @@ def _versions_note(results: dict) -> str | None:
 
 
 def _best(rows: list[dict], columns: list[str], key: str = "ppl") -> dict[str, float]:
-    best: dict[str, float] = {}
     candidates = [r for r in rows if r["method"] not in CATALOG or CATALOG[r["method"]].quantized]
     if len(candidates) < 2:
-        return best
-    for col in columns:
-        values = [r[key][col] for r in candidates if isinstance(r.get(key, {}).get(col), (int, float))]
-        values = [v for v in values if math.isfinite(v)]
-        if values:
-            best[col] = min(values)
-    return best
+        return {}
+    values = {col: [r[key][col] for r in candidates if finite(r.get(key, {}).get(col))] for col in columns}
+    return {col: min(v) for col, v in values.items() if v}
 
 
 def _mean(values: list) -> float | None:
-    values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    values = [v for v in values if finite(v)]
     return sum(values) / len(values) if values else None
 
 
@@ -119,9 +91,8 @@ def _table(
     key: str = "ppl",
     ranges: str = "spread",
 ) -> str:
-    """A markdown table of ``rows`` (their ``key`` numbers); ``extra`` adds mean columns: title -> the columns
-    it averages. ``ranges``: beside a mean over seeds, their min-max (``spread``) or where another run lands
-    (``predict``)."""
+    """A markdown table of ``rows``' ``key`` numbers; ``extra``: mean columns (title -> the columns averaged);
+    ``ranges``: beside a mean over seeds, their min-max (``spread``) or where another run lands (``predict``)."""
     extra = extra or {}
     head = ["Data", "Method", *columns, *extra]
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---", "---"] + ["---:"] * (len(head) - 2)) + " |"]
@@ -164,23 +135,21 @@ def prediction_table(results: dict) -> str | None:
 
 
 def matched_comparisons(results: dict) -> list[str]:
-    """One line per trained method, matched baseline and column: their numbers and whether the method's is
-    lower beyond the spread over seeds (its worst seed better than the baseline's best), within it, or
-    unknown (one seed). Two rows run on different seeds are compared on the seeds both have."""
+    """Per trained method, matched baseline and column: lower or higher beyond the spread over seeds, within it, or
+    one seed; two rows compared on the seeds both ran."""
     rows = ordered_rows(results)
     lines = []
     for r in rows:
         info = CATALOG.get(r["method"])
         for other in info.matched if info else ():
-            # of the same fine-tuning size (a sweep's 2-sequence point is not matched with the 40-sequence row),
-            # and each of its rows where its seeds ran under more than one set of settings
-            for base in (b for b in rows if b["method"] == other and _place(b) == _place(r)):
+            # of the same group and fine-tuning size; each of its rows where its seeds ran under several settings
+            place = (r["group"], r.get("size"))
+            for base in (b for b in rows if b["method"] == other and (b["group"], b.get("size")) == place):
                 lines += _comparison(results, r, base)
     return lines
 
 
 def _comparison(results: dict, r: dict, base: dict) -> list[str]:
-    """:func:`matched_comparisons`' lines for row ``r`` against the row ``base`` of its matched baseline."""
     a, b, note = r, base, ""
     name_a, name_b = _name(r), _name(base)
     seeds_a, seeds_b = set(r.get("seeds", [])), set(base.get("seeds", []))
@@ -208,19 +177,13 @@ def _name(row: dict) -> str:
     return row["label"] + (f" (settings {row['settings']})" if row.get("settings") else "")
 
 
-def _place(row: dict) -> tuple:
-    """Where a row sits beside its matched baselines: its group and fine-tuning size."""
-    return row["group"], row.get("size")
-
-
 def _on_seeds(results: dict, row: dict, seeds: list[int]) -> dict:
     """``row`` (seeds merged) again, from its cells of ``seeds`` alone."""
-    mine = (row["method"], row["group"], row.get("size"), row.get("row_fingerprint"))
-    cells = {
-        key: c
-        for key, c in results["cells"].items()
-        if (c["method"], c["group"], c.get("size"), c.get("row_fingerprint")) == mine and c.get("seed") in seeds
-    }
+
+    def place(c: dict) -> tuple:
+        return c["method"], c["group"], c.get("size"), c.get("row_fingerprint")
+
+    cells = {key: c for key, c in results["cells"].items() if place(c) == place(row) and c.get("seed") in seeds}
     return next(iter(merge_seeds(cells).values()))
 
 
@@ -228,11 +191,8 @@ def _verdict(a: dict, b: dict, field: str, col: str) -> str:
     if len(a.get("seeds", [])) < 2 or len(b.get("seeds", [])) < 2:
         return "one seed, no spread to judge by"
     (a_low, a_high), (b_low, b_high) = a["spread"][field][col], b["spread"][field][col]
-    if a_high < b_low:
-        return f"lower beyond the spread ({len(a['seeds'])} seeds)"
-    if b_high < a_low:
-        return f"higher beyond the spread ({len(a['seeds'])} seeds)"
-    return f"within the spread ({len(a['seeds'])} seeds)"
+    where = "lower beyond" if a_high < b_low else "higher beyond" if b_high < a_low else "within"
+    return f"{where} the spread ({len(a['seeds'])} seeds)"
 
 
 def dev_table(results: dict) -> str | None:
@@ -256,13 +216,7 @@ def fid_food_tables(results: dict) -> list[tuple[str, str]]:
         shared = [
             r for r in rows if r["group"] == "-" or (r["group"].startswith("calib:") and r["calibration"] in cals)
         ]
-        table = _table(
-            shared + mine,
-            columns,
-            results.get("fids", {}),
-            {"F-ID": inside, "F-OOD": outside},
-        )
-        out.append((fid, table))
+        out.append((fid, _table(shared + mine, columns, results.get("fids", {}), {"F-ID": inside, "F-OOD": outside})))
     return out
 
 
@@ -322,9 +276,8 @@ def _settings_lines(results: dict) -> list[str]:
     for name, recipe in results.get("recipes", {}).items():
         s = recipe["settings"]
         p1, p2, cal = s["phase1"], s["phase2"], s["calibration"]
-        pol = s["policy"]
         lines.append(
-            f"- recipe `{name}`: methods {', '.join(s['methods'])}; {_policy_label(pol)}; calibration "
+            f"- recipe `{name}`: methods {', '.join(s['methods'])}; {_policy_label(s['policy'])}; calibration "
             f"{cal['samples']} x {cal['length']} tokens of {', '.join(cal['dataset'] or ['each F-ID'])}; "
             f"phase 1 {p1['steps']} steps; phase 2 {p2['steps']} steps x {p2['batch_size']} x {p2['seq_len']} tokens"
             + (f"; fine-tuning sizes {s['finetune_sizes']}" if s.get("finetune_sizes") else "")
@@ -344,11 +297,13 @@ def _policy_label(values: dict) -> str:
         return f"W{values['weight_bits']}A{values['activation_bits']} under target {values.get('target', 'paper')}"
 
 
-def _images(run_dir: Path, pattern: str) -> list[str]:
-    return [
+def _images(run_dir: Path, pattern: str, title: str) -> list[str]:
+    """A section of every figure in ``run_dir`` that ``pattern`` matches; nothing where none does."""
+    images = [
         f"![{p.parent.relative_to(run_dir)}]({p.relative_to(run_dir).as_posix()})"
         for p in sorted(run_dir.rglob(pattern))
     ]
+    return [title, "", *images, ""] if images else []
 
 
 def build_report(run_dir: str | Path) -> str:
@@ -360,8 +315,7 @@ def build_report(run_dir: str | Path) -> str:
     parts = [f"# Report of `{run_dir.name}`", "", *_settings_lines(results), ""]
     parts += _table1_section(results, versions)
     parts += _prediction_section(results)
-    comparisons = matched_comparisons(results)
-    if comparisons:
+    if comparisons := matched_comparisons(results):
         parts += ["## Against the matched baselines", "", *comparisons, ""]
     parts += _dev_section(results)
     parts += export_section(results)
@@ -371,17 +325,13 @@ def build_report(run_dir: str | Path) -> str:
 
 
 def _table1_section(results: dict, versions: str | None) -> list[str]:
-    """The perplexity table (the paper's Table 1 layout), with what marks its rows."""
+    seeds = results.get("seeds")
     return [
         "## Perplexity (Table 1 layout)",
         "",
         "Lower is better. <ins>Underlined</ins>: the row's own F-ID (its fine-tuning data). **Bold**: best "
         "quantized result of the column within its group."
-        + (
-            f" Rows run with seeds {', '.join(map(str, results['seeds']))}: their mean (min–max)."
-            if results.get("seeds")
-            else ""
-        ),
+        + (f" Rows run with seeds {', '.join(map(str, seeds))}: their mean (min–max)." if seeds else ""),
         "",
         results_table(results),
         "",
@@ -390,48 +340,35 @@ def _table1_section(results: dict, versions: str | None) -> list[str]:
 
 
 def _prediction_section(results: dict) -> list[str]:
-    """Where one more run lands, for the rows of more than one seed; nothing where there is none."""
-    parts: list[str] = []
-    predicted = prediction_table(results)
-    if predicted:
-        parts += [
-            "## Where another run lands",
-            "",
-            "The mean over the seeds and the range that holds one more run, on another seed or another CPU, with "
-            "probability 95 % (Student's t from the seeds). Another CPU is another run even for one seed: a float32 "
-            "rounding difference re-draws most of the sim's rounding a few layers on. The min-max of n seeds holds "
-            "the next run with probability (n - 1) / (n + 1), half the time for three.",
-            "",
-            predicted,
-            "",
-        ]
-    return parts
+    if not (predicted := prediction_table(results)):
+        return []
+    return [
+        "## Where another run lands",
+        "",
+        "The mean over the seeds and the range that holds one more run, on another seed or another CPU, with "
+        "probability 95 % (Student's t from the seeds). Another CPU is another run even for one seed: a float32 "
+        "rounding difference re-draws most of the sim's rounding a few layers on. The min-max of n seeds holds "
+        "the next run with probability (n - 1) / (n + 1), half the time for three.",
+        "",
+        predicted,
+        "",
+    ]
 
 
 def _dev_section(results: dict) -> list[str]:
-    """The development text's columns, which settings are chosen on; nothing where the run has none."""
-    parts: list[str] = []
-    dev = dev_table(results)
-    if dev:
-        texts = ", ".join(
-            f"{d['label']} (split {d['split']}" + (f", from token {d['start']}" if d.get("start") else "") + ")"
-            for d in results["dev_datasets"]
-        )
-        parts += [
-            "## Development text",
-            "",
-            f"Settings are chosen on these columns, never on the table above: {texts}.",
-            "",
-            dev,
-            "",
-        ]
-    return parts
+    if not (dev := dev_table(results)):
+        return []
+    texts = ", ".join(
+        f"{d['label']} (split {d['split']}" + (f", from token {d['start']}" if d.get("start") else "") + ")"
+        for d in results["dev_datasets"]
+    )
+    note = f"Settings are chosen on these columns, never on the table above: {texts}."
+    return ["## Development text", "", note, "", dev, ""]
 
 
 def export_section(results: dict) -> list[str]:
     """The row chosen on development text, its export and the device graph beside the sim; nothing without one."""
-    e = results.get("export")
-    if not e:
+    if not (e := results.get("export")):
         return []
     labels = {c["method"]: c["label"] for c in results["cells"].values()}
     rows = sorted(e["scores"].items(), key=lambda kv: kv[1])
@@ -446,8 +383,7 @@ def export_section(results: dict) -> list[str]:
         *[f"| {labels.get(m, m)}{' (chosen)' if m == e['chosen'] else ''} | {_fmt(v)} |" for m, v in rows],
         "",
     ]
-    d = e.get("device_check")
-    if not d:
+    if not (d := e.get("device_check")):
         return parts
     v = e["verification"]
     share = d["with_encoding"] / max(d["activation_tensors"], 1)
@@ -474,6 +410,9 @@ def export_section(results: dict) -> list[str]:
     return parts + _prompts_table(d.get("prompts") or [])
 
 
+TEXTS = ("prompt_text", "fp_text", "device_text")  # a prompt's answer's texts, in the table's order
+
+
 def _prompts_table(answers: list[dict]) -> list[str]:
     if not answers:
         return []
@@ -483,11 +422,7 @@ def _prompts_table(answers: list[dict]) -> list[str]:
         "",
         "| prompt | FP model | device graph | top-1 |",
         "| --- | --- | --- | ---: |",
-        *[
-            f"| {_cell_text(a['prompt_text'])} | {_cell_text(a['fp_text'])} | {_cell_text(a['device_text'])} "
-            f"| {a['top1']:.0%} |"
-            for a in answers
-        ],
+        *[f"| {' | '.join(_cell_text(a[k]) for k in TEXTS)} | {a['top1']:.0%} |" for a in answers],
         "",
     ]
 
@@ -503,35 +438,22 @@ def _figure_sections(run_dir: Path, results: dict) -> list[str]:
 
     parts: list[str] = []
     figures = run_dir / "figures"
-    bars = plot_perplexities(results, ordered_rows(results), figures / "perplexity.png")
-    if bars:
+    if bars := plot_perplexities(results, ordered_rows(results), figures / "perplexity.png"):
         parts += [f"![perplexity / FP32's]({bars.relative_to(run_dir).as_posix()})", ""]
     for fid, table in fid_food_tables(results):
         parts += [f"## F-ID / F-OOD averages, F-ID = {fid} (Table 2 layout)", "", table, ""]
-    sweep = plot_data_size(results, figures / "data_size.png")
-    if sweep:
+    if sweep := plot_data_size(results, figures / "data_size.png"):
         parts += ["## Data-size sweep (Fig. 3)", "", f"![data-size sweep]({sweep.relative_to(run_dir).as_posix()})", ""]
     for fid in results.get("fids", {}):
-        path = plot_fp_comparison(results, fid, figures / f"fp_finetuned_{fid.replace('+', '_')}.png")
-        if path:
-            parts += [
-                f"## FP vs FP fine-tuned, F-ID = {fid} (Fig. 6)",
-                "",
-                f"![FP comparison]({path.relative_to(run_dir).as_posix()})",
-                "",
-            ]
-    ranges = _images(run_dir, "channel_ranges*.png")
-    if ranges:
-        parts += ["## Per-channel ranges of the last site, before / after (Fig. 4)", "", *ranges, ""]
-    curves = _images(run_dir, "phase1_curves.png")
-    if curves:
-        parts += ["## Phase-1 learning curves, first and last site (Fig. 5)", "", *curves, ""]
-    return parts
+        if path := plot_fp_comparison(results, fid, figures / f"fp_finetuned_{fid.replace('+', '_')}.png"):
+            image = f"![FP comparison]({path.relative_to(run_dir).as_posix()})"
+            parts += [f"## FP vs FP fine-tuned, F-ID = {fid} (Fig. 6)", "", image, ""]
+    parts += _images(run_dir, "channel_ranges*.png", "## Per-channel ranges of the last site, before / after (Fig. 4)")
+    return parts + _images(run_dir, "phase1_curves.png", "## Phase-1 learning curves, first and last site (Fig. 5)")
 
 
 def results_section(run_dir: str | Path) -> str:
-    """The run as a section of a results page (docs/results.md): the command that made it, a row of where, on
-    which code and seeds it ran, then the report's tables of the test text, the development text and the export."""
+    """The run as a section of docs/results.md: its command, where and on which code it ran, and its tables."""
     run_dir = Path(run_dir)
     results = load_results(run_dir)
     recipes = results.get("recipes", {})
@@ -565,8 +487,7 @@ def results_section(run_dir: str | Path) -> str:
         results_table(results),
         "",
     ]
-    dev = dev_table(results)
-    if dev:
+    if dev := dev_table(results):
         parts += ["Development text, on which the recipe chooses:", "", dev, ""]
     # the export's path as the page's command writes it, not this machine's folder
     here, there = str(run_dir.resolve()), out
@@ -590,7 +511,6 @@ def _without_out(command: str) -> str:
 
 
 def write_report(run_dir: str | Path) -> tuple[Path, str]:
-    text = build_report(run_dir)
-    path = Path(run_dir) / "report.md"
+    text, path = build_report(run_dir), Path(run_dir) / "report.md"
     write_text_atomic(path, text)
     return path, text

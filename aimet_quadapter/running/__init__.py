@@ -1,2 +1,1 @@
-"""Running recipes: the recipe schema, the runner that turns a recipe into a run folder's cells, its lock, its
-results file, and merging the run folders of one recipe."""
+"""Running recipes: the schema, the runner, its lock and results file, and merging run folders."""

@@ -1,5 +1,4 @@
-"""A cell's folder, written as its method hands things over (``methods.records.Records``): each state, stamped
-with what made it; phase 1's record and curves; each phase-2 curve; the head site's channel ranges (Fig. 4)."""
+"""A cell's folder, written as its method hands things over (``methods.records.Records``): states, curves, Fig. 4."""
 
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ if TYPE_CHECKING:  # the executor imports this file before a recipe is checked: 
     from aimet_quadapter.quadapter.phase1 import Phase1Result
     from aimet_quadapter.quadapter.state import QuadapterState
 
-# the file of a phase-2 loss curve in a cell's folder: ``[<method>_]phase2_losses.json``
 PHASE2_CURVE = "phase2_losses.json"
 
 
@@ -30,9 +28,7 @@ def curve_file(name: str) -> str:
 
 
 class CellFiles(Records):
-    """Writes into ``folder``. ``model_name``: the name the model was loaded by, and ``fingerprint``: the cell's;
-    every state carries both, so that `export` and `eval --state` refuse a state of another model, or one a row
-    does not record. ``calibration`` and ``extra_sites``: the text and sites of the head site's figure."""
+    """Writes into ``folder``, every state stamped with ``model_name`` and ``fingerprint`` (checked by export, eval)."""
 
     def __init__(
         self,
@@ -52,20 +48,19 @@ class CellFiles(Records):
 
     def state(self, name: str, state: QuadapterState) -> None:
         super().state(name, state)
-        # the method that made it, for every state (a composition continues a state that says "quadapter"): the
-        # export's manifest and `eval` name it from this
+        # the method that made it (a composition continues a state that says "quadapter"), for the export and `eval`
         state = dataclasses.replace(state, metadata={**state.metadata, "method": name, **self.stamp})
         state.save(self.folder / f"{name}.safetensors")
 
     def phase1(self, result: Phase1Result) -> None:
+        from aimet_quadapter.running.plots import plot_phase1_curves
+
         record = {
             "losses": result.losses,
             "error_before": result.error_before,
             "error_after": result.error_after,
             "validation": result.validation,
         }
-        from aimet_quadapter.running.plots import plot_phase1_curves
-
         self.folder.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.folder / "phase1_losses.json", json.dumps(record))
         plot_phase1_curves(result.losses, self.folder / "phase1_curves.png")
@@ -75,11 +70,11 @@ class CellFiles(Records):
         write_text_atomic(self.folder / curve_file(name), json.dumps(losses))
 
     def channel_ranges(self, name: str, model: PreparedLM, state: QuadapterState) -> None:
-        """Fig. 4: the last site's activation per channel, the FP model before and after folding its alpha (the
-        other sites' folds leave this site's input as it is: the model is not copied for them)."""
+        """Fig. 4: the last site's activation per channel, before and after folding its alpha."""
         from aimet_quadapter.models import PreparedLM, weight_sharing_copy
         from aimet_quadapter.quadapter.adapter import fold_alphas
         from aimet_quadapter.quadapter.cle import channel_min_max
+        from aimet_quadapter.running.plots import plot_channel_ranges
 
         if not self.calibration:
             return
@@ -90,6 +85,4 @@ class CellFiles(Records):
         fold_alphas(folded, [site], state.alphas)
         after = channel_min_max(folded, site, batches)
         png = "channel_ranges.png" if name == BC else f"channel_ranges_{name}.png"
-        from aimet_quadapter.running.plots import plot_channel_ranges
-
         plot_channel_ranges(before, after, self.folder / png, site.name)

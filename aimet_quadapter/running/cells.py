@@ -16,8 +16,7 @@ class DatasetRef:
 
     @property
     def identity(self) -> str:
-        """What fingerprints and merge compare: the corpus name, or a local text's content hash (not its path,
-        which differs between two checkouts of one recipe)."""
+        """What fingerprints and merge compare: the corpus name, or a local text's content hash (not its path)."""
         from aimet_quadapter.text.data import text_identity
 
         return text_identity(self.source)
@@ -55,14 +54,12 @@ class Cell:
 
     @property
     def calibration_set(self) -> str:
-        """The calibration set's name; every cell but the FP model's has one."""
         if self.calibration is None:
             raise QuadapterError(f"cell {self.key} has no calibration set")
         return self.calibration
 
     @property
     def fid_name(self) -> str:
-        """The F-ID's name; every fine-tuning cell has one."""
         if self.fid is None:
             raise QuadapterError(f"cell {self.key} is not a fine-tuning cell")
         return self.fid

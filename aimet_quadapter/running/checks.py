@@ -1,9 +1,8 @@
-"""What a run refuses before its heavy work, in seconds and naming the recipe's field: a technique AIMET refuses,
-crop counts beyond the free memory, sequences longer than the model takes, a ``keep_start`` that matches no site,
-an export that cannot start, and tuning or development text that reads an evaluation text."""
+"""What a run refuses before its heavy work, in seconds and naming the recipe's field."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aimet_quadapter.errors import QuadapterError
@@ -17,18 +16,15 @@ if TYPE_CHECKING:  # imported when a run starts: the model code pulls in AIMET
     from aimet_quadapter.models import PreparedLM
 
 
+@dataclass(eq=False)
 class Checks:
-    """The checks of a run of ``recipe`` planned as ``plan``, its texts read through ``texts``."""
-
-    def __init__(self, recipe: Recipe, plan: Plan, texts: Texts):
-        self.recipe = recipe
-        self.plan = plan
-        self.texts = texts
+    recipe: Recipe
+    plan: Plan
+    texts: Texts
 
     def check_export(self) -> None:
         """The export's texts and aimet-onnx, before the cells: a hand-off that cannot start fails now."""
-        e = self.recipe.export
-        if e is None:
+        if (e := self.recipe.export) is None:
             return
         from aimet_quadapter.text import data
 
@@ -44,8 +40,7 @@ class Checks:
                 raise QuadapterError(f"{self.recipe.where()}: field export.verify_dataset: {exc}") from None
 
     def check_aimet_support(self, cells: list[Cell], family: str | None) -> None:
-        """Refuse a method whose AIMET technique AIMET refuses for this family (None: not known before the model
-        loads) or policy, with AIMET's reason."""
+        """Refuse a method whose technique AIMET refuses for this family (None: not known yet) or policy."""
         from aimet_quadapter.quant.llm_techniques import refusal
 
         policy = self.recipe.quant_policy()

@@ -1,11 +1,11 @@
-"""What a run's cells compute from: the model, loaded once and checked, the crops of the calibration and
-fine-tuning texts, text sampled from the model, and the windows of the texts the run scores."""
+"""What a run's cells compute from: the model, the tuning crops, sampled text, and the windows it scores."""
 
 from __future__ import annotations
 
 import functools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -29,8 +29,7 @@ _Result = TypeVar("_Result")
 
 
 def _per_run(method: Callable[..., _Result]) -> Callable[..., _Result]:
-    """``functools.cache`` kept on the instance: what one run computed (its seed's data and windows) goes with the
-    run, where a cache on the method would keep every seed's run and its tensors until the process ends."""
+    """``functools.cache`` on the instance: one seed's data and windows go with its run, not with the process."""
 
     @functools.wraps(method)
     def cached(self: Any, *args: Any) -> _Result:
@@ -43,19 +42,17 @@ def _per_run(method: Callable[..., _Result]) -> Callable[..., _Result]:
     return cached
 
 
+@dataclass(eq=False)
 class RunData:
-    """The data of one run (one seed's): each batch and window computed once per run; the model and the texts'
-    tokens, through ``texts``, shared with the other seeds' runs."""
+    """The data of one run (one seed's), each batch and window computed once; model and tokens shared via ``texts``."""
 
-    def __init__(self, recipe: Recipe, plan: Plan, texts: Texts, checks: Checks, device: torch.device, output: Output):
-        self.recipe = recipe
-        self.plan = plan
-        self.texts = texts
-        self.checks = checks
-        self.device = device
-        self.output = output
+    recipe: Recipe
+    plan: Plan
+    texts: Texts
+    checks: Checks
+    device: torch.device
+    output: Output
 
-    # --- the model ------------------------------------------------------------------------------------------------
     def load_model(self) -> PreparedLM:
         shared = self.texts.shared
         if shared.model is not None:
@@ -72,8 +69,7 @@ class RunData:
         return model
 
     def release_model(self) -> None:
-        """Let the model go where its weights are taken over in place (a sim, an export): a later cell loads it
-        again."""
+        """Let the model go where a sim or export takes its weights over in place: a later cell loads it again."""
         self.texts.shared.model = None
 
     def _say_auto_prefix(self) -> None:
@@ -89,10 +85,8 @@ class RunData:
         else:
             self.output.say(f"prefix auto: {text!r} (tokens {self.texts.prefix_ids()})")
 
-    # --- the texts, checked -----------------------------------------------------------------------------------------
     def check(self, cells: list[Cell]) -> None:
-        """Read, tokenize and cut every text ``cells`` need, before the model loads: a missing, binary or
-        too-short text stops the run in seconds, not after minutes of loading and calibrating."""
+        """Read, tokenize and cut every text ``cells`` need before the model loads: a bad text stops the run now."""
         from aimet_quadapter.methods.generated import GENERATED
         from aimet_quadapter.models.loading import family_of, max_positions
 
@@ -119,12 +113,10 @@ class RunData:
         checks.check_export()
         release_freed_memory()  # what tokenizing whole corpora freed (sampling gives its own back)
 
-    # --- crops and samples ------------------------------------------------------------------------------------------
     def _crops(
         self, refs: list[DatasetRef], num: int, length: int, seed: int, setting: str, distinct: bool = False
     ) -> torch.Tensor:
-        """``num`` crops of the train split(s), shared out evenly over the datasets of an expanded F-ID; with
-        ``distinct``, no more than a text holds without overlap (refused naming ``setting``)."""
+        """``num`` crops of the train split(s), shared out over an expanded F-ID; ``distinct``: without overlap."""
         from aimet_quadapter.methods.generated import GENERATED, sample_crops
         from aimet_quadapter.text.data import random_crops
 
@@ -147,7 +139,7 @@ class RunData:
         """The ``generated`` dataset: sampled from the FP model once, then read from the run folder."""
         from aimet_quadapter.methods.generated import generate_samples
 
-        params = self.recipe.generation_parameters()
+        params = self.recipe.generated
         key = _fingerprint({"model": self.plan.model_name, **sections(self.recipe, ("generated",))})
         path = self.output.out_dir / "generated" / f"{key}.pt"
         if path.is_file():
@@ -162,7 +154,6 @@ class RunData:
             write_atomic(path, lambda tmp: torch.save(samples, tmp))
         return samples
 
-    # --- batches and windows ----------------------------------------------------------------------------------------
     @_per_run
     def calibration_batches(self, cal: str) -> list[torch.Tensor]:
         from aimet_quadapter.text.data import batches
@@ -179,9 +170,8 @@ class RunData:
         c, n = self.recipe.calibration, self.recipe.quadapter.holdout
         if not n:
             return []
-        return batches(
-            self._crops(self.plan.calibration_sets[cal], n, c.length, holdout_seed(c.seed), "quadapter.holdout"), 1
-        )
+        crops = self._crops(self.plan.calibration_sets[cal], n, c.length, holdout_seed(c.seed), "quadapter.holdout")
+        return batches(crops, 1)
 
     @_per_run
     def _finetune_pool(self, fid: str) -> torch.Tensor:
@@ -196,12 +186,10 @@ class RunData:
 
     @_per_run
     def eval_windows(self) -> dict[str, list]:
-        """The windows of the evaluation (test) texts, by column."""
         return self._windows(self.plan.evals, "eval")
 
     @_per_run
     def dev_windows(self) -> dict[str, list]:
-        """The windows of the development texts, by column."""
         return self._windows(self.plan.devs, "dev")
 
     def _windows(self, specs: list[EvalSpec], section: str) -> dict[str, list]:

@@ -1,9 +1,5 @@
-"""A run's cell on the device graph: every text its run scored, the same windows, in AIMET's ONNX simulation.
-
-For a cell folder of a run and the export of its state (``export --device-check``'s graph, its encodings loaded),
-the device graph's perplexity on each test and development text of the run's recipe, beside the sim's number
-that the run recorded for the cell (``aimet-quadapter device-texts``). Needs aimet-onnx.
-"""
+"""``aimet-quadapter device-texts``: a cell's exported device graph (AIMET's ONNX simulation, needs aimet-onnx) on
+every text its run scored, the same windows, beside the sim's number the run recorded."""
 
 from __future__ import annotations
 
@@ -42,8 +38,7 @@ def cell_record(cell: Path) -> tuple[dict, Recipe]:
         raise QuadapterError(f"{cell}: no results.json in a folder above it: give a cell folder of a run")
     run, results = found
     folder = cell.relative_to(run).as_posix()
-    record = next((r for r in results["cells"].values() if r.get("folder") == folder), None)
-    if record is None:
+    if (record := next((r for r in results["cells"].values() if r.get("folder") == folder), None)) is None:
         raise QuadapterError(f"{run / 'results.json'} has no cell in {folder}")
     if len(results["recipes"]) != 1:  # a merged folder: its cells do not say which recipe ran them
         raise QuadapterError(f"{run / 'results.json'} holds {len(results['recipes'])} recipes; give a run of one")
@@ -56,17 +51,12 @@ def texts_of(record: dict, recipe: Recipe, roles: tuple[str, ...] = ROLES) -> li
     """The texts the run scored for ``record``, test texts then development texts, each with the sim's number."""
     run = RecipeRun(recipe, Path(".unused"), progress=False)
     scored = {TEST: (run.data.eval_windows(), record["ppl"]), DEV: (run.data.dev_windows(), record.get("dev_ppl", {}))}
-    return [
-        Text(role, label, windows, scored[role][1][label])
-        for role in roles
-        for label, windows in scored[role][0].items()
-    ]
+    return [Text(role, label, w, scored[role][1][label]) for role in roles for label, w in scored[role][0].items()]
 
 
 @contextlib.contextmanager
 def scoring_lm(export: Path, first: Window) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
-    """``export``'s graph in AIMET's ONNX simulation, ``ids -> logits``; a tensor without an encoding is calibrated
-    on ``first`` (the check calibrates such tensors on its own tuning text, which scoring here does not read)."""
+    """``export``'s graph in AIMET's ONNX simulation, ``ids -> logits``; unencoded tensors calibrated on ``first``."""
     with device_lm(export, [first.ids]) as (device, coverage):
         if coverage.missing:
             print(f"{len(coverage.missing)} tensors without an encoding, calibrated here on the first window")

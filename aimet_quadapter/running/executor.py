@@ -1,5 +1,4 @@
-"""One cell of a run computed: its method from where it starts (the saved state of the cell it continues from,
-phase 1 shared by its calibration set), then its evaluation on every text the run scores; its record returned."""
+"""One cell of a run: computed from where it starts, evaluated on every text the run scores, and recorded."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ if TYPE_CHECKING:  # imported when a run starts: the model code pulls in AIMET
 
 
 class Executor:
-    """Computes the cells of one run (one seed's) of ``recipe``; phase 1 shared by a calibration set is computed
-    or read once per run."""
+    """Computes the cells of one run (one seed's) of ``recipe``; a shared phase 1 once per calibration set."""
 
     def __init__(self, recipe: Recipe, seed: int | None, prints: Fingerprints, data: RunData, recorder: Recorder):
         self.recipe = recipe
@@ -43,6 +41,7 @@ class Executor:
     def run_cell(self, cell: Cell, results: dict) -> dict:
         """Compute ``cell``; ``results``: the run's results so far (what a cell may continue from)."""
         from aimet_quadapter.methods.registry import run_method
+        from aimet_quadapter.text.perplexity import evaluate
 
         spec = CATALOG[cell.method]
         cell_dir = self.output.out_dir / cell.folder
@@ -67,8 +66,6 @@ class Executor:
                 if self.output.main:
                     write_text_atomic(cell_dir / "bc_fingerprint.txt", self.prints.bc_fingerprint(cell.calibration_set))
                 self._bc[cell.calibration_set] = ctx.bc_state
-            from aimet_quadapter.text.perplexity import evaluate
-
             eval_start = time.time()
             progress, devs = self.output.progress, self.data.plan.devs
             ppl = evaluate(evaluated, self.data.eval_windows(), spec.label, progress)
@@ -90,7 +87,6 @@ class Executor:
         del evaluated, ctx
         release_freed_memory()
         failure = _nonfinite(ppl, dev_ppl, cell_dir)
-        # no number for a perplexity that is none: the cell failed, and a rerun computes it again
         return self.recorder.failed_record(cell, failure) if failure else record
 
     def _prepare(self, cell: Cell, cell_dir: Path, fingerprint: str) -> None:
@@ -102,8 +98,7 @@ class Executor:
                 shutil.rmtree(checkpoints)
             checkpoints.mkdir(parents=True, exist_ok=True)
             write_text_atomic(stamp, fingerprint)
-            # the states and loss curves of an earlier computation of this cell (other settings): none may stay
-            # beside the new row
+            # an earlier computation's (other settings) states and loss curves may not stay beside the new row
             for old in [*cell_dir.glob("*.safetensors"), *cell_dir.glob(f"*{PHASE2_CURVE}")]:
                 old.unlink()
             # FP weights a killed computation left parked: no process of this run has parked any yet
@@ -112,8 +107,7 @@ class Executor:
         distributed.barrier()  # under torchrun: no process resumes from a checkpoint the first one removes
 
     def _start_of(self, cell: Cell, results: dict) -> tuple[str, QuadapterState] | None:
-        """The key and saved state of the cell ``cell`` continues from (catalog ``continues``: the same seed, F-ID
-        and size), where that cell is done in ``results`` under the settings it would have now; else None."""
+        """The key and saved state of the cell ``cell`` continues from, where done under its settings now; else None."""
         from aimet_quadapter.quadapter.state import QuadapterState
 
         origin = CATALOG[cell.method].continues
@@ -124,8 +118,7 @@ class Executor:
         if not (self.recorder.is_done(results, before) and state_file.is_file()):
             return None
         state = QuadapterState.load(state_file)
-        # the row's own state only: a file left by another run (other settings) would give this cell another start
-        # than its fingerprint says
+        # the row's own state only: another run's file would give this cell another start than its fingerprint says
         if state.metadata.get("fingerprint") != results["cells"][before.key]["fingerprint"]:
             self.output.say(f"{cell.key}: {state_file} is not the state of row {before.key}; computing it again")
             return None
@@ -134,8 +127,7 @@ class Executor:
     def _context(
         self, cell_dir: Path, cal: str | None, fid: str | None, size: int | None, fingerprint: str
     ) -> MethodContext:
-        """What a method computes from; ``fingerprint``: the stamp of every state it hands over, which the first
-        process writes into ``cell_dir``."""
+        """What a method computes from; ``fingerprint``: the stamp of every state it hands over."""
         from aimet_quadapter.methods.registry import MethodContext
 
         data, options, params = self.data, self.recipe.execution, self.recipe.quadapter_parameters()
@@ -161,11 +153,6 @@ class Executor:
             records=records,
         )
 
-    def _bc_dir(self, cal: str) -> Path:
-        out_dir = self.output.out_dir
-        folder = out_dir if self.seed is None else out_dir / f"seed-{self.seed}"
-        return folder / safe_name(f"calib-{cal}") / BC
-
     def _bc_state(self, cal: str, info: dict) -> QuadapterState | None:
         """Quadapter BC's state for calibration set ``cal``: in memory, saved by an earlier cell, or computed now."""
         from aimet_quadapter.methods.registry import run_method
@@ -173,7 +160,8 @@ class Executor:
 
         if cal in self._bc:
             return self._bc[cal]
-        folder = self._bc_dir(cal)
+        out_dir = self.output.out_dir
+        folder = (out_dir if self.seed is None else out_dir / f"seed-{self.seed}") / safe_name(f"calib-{cal}") / BC
         stamp = folder / "bc_fingerprint.txt"
         state_file = folder / "quadapter_bc.safetensors"
         if state_file.is_file() and stamp.is_file() and stamp.read_text().strip() == self.prints.bc_fingerprint(cal):
@@ -193,8 +181,7 @@ class Executor:
 
 
 def _nonfinite(ppl: dict[str, float], dev_ppl: dict[str, float], cell_dir: Path) -> str | None:
-    """Why a cell whose evaluation gave a perplexity that is NaN or infinite failed, with where its training
-    ended (the last step and loss of each phase-2 curve the cell wrote); None when every value is finite."""
+    """Why a cell of a NaN or infinite perplexity failed, with where its phase-2 curves ended; None if all finite."""
     bad = [
         f"{value} on {label} ({text})"
         for values, text in ((ppl, "test text"), (dev_ppl, "development text"))
@@ -212,9 +199,7 @@ def _nonfinite(ppl: dict[str, float], dev_ppl: dict[str, float], cell_dir: Path)
         if isinstance(losses, list) and losses:
             name = path.name.removesuffix(PHASE2_CURVE).rstrip("_") or "quadapter"
             ends.append(f"{name} phase 2 ended at step {len(losses)} with loss {losses[-1]:.4g}")
-    training = (
-        f"the training losses stayed finite ({'; '.join(ends)})"
-        if ends
-        else "the method ended without a non-finite training loss"
-    )
+    training = "the method ended without a non-finite training loss"
+    if ends:
+        training = f"the training losses stayed finite ({'; '.join(ends)})"
     return f"perplexity {', '.join(bad)}; {training}"

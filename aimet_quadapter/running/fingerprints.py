@@ -1,6 +1,4 @@
-"""What a run folder's cell is computed from, as a fingerprint: the recipe's fields each method reads (its catalog
-``reads``), the data, the policy and the placement its code makes; the seeds aside for a row. A record whose
-fingerprint is not :meth:`Fingerprints.fingerprint` is computed again."""
+"""What a cell is computed from, as a fingerprint: a record of another fingerprint is computed again."""
 
 from __future__ import annotations
 
@@ -25,13 +23,10 @@ def _fingerprint(payload: dict) -> str:
 
 
 def _seedless(value: Any) -> Any:
-    """A fingerprint's payload without the seeds (calibration's, generated text's, phase 1's) that
-    :meth:`Recipe.for_seed` sets: what the seeds of one row share."""
+    """A fingerprint's payload without the seeds :meth:`Recipe.for_seed` sets: what the seeds of one row share."""
     if isinstance(value, dict):
         return {k: _seedless(v) for k, v in value.items() if k != "seed"}
-    if isinstance(value, (list, tuple)):
-        return [_seedless(v) for v in value]
-    return value
+    return [_seedless(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def sections(recipe: Recipe, names: tuple[str, ...]) -> dict:
@@ -57,15 +52,7 @@ class Fingerprints:
     def _base_payload(self) -> dict:
         # a start of 0, the default, stays out of the fingerprint: only a start that skips tokens is in it
         evals = [
-            (
-                s.ref.identity,
-                s.ref.label,
-                s.split,
-                s.seq_len,
-                s.max_tokens,
-                s.stride,
-                *([s.start] if s.start else []),
-            )
+            (s.ref.identity, s.ref.label, s.split, s.seq_len, s.max_tokens, s.stride, *([s.start] if s.start else []))
             for s in self.evals
         ]
         payload: dict = {"model": self.model_name, "eval": evals}
@@ -83,27 +70,23 @@ class Fingerprints:
 
     def _calibration_payload(self, cal: str) -> dict:
         sources = self._sources(self.calibration_sets[cal])
-        payload = {"policy": self._sections(("policy",))["policy"], "calibration": [sources, self._cal_settings()]}
+        c = self.recipe.calibration
+        settings = {"samples": c.samples, "length": c.length, "seed": c.seed}
+        payload = {"policy": self._sections(("policy",))["policy"], "calibration": [sources, settings]}
         if revision := PLACEMENT_REVISION.get(self.recipe.policy.target):
             payload["placement"] = revision
         return payload
-
-    def _cal_settings(self) -> dict:
-        c = self.recipe.calibration
-        return {"samples": c.samples, "length": c.length, "seed": c.seed}
 
     def fingerprint(self, cell: Cell) -> str:
         """What ``cell`` is computed from: a record of it under another fingerprint is computed again."""
         return _fingerprint(self._payload(cell))
 
     def row_fingerprint(self, cell: Cell) -> str:
-        """:meth:`fingerprint` less the seeds: the same for every seed of ``cell`` under one set of settings, so
-        that a row averages only those (a folder can hold seeds run under other settings)."""
+        """:meth:`fingerprint` less the seeds: a row averages only the seeds of one set of settings."""
         return _fingerprint(_seedless(self._payload(cell)))
 
     def _reads(self, method: str) -> dict:
-        """What ``method`` reads of the recipe sections (catalog ``reads``), less what changes no result: every
-        field of a section it reads whole, but those catalog ``unused`` names."""
+        """What ``method`` reads of the recipe sections (catalog ``reads``, less ``unused``) that changes a result."""
         info = CATALOG[method]
         payload = {}
         for section, fields in info.read_fields().items():
@@ -132,6 +115,4 @@ class Fingerprints:
         return payload
 
     def bc_fingerprint(self, cal: str) -> str:
-        payload = {"model": self.model_name, **self._calibration_payload(cal)}
-        payload.update(self._reads(BC))
-        return _fingerprint(payload)
+        return _fingerprint({"model": self.model_name, **self._calibration_payload(cal), **self._reads(BC)})

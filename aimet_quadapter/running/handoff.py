@@ -1,10 +1,5 @@
-"""A run's hand-off to the device: the row chosen on development text, exported and checked (recipe ``export``).
-
-The choice reads development text only: each candidate row's geometric mean of perplexity over the development
-texts, per seed, then the mean over its seeds; the lowest wins. Its first seed's state is exported into
-``<run>/export`` with the device-graph check, and ``results.json`` records the choice and the check under
-``"export"``. A run started again keeps the export in place where it is of the same state and settings.
-"""
+"""A run's hand-off to the device (recipe ``export``): the row of the lowest development-text score exported into
+``<run>/export``, checked, and recorded under ``results.json``'s ``"export"`` (kept if of the same state, settings)."""
 
 from __future__ import annotations
 
@@ -58,11 +53,8 @@ def _same_export(out: Path, state: Path) -> dict | None:
     """The manifest of the export already in ``out`` of exactly ``state`` with its device check, else None."""
     from aimet_quadapter.export.exporter import sha256_file
 
-    manifest = out / "manifest.json"
-    if not manifest.is_file():
-        return None
     try:
-        m = json.loads(manifest.read_text())
+        m = json.loads((out / "manifest.json").read_text())
     except (OSError, ValueError):
         return None
     return m if m.get("state", {}).get("sha256") == sha256_file(state) else None
@@ -92,8 +84,7 @@ def fp_answers(recipe: Recipe, model: Any, tokenizer: Any) -> list:
 def hand_off(
     recipe: Recipe, out_dir: Path, results: dict, prompts: list, tokenizer: Any, progress: bool, model: Any = None
 ) -> dict:
-    """Choose, export and check (see the module's doc); ``prompts``: :func:`fp_answers`; ``model``: the run's FP
-    model, handed over for the export's sim (loaded again without it)."""
+    """Choose, export and check; ``model``: the run's FP model, handed over for the export's sim."""
     from aimet_quadapter.export.job import ExportJob
     from aimet_quadapter.quadapter.state import QuadapterState
 
@@ -137,9 +128,8 @@ def hand_off(
         state = QuadapterState.load(state_path)
         kv = job.check(state)
         log.info("export: %s (chosen on development text) to %s", winner, out)
-        manifest = job.run(
-            state, kv, prompts=prompts, loaded=(model, tokenizer) if model is not None else None
-        ).manifest
+        loaded = (model, tokenizer) if model is not None else None
+        manifest = job.run(state, kv, prompts=prompts, loaded=loaded).manifest
     record["verification"] = manifest["verification"]
     if "device_check" in manifest:
         check = dict(manifest["device_check"])

@@ -1,10 +1,5 @@
-"""One run per run folder: an OS file lock on ``run.lock``, and ``run.lock.json`` naming the process that holds it.
-
-Two runs writing one ``results.json`` would each overwrite the other's cells. The lock is the operating
-system's (``filelock``), so the kernel releases it when its process dies, however it dies: a killed run
-leaves nothing to take over, and no two runs can both see the folder free. Under ``torchrun`` only the first
-process holds it.
-"""
+"""One run per run folder: an OS file lock on ``run.lock`` (released by the kernel however its process dies), and
+``run.lock.json`` naming the process that holds it. Under ``torchrun`` only the first process holds it."""
 
 from __future__ import annotations
 
@@ -13,7 +8,6 @@ import os
 import socket
 import time
 from pathlib import Path
-from types import TracebackType
 
 from filelock import FileLock, Timeout
 
@@ -26,8 +20,7 @@ _HOLDER_WAIT_S = 2.0  # the winner of a race writes its name just after taking t
 
 
 class RunLock:
-    """``with RunLock(folder):`` holds ``folder/run.lock`` for the duration; :class:`QuadapterError`, naming the
-    holder, if another process holds it."""
+    """``with RunLock(folder):`` holds ``folder/run.lock``; :class:`QuadapterError`, naming the holder, if taken."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -50,11 +43,9 @@ class RunLock:
             self._lock.acquire()
         except Timeout:
             holder = self._holder()
-            who = (
-                f"process {holder.get('pid')} on {holder.get('host')} (started {holder.get('started', '?')})"
-                if holder
-                else "another process"
-            )
+            who = "another process"
+            if holder:
+                who = f"process {holder.get('pid')} on {holder.get('host')} (started {holder.get('started', '?')})"
             raise QuadapterError(
                 f"run folder {self.folder} is in use by {who}; wait for it, or use another --out"
             ) from None
@@ -74,7 +65,5 @@ class RunLock:
         self.acquire()
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()

@@ -1,12 +1,5 @@
-"""Cells of one set of settings computed in several run folders (one process or machine each), gathered into one.
-
-A recipe's seeds are independent, and so are its cells once what they start from is computed: they can run
-side by side (``run --set seeds=[0,1] --out A`` here, ``run --set seeds=[2] --out B`` elsewhere; or B a copy
-of A that runs other methods of the same seed), then ``merge A B`` adds B's cells to A's ``results.json``,
-with their folders, as if A had run them. Only runs under the same settings (all but ``seeds``, ``out`` and
-``methods``, and those no method of theirs reads: catalog ``reads``) merge, whatever their recipes' names; a cell
-A already has is left as A has it.
-"""
+"""``merge A B``: B's cells (run side by side, e.g. other seeds) added to A's ``results.json`` with their folders, where
+both ran under the same settings (those some method reads, whatever the recipes' names); A's own cells stay."""
 
 from __future__ import annotations
 
@@ -21,24 +14,8 @@ from aimet_quadapter.running.lock import RunLock
 from aimet_quadapter.running.recipes import result_section
 from aimet_quadapter.running.results_file import RESULTS, load_results, write_results
 
-# what two runs of one recipe may differ in: where a run writes, which seeds and methods, the device (as in
-# the fingerprints: a GPU's result and a CPU's are the same measurement up to float rounding; each cell records
-# its device, and the report marks a row whose seeds ran on more than one), how its cells ran (memory, kernels,
-# checkpoints), and where texts are looked for (another checkout's path: the texts found are compared by content
-# below); a recipe's name and description say what it is for, not what it computes; the methods' fallbacks and the
-# export change no cell
-_PER_FOLDER = {
-    "seeds",
-    "out",
-    "methods",
-    "device",
-    "execution",
-    "data_dirs",
-    "name",
-    "description",
-    "fallbacks",
-    "export",
-}
+# what two runs of one recipe may differ in: none changes a cell's numbers beyond float rounding
+_PER_RUN = {"seeds", "out", "methods", "device", "execution", "data_dirs", "name", "description", "fallbacks", "export"}
 
 
 def _flat(settings: dict, prefix: str = "") -> Iterator[tuple[str, object]]:
@@ -50,12 +27,11 @@ def _flat(settings: dict, prefix: str = "") -> Iterator[tuple[str, object]]:
 
 
 def _difference(ours: dict, theirs: dict) -> str | None:
-    """The first setting (all but the per-folder ones, and those no method of either run reads: catalog
-    ``reads``) in which two recipes' results differ, said for an error."""
+    """The first setting that counts in which two recipes' results differ, said for an error."""
     methods = [*ours.get("methods", []), *theirs.get("methods", [])]
     ours, theirs = dict(_flat(ours)), dict(_flat(theirs))
     for key in sorted(ours.keys() | theirs.keys()):
-        if key in _PER_FOLDER or not reads_setting(methods, key):
+        if key in _PER_RUN or not reads_setting(methods, key):
             continue
         if ours.get(key) != theirs.get(key):
             return f"field {key} is {theirs.get(key)!r} there and {ours.get(key)!r} in the destination"
@@ -67,8 +43,7 @@ def _check_same_recipe(dest: dict, src: dict, src_dir: Path) -> None:
         raise QuadapterError(f"{src_dir}: a run of model {src.get('model')}, not {dest.get('model')}")
     for name, recipe in src.get("recipes", {}).items():
         theirs = _result_settings(recipe["settings"], src)
-        # a recipe of another name whose settings are the same (the paper's recipes differ only in `methods`)
-        # computes the same cells: its name is not a setting
+        # a recipe of another name with the same settings computes the same cells
         ran = dest.get("recipes", {})
         candidates = [ran[name]] if name in ran else list(ran.values())
         differences = [_difference(_result_settings(r["settings"], dest), theirs) for r in candidates]
@@ -88,14 +63,13 @@ def _check_same_recipe(dest: dict, src: dict, src_dir: Path) -> None:
 
 
 def _located(column: dict) -> dict:
-    # a text is its content hash wherever it lies: the column without its path
+    """The column without its path: a text is its content hash wherever it lies."""
     return {k: v for k, v in column.items() if k != "source"}
 
 
 def _result_settings(settings: dict, results: dict) -> dict:
-    # memory and checkpoint fields leave every result as it is: two runs that differ only there still merge; a
-    # dataset named by a path is named by its text
-    texts = results.get("texts", {})  # every local path of the run's texts, mapped to that text's content hash
+    """``settings`` less what changes no result, each dataset path named by its text's content hash."""
+    texts = results.get("texts", {})
 
     def text(value):
         if isinstance(value, list):
@@ -108,7 +82,7 @@ def _result_settings(settings: dict, results: dict) -> dict:
 
 
 def _copy_missing(src_dir: Path, dest_dir: Path, folder: str | None) -> None:
-    # a cell's folder (its state, curves, checkpoints) and the sampled texts: the files the destination lacks
+    """The files of ``folder`` (a cell's, or the sampled texts) that the destination lacks."""
     if folder and (src_dir / folder).is_dir():
         shutil.copytree(
             src_dir / folder,
@@ -119,8 +93,7 @@ def _copy_missing(src_dir: Path, dest_dir: Path, folder: str | None) -> None:
 
 
 def merge_runs(dest_dir: str | Path, sources: Sequence[str | Path]) -> tuple[dict, list[str]]:
-    """Add to ``dest_dir`` the cells that each run folder of ``sources`` has and it lacks; its results as written
-    and the keys added."""
+    """Add to ``dest_dir`` the cells of ``sources`` it lacks; its results as written and the keys added."""
     dest_dir = Path(dest_dir)
     with ExitStack() as locks:
         folders = [dest_dir, *map(Path, sources)]
@@ -142,8 +115,7 @@ def merge_runs(dest_dir: str | Path, sources: Sequence[str | Path]) -> tuple[dic
         added: list[str] = []
         for src_dir in folders[1:]:
             for key, cell in results[src_dir]["cells"].items():
-                ours = dest["cells"].get(key)
-                if ours is None:
+                if (ours := dest["cells"].get(key)) is None:
                     dest["cells"][key] = cell
                     added.append(key)
                     _copy_missing(src_dir, dest_dir, cell.get("folder"))

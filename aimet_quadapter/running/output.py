@@ -1,5 +1,4 @@
-"""Where a run writes and who speaks for it: under torchrun every process computes every cell (data-parallel
-inside); only the first writes files and logs."""
+"""Where a run writes and who speaks for it: under torchrun only the first process writes files and logs."""
 
 from __future__ import annotations
 

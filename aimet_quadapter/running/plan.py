@@ -1,5 +1,4 @@
-"""The plan of a recipe's run, named before anything loads: its F-IDs and calibration sets, the texts it scores,
-and its cells (the module doc of runner.py says which cells a recipe has)."""
+"""The plan of a recipe's run, named before anything loads: F-IDs, calibration sets, scored texts and cells."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ from aimet_quadapter.running.texts import Texts
 
 
 class Plan:
-    """The cells of ``recipe``, of its seed ``seed`` where one seed's run; ``texts``: the prefix that the evaluation
-    windows leave room for where the recipe gives no length."""
+    """The cells of ``recipe`` (of one ``seed``'s run); ``texts``: the prefix that default windows leave room for."""
 
     def __init__(self, recipe: Recipe, seed: int | None, texts: Texts):
         self.recipe = recipe
@@ -20,12 +18,8 @@ class Plan:
         self.model_name = texts.model_name
         self.fids = {self._group_name(g): g for g in (self._refs(group) for group in recipe.fid)}
         shared = recipe.calibration.dataset
-        self.shared_calibration = self._refs(shared) if shared else None
-        self.calibration_sets = (
-            {self._group_name(self.shared_calibration): self.shared_calibration}
-            if self.shared_calibration
-            else dict(self.fids)
-        )
+        cal = self.shared_calibration = self._refs(shared) if shared else None
+        self.calibration_sets = {self._group_name(cal): cal} if cal else dict(self.fids)
         self.evals = self._eval_specs("eval", texts)
         self.devs = self._eval_specs("dev", texts)
         self.cells = self._plan()
@@ -33,11 +27,8 @@ class Plan:
     def _refs(self, names: list[str]) -> list[DatasetRef]:
         from aimet_quadapter.text.data import dataset_label
 
-        refs = []
-        for name in names:
-            source = self.recipe.resolve_dataset(name)
-            refs.append(DatasetRef(name, source, dataset_label(source)))
-        return refs
+        sources = [(name, self.recipe.resolve_dataset(name)) for name in names]
+        return [DatasetRef(name, source, dataset_label(source)) for name, source in sources]
 
     @staticmethod
     def _group_name(refs: list[DatasetRef]) -> str:
@@ -47,8 +38,7 @@ class Plan:
         """The texts the ``eval`` (test text) or ``dev`` (development text) section scores."""
         from aimet_quadapter.methods.generated import GENERATED
 
-        e = getattr(self.recipe, section)
-        if e is None:
+        if (e := getattr(self.recipe, section)) is None:
             return []
         specs = []
         for d in e.datasets:
@@ -80,45 +70,31 @@ class Plan:
         return specs
 
     def _longest_window(self, texts: Texts) -> int:
-        """The longest window the model takes after the recipe's prefix, at most the usual evaluation length;
-        that length where the model's positions are not known before it loads (checked once it is)."""
+        """The longest window after the prefix, at most EVAL_SEQ_LEN (that where the model's positions are unknown)."""
         from aimet_quadapter.models.loading import max_positions
         from aimet_quadapter.text import EVAL_SEQ_LEN
 
         positions = max_positions(self.model_name)
         return EVAL_SEQ_LEN if positions is None else min(EVAL_SEQ_LEN, positions - len(texts.prefix_ids()))
 
-    def _calibration_of(self, fid: str) -> str:
-        return next(iter(self.calibration_sets)) if self.shared_calibration else fid
-
     def _plan(self) -> list[Cell]:
         methods = list(dict.fromkeys(self.recipe.methods))
-        cells: list[Cell] = []
-        for m in methods:
-            if not CATALOG[m].calibrates:
-                cells.append(Cell(m, m, "-", None, None, None))
-        for m in methods:
-            if not CATALOG[m].calibrates or CATALOG[m].finetunes:
-                continue
+        cells = [Cell(m, m, "-", None, None, None) for m in methods if not CATALOG[m].calibrates]
+        for m in (m for m in methods if CATALOG[m].calibrates and not CATALOG[m].finetunes):
             for cal in self.calibration_sets:
                 cells.append(Cell(f"calib:{cal}/{m}{self.seed_tag}", m, f"calib:{cal}", cal, None, None, self.seed))
         sizes: list[int | None] = [*self.recipe.finetune_sizes] if self.recipe.finetune_sizes else [None]
-        for fid in self.fids:
-            for m in methods:
-                if not CATALOG[m].finetunes:
-                    continue
-                for size in sizes:
-                    cells.append(self.finetune_cell(m, fid, size))
-        return cells
+        tuned = [m for m in methods if CATALOG[m].finetunes]
+        return cells + [self.finetune_cell(m, fid, size) for fid in self.fids for m in tuned for size in sizes]
 
     @property
     def seed_tag(self) -> str:
-        """How a cell's key names its seed."""
         return "" if self.seed is None else f"#seed{self.seed}"
 
     def finetune_cell(self, method: str, fid: str, size: int | None) -> Cell:
         key = f"{fid}/{method}" + (f"@{size}" if size else "") + self.seed_tag
-        return Cell(key, method, fid, self._calibration_of(fid), fid, size, self.seed)
+        cal = next(iter(self.calibration_sets)) if self.shared_calibration else fid
+        return Cell(key, method, fid, cal, fid, size, self.seed)
 
     def uses_generated(self) -> bool:
         from aimet_quadapter.methods.generated import GENERATED

@@ -27,10 +27,8 @@ def plot_phase1_curves(losses: dict[str, list[float]], path: str | Path, sites: 
     fig, axes = plt.subplots(1, len(names), figsize=(4.5 * max(len(names), 1), 3.2), squeeze=False)
     for ax, name in zip(axes[0], names):
         ax.plot(losses[name])
-        ax.set_yscale("log")
+        ax.set(yscale="log", xlabel="step", ylabel="block L2 error")
         ax.set_title(name, fontsize=9)
-        ax.set_xlabel("step")
-        ax.set_ylabel("block L2 error")
         ax.grid(alpha=0.3)
     return save_figure(fig, path)
 

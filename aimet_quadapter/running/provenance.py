@@ -1,7 +1,5 @@
-"""Where a saved state comes from: the model it was computed for, and the row of the run folder it lies in.
-
-``export``, ``eval --state`` and ``sensitivity --state`` refuse, before any model loads, a state whose model is
-not ``--model`` or which is not the state its row was computed with (a file left by an earlier setting)."""
+"""Where a saved state comes from: ``export``, ``eval --state`` and ``sensitivity --state`` refuse, before any model
+loads, a state of another model than ``--model`` or not the one its run folder's row was computed with."""
 
 from __future__ import annotations
 
@@ -14,13 +12,8 @@ from aimet_quadapter.quadapter.state import QuadapterState
 
 
 def check_model(state: QuadapterState, model: str) -> None:
-    """Refuse, before any model loads (or the hub is asked), a state computed for another model than ``model``
-    (a name ``--model`` takes): by the families where both are known without the hub, else by the names.
-
-    A state names its model in its metadata (written by a run); its family is recorded where it was made.
-    Weights of one family and other widths are refused by :meth:`QuadapterState.check_fits`, once the model is
-    there.
-    """
+    """Refuse, before the hub is asked, a state computed for another model than ``model`` (as ``--model`` takes it):
+    by the families where both are known locally, else by the names (widths: :meth:`QuadapterState.check_fits`)."""
     from aimet_quadapter.models.loading import family_of
 
     recorded = state.metadata.get("model")
@@ -41,13 +34,9 @@ def check_model(state: QuadapterState, model: str) -> None:
 
 
 def check_row(state: QuadapterState) -> None:
-    """Refuse a state that lies in a run folder but is not the one its row there was computed with: a state of
-    an earlier setting left beside a row computed again, or one no row was computed with (the step of another
-    method). A row's state carries its cell's fingerprint, as ``results.json`` records it for the row; phase 1's
-    state of a run that has no Quadapter BC row, the fingerprint of its folder's ``bc_fingerprint.txt``.
-    A state outside any run folder is the user's to vouch for."""
-    found = run_folder(state)
-    if found is None or state.source is None:
+    """Refuse a state in a run folder that is not the one its row was computed with (by the fingerprint the row, or a
+    shared phase 1's ``bc_fingerprint.txt``, records). A state outside any run folder is the user's to vouch for."""
+    if state.source is None or (found := results_above(state.source.resolve().parent)) is None:
         return
     run, results = found
     folder = state.source.resolve().parent.relative_to(run).as_posix()
@@ -84,17 +73,8 @@ def check_row(state: QuadapterState) -> None:
     )
 
 
-def run_folder(state: QuadapterState) -> tuple[Path, dict] | None:
-    """The run folder this state lies in and its results: the state's own folder, or up to three above it
-    (``[seed-N/]<calibration>/<method>/``); None outside any."""
-    if state.source is None:
-        return None
-    return results_above(state.source.resolve().parent)
-
-
 def results_above(folder: Path) -> tuple[Path, dict] | None:
-    """The run folder holding ``folder`` (a cell's: itself or up to three above it) and its results; None outside
-    any."""
+    """The run folder holding ``folder`` (a cell's: itself or up to three above it) and its results; None if none."""
     for candidate in [folder, *folder.parents][:4]:
         try:
             results = json.loads((candidate / "results.json").read_text())
@@ -114,8 +94,7 @@ def _same_model(a: str, b: str) -> bool:
 
 
 def load_checked(path: Path, model: str) -> QuadapterState:
-    """The state at ``path``, refused if it was computed for another model than ``model`` (a name ``--model``
-    takes) or is not the state its run folder's row was computed with."""
+    """The state at ``path``, refused as :func:`check_model` and :func:`check_row` refuse."""
     state = QuadapterState.load(path)
     check_model(state, model)
     check_row(state)

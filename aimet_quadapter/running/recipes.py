@@ -1,18 +1,9 @@
-"""Experiment recipes: YAML files that say which model, data, settings and methods make up a run.
+"""Experiment recipes: YAML files of a run's model, data, settings and methods, checked before anything heavy starts.
 
-A recipe is validated with pydantic before anything heavy starts; a bad value stops the run with one
-line that names the file and the field. Every value can be overridden on the command line with
-``--set key.path=value`` (the value is parsed as YAML: ``--set methods=[ptq,quadapter]``).
-
-A recipe may start from another with ``base: other.yaml`` (relative to the file): the two are merged,
-sections field by field, and the recipe's own values win.
-
-Dataset names are one of the paper's corpora (``wikitext2``, ``ptb``, ...), ``generated`` (text the FP
-model samples, set by the ``generated`` section; for calibration and fine-tuning), or a local text file
-or folder. A relative local path is looked up, in order, in each folder of the environment variable
-``AIMET_QUADAPTER_DATA`` (``os.pathsep``-separated), in the recipe's ``data_dirs`` (each relative to the
-file that lists it), next to the recipe file, and in the current directory; so a recipe works from any
-directory. A model folder written ``./...`` or ``../...`` in a file is relative to that file.
+``--set key.path=value`` overrides a field (parsed as YAML); ``base: other.yaml`` (relative to the file) starts from
+another recipe, this file's values winning. A relative dataset path is looked up in each folder of
+``AIMET_QUADAPTER_DATA`` (``os.pathsep``-separated), in ``data_dirs``, next to the recipe file, then in the current
+directory; a ``./`` or ``../`` model folder, ``data_dirs`` and ``base`` are relative to the file that names them.
 """
 
 from __future__ import annotations
@@ -51,8 +42,7 @@ class _Section(BaseModel):
 
 
 def parameter_sections() -> list[tuple[str, type[Settings]]]:
-    """(recipe section, the parameter class it is): the recipe schema, the command-line options and the
-    fingerprints all read these classes."""
+    """(recipe section, its parameter class): what the schema, the command-line options and the fingerprints read."""
     return [
         ("policy", QuantPolicy),
         ("quadapter", AdapterParameters),  # phase1 and phase2 are sections of their own
@@ -65,14 +55,9 @@ def parameter_sections() -> list[tuple[str, type[Settings]]]:
 
 
 def result_section(section: str, values: dict) -> dict:
-    """A recipe section's values less the fields that change no result (:func:`result_view`); what runs'
-    fingerprints and ``merge`` compare. A section that is no parameter class comes back as it is."""
+    """A recipe section's values less the fields that change no result, as fingerprints and ``merge`` compare."""
     sources = dict(parameter_sections())
     return result_view(sources[section], values) if section in sources else values
-
-
-def _as_list(value: Any) -> Any:
-    return [value] if isinstance(value, str) else value
 
 
 def _known_method(name: str) -> str:
@@ -88,14 +73,12 @@ def _device_name(name: str) -> str:
 
 
 DeviceName = Annotated[str, AfterValidator(_device_name)]
-DatasetGroup = Annotated[list[str], BeforeValidator(_as_list), Field(min_length=1)]
+DatasetGroup = Annotated[list[str], BeforeValidator(lambda v: [v] if isinstance(v, str) else v), Field(min_length=1)]
 MethodName = Annotated[str, AfterValidator(_known_method)]
 
 
 class QuadapterSection(AdapterParameters):
-    # crops of the calibration length drawn from the calibration set's train split with another seed: phase 1
-    # keeps the best of its start, its check points and its end by the LM loss there (static ranges); 0: no check.
-    # Too few crops make the check a coin toss on a real model (docs/method.md, phase 1).
+    # held-out crops by whose LM loss phase 1 keeps its best point (0: no check; too few make it a coin toss)
     holdout: int = Field(8, ge=0)
 
 
@@ -103,8 +86,7 @@ class CalibrationSection(_Section):
     samples: int = Field(10, ge=1)
     length: int = Field(512, ge=2)
     seed: int = 0
-    # None: each F-ID's train split calibrates the cells of that F-ID (and calibration-only methods run
-    # once per F-ID); a dataset (or list) here: one calibration set for the whole matrix.
+    # None: each F-ID's train split calibrates that F-ID's cells; a dataset (or list): one set for the whole matrix
     dataset: DatasetGroup | None = None
 
 
@@ -115,8 +97,7 @@ class EvalDataset(_Section):
     max_tokens: int | None = Field(None, ge=2)
     seq_len: int | None = Field(None, ge=2)
     stride: int | None = Field(None, ge=1)
-    # tokens of the split skipped before the first window: another part of one text, e.g. development text
-    # read after the part the evaluation reads
+    # tokens of the split skipped before the first window, e.g. development text after what the evaluation reads
     start: int = Field(0, ge=0)
 
 
@@ -139,24 +120,18 @@ class DevSection(EvalSection):
     split: Literal["train", "valid", "test"] = "valid"
 
 
-# What a user would look at first: a few prompts answered greedily by the FP model and by the device graph.
-PROMPTS = (
-    "The capital of France is",
-    "def add(a, b):",
-    "Once upon a time",
-)
+# answered greedily by the FP model and by the device graph: what a user would look at first
+PROMPTS = ("The capital of France is", "def add(a, b):", "Once upon a time")
 
 
 class ExportSection(_Section):
-    """After every cell: the quantized row chosen on development text, exported with AIMET's encodings and run in
-    AIMET's ONNX simulation of the device graph. The rule: the lowest geometric mean of perplexity over the
-    development texts (each seed's, then their mean); its first seed's state is the one exported."""
+    """After every cell: the quantized row of the lowest geometric-mean development perplexity (mean over seeds),
+    its first seed's state exported with AIMET's encodings and run in AIMET's ONNX simulation of the device graph."""
 
     # the rows the choice is among; default: every quantized row of the run
     candidates: list[MethodName] | None = None
     seq_len: int = Field(EXPORT_SEQ_LEN, ge=2)  # the graph's static input length
-    # the export is checked on development text: a text no evaluation reads; its train split calibrates the
-    # tensors the encodings leave out
+    # development text, which no evaluation reads; its train split calibrates the tensors the encodings leave out
     verify_dataset: str = "ptb"
     verify_split: Literal["train", "valid", "test"] = "valid"
     verify_windows: int = Field(4, ge=1)
@@ -171,8 +146,7 @@ class Recipe(_Section):
     description: str | None = None
     model: str
     out: str | None = None  # default run folder (relative to the current directory); --out overrides
-    # where every cell computes (auto: CUDA when there is one); not part of a cell's fingerprint, since the
-    # result is the same within float rounding
+    # where every cell computes (auto: CUDA when there is one); no fingerprint's: the same result up to float rounding
     device: DeviceName = "auto"
     data_dirs: list[str] = Field(default_factory=list)
     policy: QuantPolicy = Field(default_factory=QuantPolicy)
@@ -182,63 +156,45 @@ class Recipe(_Section):
     execution: RunOptions = Field(default_factory=RunOptions)  # how they run: no cell's result depends on it
     quadapter: QuadapterSection = Field(default_factory=QuadapterSection)
     baselines: BaselineParameters = Field(default_factory=BaselineParameters)
-    # the dataset `generated`: text sampled from the FP model (methods/generated.py)
     generated: GenerationParameters = Field(default_factory=GenerationParameters)
     methods: list[MethodName] = Field(min_length=1)
-    # Each entry is one F-ID: a dataset, or a list of datasets (the paper's Table 2 "expanded F-ID").
-    # Its train split gives the fine-tuning data (and the calibration data unless calibration.dataset is set).
+    # one F-ID per entry, a dataset or a list of them ("expanded F-ID"), whose train split fine-tunes (and calibrates)
     fid: list[DatasetGroup] = Field(default_factory=list)
-    # Data-size sweep (Fig. 3): fine-tune on each of these numbers of sequences (phase2.seq_len tokens each),
-    # phase2.steps steps each, cycling through the data. None: fresh data every step (steps x batch_size).
+    # Data-size sweep (Fig. 3): phase2.steps steps on each of these numbers of sequences, cycling through them;
+    # None: fresh data every step
     finetune_sizes: list[Annotated[int, Field(ge=1)]] | None = None
-    # Every cell but FP32's once per seed, the seed standing for calibration.seed, generated.seed and
-    # phase1.seed (and so the phase-2 data order): the report gives the mean and the min-max over them.
+    # every cell but FP32's once per seed (calibration.seed, generated.seed, phase1.seed), reported as mean and min-max
     seeds: Annotated[list[int], Field(min_length=1)] | None = None
     eval: EvalSection
-    # Development text: every cell is also scored on it, so that settings are chosen there and never on the
-    # evaluation texts. Tuning and development text must not read any part of an evaluation text
-    # (methods/roles.py).
+    # scored for every cell, so that settings are chosen there and never on the evaluation texts (methods/roles.py)
     dev: DevSection | None = None
-    # Text whose tokens every sequence follows, their keys and values computed once in full precision and
-    # held as a KV cache (PrefixQuant): the first token draws the attention sinks' outsized activations,
-    # which then enter no static range. The FP model reads the same prefix. E.g. "<|im_start|>\n"; `auto`: the
-    # model's own, whatever the family (models/prefix.py: model_prefix).
+    # Text every sequence (the FP model's too) follows, held as a full-precision KV cache (PrefixQuant): the attention
+    # sinks' outsized activations then enter no static range. E.g. "<|im_start|>\n"; `auto`: the model's own.
     prefix: str | None = Field(None, min_length=1)
-    # a method whose AIMET technique does not support the model's family (quant/llm_techniques.py) is replaced by
-    # the method named here, so that one recipe runs on every family; a method with none is refused
+    # a method whose AIMET technique refuses the model's family is replaced by the one named here (else refused)
     fallbacks: dict[MethodName, MethodName] = Field(default_factory=dict)
     export: ExportSection | None = None
 
     _path: Path | None = PrivateAttr(default=None)
 
-    # --- the package's parameter objects ----------------------------------------------------------------
     def quant_policy(self) -> QuantPolicy:
         return self.policy
 
     def quadapter_parameters(self) -> QuadapterParameters:
-        return QuadapterParameters(
-            phase1=self.phase1, phase2=self.phase2, init=self.quadapter.init, extra_sites=self.quadapter.extra_sites
-        )
-
-    def generation_parameters(self) -> GenerationParameters:
-        return self.generated
+        q = self.quadapter
+        return QuadapterParameters(phase1=self.phase1, phase2=self.phase2, init=q.init, extra_sites=q.extra_sites)
 
     def baseline_parameters(self) -> BaselineParameters:
         return self.baselines
 
     def for_seed(self, seed: int) -> Recipe:
         """This recipe with ``seed`` in every seed it has, and no ``seeds`` list: one seed's run."""
-        update = {
-            section: getattr(self, section).model_copy(update={"seed": seed})
-            for section in ("calibration", "generated", "phase1")
-        }
-        out = self.model_copy(update={**update, "seeds": None})
-        out._path = self._path
-        return out
+        seeded = ("calibration", "generated", "phase1")
+        update = {section: getattr(self, section).model_copy(update={"seed": seed}) for section in seeded}
+        return self.model_copy(update={**update, "seeds": None})  # pydantic copies the private _path
 
     def for_family(self, family: str | None) -> Recipe:
-        """This recipe with every method AIMET refuses on ``family`` (None: not known before the model loads)
-        replaced by its fallback, in ``methods`` and ``export.candidates``."""
+        """This recipe with each method AIMET refuses on ``family`` replaced by its fallback (methods, export)."""
         from aimet_quadapter.quant.llm_techniques import refusal
 
         def swap(method: str) -> str:
@@ -253,11 +209,8 @@ class Recipe(_Section):
         if self.export is not None and self.export.candidates:
             candidates = list(dict.fromkeys(swap(m) for m in self.export.candidates))
             update["export"] = self.export.model_copy(update={"candidates": candidates})
-        out = self.model_copy(update=update)
-        out._path = self._path
-        return out
+        return self.model_copy(update=update)
 
-    # --- names and paths --------------------------------------------------------------------------------
     @property
     def path(self) -> Path | None:
         return self._path
@@ -267,18 +220,15 @@ class Recipe(_Section):
         return self.name or (self._path.stem if self._path else "recipe")
 
     def where(self) -> str:
-        if self._path:
-            return f"recipe {self._path}"
-        return f"recipe {self.name}" if self.name else "recipe"
+        return f"recipe {self._path}" if self._path else f"recipe {self.name}" if self.name else "recipe"
 
     def search_dirs(self) -> list[tuple[str, Path]]:
         """(description, folder) in the order relative dataset paths are looked up."""
-        dirs: list[tuple[str, Path]] = []
-        for d in filter(None, os.environ.get(DATA_ENV, "").split(os.pathsep)):
-            dirs.append((f"${DATA_ENV}", Path(d).expanduser()))
+        env = filter(None, os.environ.get(DATA_ENV, "").split(os.pathsep))
+        dirs = [(f"${DATA_ENV}", Path(d).expanduser()) for d in env]
         base = self._path.parent if self._path else Path.cwd()
-        for d in self.data_dirs:  # absolute once read from a file (relative to that file)
-            dirs.append(("data_dirs", (base / Path(os.path.expandvars(d)).expanduser()).resolve()))
+        # absolute once read from a file (relative to that file)
+        dirs += [("data_dirs", (base / Path(os.path.expandvars(d)).expanduser()).resolve()) for d in self.data_dirs]
         if self._path:
             dirs.append(("the recipe's folder", base))
         dirs.append(("the current directory", Path.cwd()))
@@ -309,14 +259,8 @@ class Recipe(_Section):
         )
 
     def resolve_model(self) -> str:
-        """The model to load. A ``./`` or ``../`` folder written in a recipe file was made absolute (relative to
-        that file) when it was read; one given with ``--set`` is relative to the current directory."""
-        if self.model.startswith(("./", "../")):
-            return str(Path(self.model).resolve())
-        return self.model
-
-
-# --- loading, overrides and error messages ------------------------------------------------------------
+        """The model to load; a ``./`` folder given with ``--set`` is relative to the current directory."""
+        return str(Path(self.model).resolve()) if self.model.startswith(("./", "../")) else self.model
 
 
 def parse_overrides(items: list[str] | None) -> list[tuple[str, Any]]:
@@ -337,8 +281,7 @@ def parse_overrides(items: list[str] | None) -> list[tuple[str, Any]]:
 
 
 def _elsewhere(name: str) -> list[str]:
-    """``section.name`` for each parameter section that has the field ``name``: where a field put under another
-    section belongs (how a phase runs is `execution`'s, not the phase's)."""
+    """``section.name`` for each parameter section with the field ``name``: where a misplaced field belongs."""
     return [f"{section}.{name}" for section, source in parameter_sections() if name in source.model_fields]
 
 
@@ -358,8 +301,12 @@ def _check_key(key: str) -> None:
         done.append(part)
 
 
-def apply_overrides(raw: dict, overrides: list[tuple[str, Any]]) -> dict:
-    for key, value in overrides:
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe file; any problem is a one-line :class:`QuadapterError`."""
+    path = Path(path)
+    raw = read_recipe_file(path)
+    parsed = parse_overrides(overrides)
+    for key, value in parsed:
         node = raw
         parts = key.split(".")
         for part in parts[:-1]:
@@ -367,26 +314,13 @@ def apply_overrides(raw: dict, overrides: list[tuple[str, Any]]) -> dict:
                 node[part] = {}
             node = node[part]
         node[parts[-1]] = value
-    return raw
-
-
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Read, override and validate a recipe file; any problem is a one-line :class:`QuadapterError`."""
-    path = Path(path)
-    raw = read_recipe_file(path)
-    parsed = parse_overrides(overrides)
-    apply_overrides(raw, parsed)
     recipe = validate_recipe(raw, f"recipe {path}", [k for k, _ in parsed])
     recipe._path = path.resolve()
     return recipe
 
 
 def read_recipe_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
-    """The raw mapping of a recipe file, merged over its ``base:`` file (recursively; the file's own values win).
-
-    Paths that are relative to a file (``data_dirs``, a ``./`` or ``../`` model folder) are made absolute
-    here, so they mean the same whether the file is used directly or as a base.
-    """
+    """The raw mapping of a recipe file over its ``base:``; paths relative to the file made absolute."""
     where = f"recipe {path}"
     if not path.is_file():
         raise QuadapterError(f"{where} does not exist")
@@ -403,8 +337,7 @@ def read_recipe_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
         raw["data_dirs"] = [str(folder / os.path.expandvars(str(d))) for d in raw["data_dirs"]]
     if isinstance(raw.get("model"), str) and raw["model"].startswith(("./", "../")):
         raw["model"] = str((folder / raw["model"]).resolve())
-    base = raw.pop("base", None)
-    if base is None:
+    if (base := raw.pop("base", None)) is None:
         return raw
     if not isinstance(base, str):
         raise QuadapterError(f"{where}: field base: expected a file name, got {base!r}")
@@ -445,8 +378,7 @@ def validate_recipe(raw: dict, where: str = "recipe", overridden: list[str] | No
 
 
 def _check_export(recipe: Recipe, where: str) -> None:
-    e = recipe.export
-    if e is None:
+    if (e := recipe.export) is None:
         return
     if recipe.dev is None:
         raise QuadapterError(f"{where}: field export: the row to export is chosen on development text: add dev")
@@ -512,11 +444,7 @@ def _fields_at(loc: tuple) -> list[str]:
 
 
 def _flatten(args: tuple) -> list:
-    out = []
-    for a in args:
-        out.append(a)
-        out.extend(_flatten(typing.get_args(a)))
-    return out
+    return [x for a in args for x in (a, *_flatten(typing.get_args(a)))]
 
 
 def _first_line(exc: Exception) -> str:

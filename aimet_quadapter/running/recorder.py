@@ -1,8 +1,8 @@
-"""A run's ``results.json``: begun, or read with what this run's recipe and texts are; which cells are done in it
-under their settings; the record of a cell; the file rewritten (by the first process only)."""
+"""A run's ``results.json``: begun or read, which cells are done, a cell's record, and the file rewritten."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -18,32 +18,20 @@ from aimet_quadapter.running.results_file import FORMAT, RESULTS, load_results, 
 from aimet_quadapter.versions import cpu_name, library_versions, source_commit
 
 
+@dataclass(eq=False)
 class Recorder:
-    """The results file of a run planned as ``plan``; ``parent``: the recipe it records (a seed's run records the
-    recipe of all its seeds), with ``command``, the command line that asked for it."""
+    """The results file of a run planned as ``plan``, recording ``parent`` (all seeds' recipe) and ``command``."""
 
-    def __init__(
-        self,
-        parent: Recipe,
-        command: str | None,
-        plan: Plan,
-        prints: Fingerprints,
-        device: torch.device,
-        output: Output,
-    ):
-        self.parent = parent
-        self.command = command
-        self.plan = plan
-        self.prints = prints
-        self.device = device
-        self.output = output
+    parent: Recipe
+    command: str | None
+    plan: Plan
+    prints: Fingerprints
+    device: torch.device
+    output: Output
 
     def load_or_new(self) -> dict:
-        plan = self.plan
-        path = self.output.out_dir / RESULTS
-        results: dict[str, Any] = (
-            load_results(self.output.out_dir) if path.is_file() else {"format": FORMAT, "cells": {}}
-        )
+        plan, out = self.plan, self.output.out_dir
+        results: dict[str, Any] = load_results(out) if (out / RESULTS).is_file() else {"format": FORMAT, "cells": {}}
         results.setdefault("cells", {})
         results["model"] = plan.model_name
         recipes = results.setdefault("recipes", {})
@@ -58,30 +46,18 @@ class Recorder:
         for field, specs in (("datasets", plan.evals), ("dev_datasets", plan.devs)):
             columns = results.setdefault(field, [])
             for s in specs:
-                entry: dict[str, Any] = {
-                    "label": s.ref.label,
-                    "source": s.ref.source,
-                    "identity": s.ref.identity,
-                    "split": s.split,
-                }
+                r = s.ref
+                entry: dict[str, Any] = {"label": r.label, "source": r.source, "identity": r.identity, "split": s.split}
                 if field == "dev_datasets":
                     entry["start"] = s.start
-                at = next((i for i, c in enumerate(columns) if c["label"] == s.ref.label), None)
-                if at is None:
-                    columns.append(entry)
-                else:
-                    columns[at] = entry
-        fids = results.setdefault("fids", {})
-        for name, refs in plan.fids.items():
-            fids[name] = [r.label for r in refs]
-        cals = results.setdefault("calibration_sets", {})
-        for name, refs in plan.calibration_sets.items():
-            cals[name] = [r.label for r in refs]
+                at = next((i for i, c in enumerate(columns) if c["label"] == s.ref.label), len(columns))
+                columns[at : at + 1] = [entry]  # in place of its label's column, or appended
+        for field, groups in (("fids", plan.fids), ("calibration_sets", plan.calibration_sets)):
+            results.setdefault(field, {}).update({name: [r.label for r in refs] for name, refs in groups.items()})
         # every local text by its content: merge reads a path of another checkout as the same text
         refs = [s.ref for s in (*plan.evals, *plan.devs)]
         refs += [r for group in (*plan.calibration_sets.values(), *plan.fids.values()) for r in group]
-        texts = results.setdefault("texts", {})
-        texts.update({r.source: r.identity for r in refs if r.identity != r.source})
+        results.setdefault("texts", {}).update({r.source: r.identity for r in refs if r.identity != r.source})
         return results
 
     def is_done(self, results: dict, cell: Cell) -> bool:
@@ -106,13 +82,11 @@ class Recorder:
             "size": cell.size,
             "seed": cell.seed,
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            # not in the fingerprint (a version bump would recompute every run folder): the report marks a
-            # cell computed under other versions than the newest cell's
+            # in no fingerprint (a version bump would recompute every run folder): the report marks other versions
             "versions": library_versions(),
             "commit": source_commit(),  # where to find the code that versions' source hash names
-            # nor these (the same): the thread count, the CPU's vector kernels (AVX2, AVX512) and the device (a GPU
-            # takes the whole batch in other kernels) order the sums of Adam and the matmuls, so they change what
-            # training ends at; the report says where the seeds of one row ran under more than one
+            # nor these, which order the sums of Adam and the matmuls and so change where training ends: the report
+            # says where the seeds of one row ran under more than one
             "threads": torch.get_num_threads(),
             "kernels": torch.backends.cpu.get_cpu_capability(),
             "cpu": cpu_name(),
@@ -123,8 +97,7 @@ class Recorder:
         }
 
     def failed_record(self, cell: Cell, error: str) -> dict:
-        """The record of a cell whose training diverged or whose perplexity is not finite: no perplexity, so a rerun
-        computes it again."""
+        """The record of a diverged or non-finite cell: no perplexity, so a rerun computes it again."""
         return {**self.record(cell), "ppl": {}, "error": error}
 
     def write(self, results: dict) -> None:

@@ -1,7 +1,4 @@
-"""A run folder's results.json: reading it, and replacing it atomically so a crash never leaves half a file.
-
-The statistics over its seeds (mean, spread, prediction range) are :mod:`aimet_quadapter.running.statistics`'s.
-"""
+"""A run folder's results.json: reading it, and replacing it atomically so a crash never leaves half a file."""
 
 from __future__ import annotations
 
@@ -32,7 +29,6 @@ def load_results(run_dir: str | Path) -> dict:
 
 def write_results(run_dir: str | Path, results: dict) -> None:
     """``results`` as the run folder's results.json, atomically, its ``summary`` over the seeds brought up to date."""
-    seeded = summary(results)
-    if seeded:
+    if seeded := summary(results):
         results["summary"] = seeded
     write_json_atomic(Path(run_dir) / RESULTS, results)

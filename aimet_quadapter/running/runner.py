@@ -1,24 +1,6 @@
-"""Running a recipe: the matrix of methods x F-ID sets, every cell evaluated on every eval dataset.
-
-Cells and what they are computed from:
-
-* ``fp``: once per run (group ``-``);
-* methods that use only calibration data (ptq, adaround, seq_mse, cle, quadapter_bc): once per
-  calibration set (group ``calib:<set>``). The calibration set is ``calibration.dataset`` when the recipe
-  names one (the paper: the same calibration data for every experiment), otherwise each F-ID's train
-  split, so then once per F-ID;
-* fine-tuning methods: once per F-ID (group ``<F-ID>``), and per fine-tuning size in a data-size sweep.
-
-Methods that continue from Quadapter BC share one phase 1 per calibration set: the ``quadapter_bc`` cell's
-saved state, or, when that method is not in the recipe, a phase 1 run on the side and saved in the same
-place (``<run>/calib-<set>/quadapter_bc/``). A method that continues from another's result (catalog
-``continues``: Quadapter, then AIMET's SeqMSE) starts from that cell's saved state when the cell is done
-under the same settings, and computes it otherwise.
-
-``results.json`` is rewritten (atomically) after every cell. A re-run skips every cell already there
-whose settings fingerprint is unchanged, so an interrupted matrix loses nothing finished; a cell whose
-settings changed (e.g. another ``--set phase2.steps``) is computed again. Phase-2 checkpoints are
-deleted once their cell is recorded: the result and the Quadapter state are what is kept.
+"""Running a recipe: ``fp`` once (group ``-``); calibration-only methods once per calibration set (group
+``calib:<set>``: ``calibration.dataset``, else each F-ID's train split); fine-tuning methods once per F-ID (group
+``<F-ID>``) and sweep size; each cell scored on every text. A re-run skips each cell whose fingerprint is unchanged.
 """
 
 from __future__ import annotations
@@ -29,7 +11,6 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from tqdm.auto import tqdm
 
 from aimet_quadapter import distributed
@@ -55,13 +36,8 @@ if TYPE_CHECKING:  # imported when a run starts: the model code pulls in AIMET
 
 
 class RecipeRun:
-    """One recipe run into one run folder: its plan, the data its cells read, their fingerprints, the results file
-    and the computation of a cell, each an object of its own that this run holds and calls in turn.
-
-    A recipe with ``seeds`` runs as one child run per seed (:meth:`Recipe.for_seed`) into the same folder and
-    ``results.json``: keys ``<cell>#seed<N>``, files under ``seed-<N>/``; FP32's cell, the same for every seed,
-    once. ``shared``: what the run whose seed this run is has loaded (model, tokenizer, tokens).
-    """
+    """One recipe run into one run folder; with ``seeds``, one child run per seed (keys ``<cell>#seed<N>``, files under
+    ``seed-<N>/``, FP32's cell once), sharing the parent's loaded model, tokenizer and tokens (``shared``)."""
 
     def __init__(
         self,
@@ -73,15 +49,14 @@ class RecipeRun:
         command: str | None = None,
         shared: Shared | None = None,
     ):
-        from aimet_quadapter.models.loading import check_model_source
+        from aimet_quadapter.models.devices import resolve_device
+        from aimet_quadapter.models.loading import check_model_source, family_of
 
         try:  # a folder that cannot load is refused before any text is read or sampled
             check_model_source(recipe.resolve_model())
         except QuadapterError as e:
             raise QuadapterError(f"{recipe.where()}: field model: {e}") from None
         if parent is None:  # a seed's run inherits its parent's methods
-            from aimet_quadapter.models.loading import family_of
-
             recipe = recipe.for_family(family_of(recipe.resolve_model()))
         self.recipe = recipe
         self.seed = seed
@@ -89,13 +64,14 @@ class RecipeRun:
         self.command = command
         self.out_dir = Path(out_dir)
         self.model_name = recipe.resolve_model()
-        self.device = self._device()
-        # Under torchrun every process computes every cell (data-parallel inside); only the first writes files.
+        try:
+            self.device = resolve_device(recipe.device)
+        except QuadapterError as e:
+            raise QuadapterError(f"{recipe.where()}: field device: {e}") from None
         self.main = distributed.is_main()
         self.progress = progress and self.main
         self.texts = Texts(recipe, self.model_name, shared or Shared())
-        self.plan = Plan(recipe, seed, self.texts)
-        plan = self.plan
+        self.plan = plan = Plan(recipe, seed, self.texts)
         self.prints = Fingerprints(
             recipe, self.model_name, plan.evals, plan.calibration_sets, plan.fids, self.texts.prefix_text
         )
@@ -105,15 +81,6 @@ class RecipeRun:
         self.recorder = Recorder(self.parent, command, plan, self.prints, self.device, self.output)
         self.executor = Executor(recipe, seed, self.prints, self.data, self.recorder)
 
-    def _device(self) -> torch.device:
-        from aimet_quadapter.models.devices import resolve_device
-
-        try:
-            return resolve_device(self.recipe.device)
-        except QuadapterError as e:
-            raise QuadapterError(f"{self.recipe.where()}: field device: {e}") from None
-
-    # --- what other code reads of a run ---------------------------------------------------------------------------
     @property
     def cells(self) -> list[Cell]:
         return self.plan.cells
@@ -131,7 +98,6 @@ class RecipeRun:
         sim = state.build_sim(model, in_place=True)
         return evaluate(sim, windows, str(state.metadata.get("method") or "state"), self.progress)
 
-    # --- the run --------------------------------------------------------------------------------------------------
     def run(self) -> dict:
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -152,35 +118,23 @@ class RecipeRun:
             return results
 
     def _run_seed(self, seed: int) -> dict:
-        """One seed's cells, by a run of its own that goes when they are done (its data with it); one model and one
-        tokenization of each text for every seed."""
-        child = RecipeRun(
-            self.recipe.for_seed(seed),
-            self.out_dir,
-            self.progress,
-            seed,
-            self.recipe,
-            self.command,
-            shared=self.texts.shared,
-        )
-        return child._run()
+        """One seed's cells, by a run of its own that goes when they are done (its data with it)."""
+        recipe, shared = self.recipe.for_seed(seed), self.texts.shared
+        return RecipeRun(recipe, self.out_dir, self.progress, seed, self.recipe, self.command, shared=shared)._run()
 
     def _hand_off(self, results: dict) -> None:
         """The row chosen on development text, exported and checked (running/handoff.py), into ``results``."""
         from aimet_quadapter.running.handoff import fp_answers, hand_off
 
-        model = self.data.load_model()
-        prompts = fp_answers(self.recipe, model, self.texts.tokenizer())
+        model, tokenizer = self.data.load_model(), self.texts.tokenizer()
+        prompts = fp_answers(self.recipe, model, tokenizer)
         self.data.release_model()  # handed over: the export builds its sim in place on these weights
         release_freed_memory()
-        results["export"] = hand_off(
-            self.recipe, self.out_dir, results, prompts, self.texts.tokenizer(), self.progress, model
-        )
+        results["export"] = hand_off(self.recipe, self.out_dir, results, prompts, tokenizer, self.progress, model)
         del model
         self.recorder.write(results)
         e = results["export"]
-        check = e.get("device_check")
-        if check:
+        if check := e.get("device_check"):
             self.output.say(
                 f"export: {e['chosen']} (chosen on development text) in {e['path']}; device graph {check['ppl']:.3f} "
                 f"vs sim {check['sim_ppl']:.3f} on {e['verify_text']}, {check['with_encoding']} of "
@@ -199,8 +153,7 @@ class RecipeRun:
                 f"note: phase 2 sees at most {seen} sequences (phase2.steps x phase2.batch_size); "
                 f"finetune_sizes above that use only their first {seen}"
             )
-        skipped = len(self.cells) - len(pending)
-        if skipped:
+        if skipped := len(self.cells) - len(pending):
             say(f"{skipped} of {len(self.cells)} cells already in {self.out_dir / RESULTS}: skipped")
         self.data.check(pending)
         bar = tqdm(pending, desc="matrix", unit="cell", disable=not self.progress)
@@ -223,15 +176,13 @@ class RecipeRun:
 
 
 def score_state(recipe: Recipe, state: QuadapterState, progress: bool = True) -> dict[str, float]:
-    """Perplexity of a saved state on ``recipe``'s evaluation texts (its ``eval`` section), with the sim
-    rebuilt from the state: no calibration, no training, the windows a training run of ``recipe`` scores."""
+    """Perplexity of a saved state's sim on ``recipe``'s evaluation texts, the windows a run of ``recipe`` scores."""
     return RecipeRun(recipe, Path(".unused"), progress).score(state)
 
 
 def run_recipe(
     recipe: Recipe, out_dir: Path | str | None = None, progress: bool = True, command: str | None = None
 ) -> tuple[Path, dict]:
-    """Run every cell of ``recipe`` not yet in ``out_dir``; returns the folder and its results. ``command``: the
-    command line that asked for it, recorded beside the recipe."""
+    """Run every cell of ``recipe`` not yet in ``out_dir``, recording ``command``; the folder and its results."""
     folder = Path(out_dir or recipe.out or Path("runs") / recipe.display_name)
     return folder, RecipeRun(recipe, folder, progress, command=command).run()

