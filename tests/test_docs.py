@@ -17,7 +17,8 @@ PAGES = [
     ROOT / "README.md",
     ROOT / "CONTRIBUTING.md",
     *sorted((ROOT / "docs").glob("*.md")),
-    *sorted(p for p in ROOT.glob("*/README.md") if p.parent.name not in {".venv", "build"}),
+    # not the tools' own folders (.venv, .pytest_cache, build)
+    *sorted(p for p in ROOT.glob("*/README.md") if p.parent.name != "build" and not p.parent.name.startswith(".")),
 ]
 
 
