@@ -161,7 +161,9 @@ def greedy(lm: Any, prompt: torch.Tensor, tokens: int, length: int | None = None
 
 
 def _greedy_after(lm: Any, prompt: Prompt, picks: torch.Tensor, length: int) -> torch.Tensor:
-    """:func:`greedy`'s answer, taken from ``picks`` (the top-1 along the FP model's answer) while they agree."""
+    """:func:`greedy`'s answer, taken from ``picks`` (the top-1 along the FP model's answer) while they agree: a
+    static causal graph gives each position the same logits whatever follows, so only after the first disagreement
+    does it need one forward per token."""
     fp = prompt.fp.reshape(-1)
     same = picks[: fp.numel()] == fp[: picks.numel()]
     agree = int(same.long().cumprod(0).sum())

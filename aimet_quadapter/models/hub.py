@@ -1,4 +1,5 @@
-"""Whether the Hugging Face hub can be reached, asked once per process (not with ``HF_HUB_OFFLINE=1``)."""
+"""Whether the Hugging Face hub can be reached, asked once per process (not with ``HF_HUB_OFFLINE=1``): offline,
+every hub call would otherwise retry for half a minute before failing."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """LayerNorm-aware cross-layer equalization (the paper's "CLE" row, and an optional start of phase 1): alpha =
-sqrt(r2 / r1) equalizes each channel's share of the activation's and the consumers' weights' per-tensor ranges."""
+sqrt(r2 / r1) equalizes each channel's share of the activation's and the consumers' weights' per-tensor ranges.
+AIMET's ``equalize_model`` pairs only convolutions, so this one is the package's own."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from aimet_quadapter.models import Site, device_of, tensor_of
+from aimet_quadapter.models import Site, tensor_of
 from aimet_quadapter.quadapter.adapter import QuadapterSet, rows_scaled
+from aimet_quadapter.quant.policy import run_batches
 
 
 def _reduce_rotary(values: torch.Tensor, site: Site, reduce=torch.amax) -> torch.Tensor:
@@ -50,9 +52,7 @@ def _absmax(model: nn.Module, points: dict[str, tuple[str, bool]], batches: Sequ
 def _run_hooked(model: nn.Module, batches: Sequence[torch.Tensor], handles: list) -> None:
     """Run ``model`` on ``batches``, then remove the hooks ``handles``."""
     try:
-        device = device_of(model)
-        for batch in batches:
-            model(batch.to(device))
+        run_batches(model, batches)
     finally:
         for h in handles:
             h.remove()
@@ -125,7 +125,8 @@ def cle_alphas(
     model: nn.Module, sites: Sequence[Site], batches: Sequence[torch.Tensor], sim_model: nn.Module | None = None
 ) -> dict[str, torch.Tensor]:
     """The analytic alpha sqrt(r2 / r1) of every site (r1, r2: the per-channel ranges either side of the activation
-    quantizer), kept with ``sim_model`` where the rows it scales stay within their weight quantizer's range."""
+    quantizer), kept with ``sim_model`` where the rows it scales stay within their weight quantizer's range: a
+    channel that barely fires gets a huge alpha, and its row alone would widen every other row's grid."""
     points = {}
     for site in sites:
         if site.consumer_rows:
